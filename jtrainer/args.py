@@ -1,0 +1,326 @@
+"""TrainingArguments: transformers' front end, with a JAX meaning behind every field.
+
+The class subclasses `transformers.TrainingArguments`, so every field name, default, help text, `set_*`
+builder, `to_dict` and `HfArgumentParser` support are HF's own. What changes is what needs torch: the
+post-init (device set-up, accelerate, TF32, DeepSpeed) and the process/device properties, which here come
+from JAX. Fields with no JAX meaning are accepted and warned about once, by name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import transformers
+from transformers.trainer_utils import HubStrategy, IntervalStrategy, SaveStrategy, SchedulerType
+from transformers.training_args import OptimizerNames, _convert_str_dict
+
+logger = logging.getLogger(__name__)
+
+# Fields whose setting has no JAX counterpart: accepted (so HF scripts run unchanged), warned about once when
+# they differ from HF's default, and never allowed to change results. Value: why nothing happens.
+IGNORED_FIELDS: dict[str, str] = {
+    "tf32": "XLA chooses matmul precision itself (see jax_default_matmul_precision)",
+    "torch_empty_cache_steps": "XLA manages device memory; there is no cache to empty",
+    "use_liger_kernel": "Liger kernels are Triton kernels for torch; XLA fuses the step itself",
+    "liger_kernel_config": "Liger kernels are Triton kernels for torch",
+    "log_on_each_node": "only process 0 logs",
+    "eval_use_gather_object": "predictions are gathered as global jax.Arrays",
+    "enable_jit_checkpoint": "preemption checkpoints are not implemented yet",
+    "push_to_hub": "no hub upload is implemented yet; save_model writes the HF folder to upload",
+    "hub_token": "no hub upload is implemented yet",
+    "hub_private_repo": "no hub upload is implemented yet",
+    "hub_model_id": "no hub upload is implemented yet",
+    "hub_always_push": "no hub upload is implemented yet",
+    "hub_revision": "no hub upload is implemented yet",
+    "full_determinism": "jtrainer runs are deterministic for a given seed and topology already",
+    "use_cpu": "set JAX_PLATFORMS=cpu to run on CPU",
+    "accelerator_config": "there is no accelerate in jtrainer",
+    "parallelism_config": "the sharding mesh is not configurable yet; all devices are data-parallel",
+    "dataloader_num_workers": "batches are built by one background prefetch thread",
+    "dataloader_pin_memory": "host-to-device copies are done by jax.device_put",
+    "dataloader_persistent_workers": "batches are built by one background prefetch thread",
+    "dataloader_prefetch_factor": "batches are built by one background prefetch thread",
+    "dataloader_multiprocessing_context": "batches are built by one background prefetch thread",
+    "ddp_find_unused_parameters": "there is no DDP: one jit-compiled step over a mesh",
+    "ddp_bucket_cap_mb": "there is no DDP: one jit-compiled step over a mesh",
+    "ddp_broadcast_buffers": "there is no DDP: one jit-compiled step over a mesh",
+    "ddp_static_graph": "there is no DDP: one jit-compiled step over a mesh",
+    "ddp_backend": "collectives are XLA's",
+    "ddp_timeout": "collectives are XLA's",
+    "fsdp": "FSDP sharding over a mesh is not implemented yet; all devices are data-parallel",
+    "fsdp_config": "FSDP sharding over a mesh is not implemented yet",
+    "deepspeed": "there is no DeepSpeed: one jit-compiled step over a mesh",
+    "debug": "torch debug options have no XLA counterpart",
+    "auto_find_batch_size": "not implemented yet",
+    "neftune_noise_alpha": "not implemented yet",
+    "optim_target_modules": "GaLore/APOLLO target modules are torch-only",
+    "torch_compile_backend": "the step is always compiled by XLA",
+    "torch_compile_mode": "the step is always compiled by XLA",
+    "fp16": "fp16 mixed precision with loss scaling is not implemented; use bf16",
+    "fp16_full_eval": "fp16 evaluation is not implemented; use bf16_full_eval",
+    "resume_from_checkpoint": "pass resume_from_checkpoint to Trainer.train(), as HF's own scripts do",
+    "local_rank": "process ids come from jax.distributed",
+    "use_cache": "the KV cache only matters for generation",
+    "save_on_each_node": "process 0 writes the JSON files; every process writes its own array shards",
+}
+
+
+@dataclass(repr=False)
+class TrainingArguments(transformers.TrainingArguments):
+    """HF's TrainingArguments, with a JAX engine behind them.
+
+    JAX-only fields are grouped at the end; everything else is HF's field of the same name.
+    """
+
+    # --- JAX-only fields ---
+    jax_compilation_cache_dir: str | None = field(
+        default=None,
+        metadata={"help": "Directory of JAX's persistent compilation cache; unset: the cache is left as JAX has it."},
+    )
+    prefetch_batches: int = field(
+        default=2,
+        metadata={"help": "How many batches a background thread prepares (and places on devices) ahead of the step."},
+    )
+
+    def __post_init__(self):
+        self._normalise()
+        self._validate()
+        self.mixed_precision = "bf16" if self.bf16 else "no"
+        # The step is always compiled; keep HF's invariant that a backend implies compilation.
+        if self.torch_compile_mode is not None or self.torch_compile_backend is not None:
+            self.torch_compile = True
+        self.deepspeed_plugin = None
+        self.distributed_state = None
+        warn_ignored_fields(self)
+
+    def _normalise(self) -> None:
+        """HF's defaults, JSON-string dicts, deprecated aliases, enums and derived values."""
+        if self.output_dir is None:
+            self.output_dir = "trainer_output"
+        for name in self._VALID_DICT_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, str) and value.startswith("{"):
+                setattr(self, name, _convert_str_dict(json.loads(value)))
+        for old, new in (
+            ("gradient_checkpointing", "activation_checkpointing"),
+            ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs"),
+        ):
+            if getattr(self, new) is None and getattr(self, old) is not None:
+                warnings.warn(f"`{old}` is deprecated and will be removed in v6. Use `{new}` instead.", FutureWarning)
+                setattr(self, new, getattr(self, old))
+            setattr(self, old, getattr(self, new))
+        if self.activation_checkpointing is None:
+            self.activation_checkpointing = self.gradient_checkpointing = False
+        self.output_dir = os.path.expanduser(self.output_dir)
+        if self.disable_tqdm is None:
+            self.disable_tqdm = transformers.logging.get_logger().getEffectiveLevel() > logging.WARN
+        if isinstance(self.include_num_input_tokens_seen, bool):
+            self.include_num_input_tokens_seen = "all" if self.include_num_input_tokens_seen else "no"
+
+        self.eval_strategy = IntervalStrategy(self.eval_strategy)
+        self.logging_strategy = IntervalStrategy(self.logging_strategy)
+        self.save_strategy = SaveStrategy(self.save_strategy)
+        self.hub_strategy = HubStrategy(self.hub_strategy)
+        self.lr_scheduler_type = SchedulerType(self.lr_scheduler_type)
+        self.optim = OptimizerNames(self.optim)
+        if isinstance(self.debug, str):
+            self.debug = self.debug.split()
+        elif self.debug is None:
+            self.debug = []
+
+        if self.do_eval is False and self.eval_strategy != IntervalStrategy.NO:
+            self.do_eval = True
+        if self.eval_strategy == IntervalStrategy.STEPS and not self.eval_steps:
+            if self.logging_steps > 0:
+                self.eval_steps = self.logging_steps
+            else:
+                raise ValueError(
+                    f"evaluation strategy {self.eval_strategy} requires either non-zero --eval_steps or"
+                    " --logging_steps"
+                )
+        plateau_like = self.lr_scheduler_type in (SchedulerType.REDUCE_ON_PLATEAU, SchedulerType.GREEDY)
+        if (self.load_best_model_at_end or plateau_like) and self.metric_for_best_model is None:
+            self.metric_for_best_model = "loss"
+        if self.greater_is_better is None and self.metric_for_best_model is not None:
+            self.greater_is_better = not self.metric_for_best_model.endswith("loss")
+        if self.report_to in ("all", ["all"]):
+            self.report_to = []  # no reporting integration is implemented yet; see README
+        elif self.report_to in ("none", ["none"]):
+            self.report_to = []
+        elif not isinstance(self.report_to, list):
+            self.report_to = [self.report_to]
+
+    def _validate(self) -> None:
+        """HF's validation rules (those that do not depend on torch), with HF's messages."""
+        if self.torch_empty_cache_steps is not None and not (
+            isinstance(self.torch_empty_cache_steps, int) and self.torch_empty_cache_steps > 0
+        ):
+            raise ValueError(
+                f"`torch_empty_cache_steps` must be an integer bigger than 0, got {self.torch_empty_cache_steps}."
+            )
+        if self.logging_strategy == IntervalStrategy.STEPS and self.logging_steps == 0:
+            raise ValueError(f"logging strategy {self.logging_strategy} requires non-zero --logging_steps")
+        for name, strategy, steps_strategy in (
+            ("logging_steps", self.logging_strategy, IntervalStrategy.STEPS),
+            ("eval_steps", self.eval_strategy, IntervalStrategy.STEPS),
+            ("save_steps", self.save_strategy, SaveStrategy.STEPS),
+        ):
+            value = getattr(self, name)
+            if strategy == steps_strategy and value > 1:
+                if value != int(value):
+                    raise ValueError(f"--{name} must be an integer if bigger than 1: {value}")
+                setattr(self, name, int(value))
+        if self.load_best_model_at_end and self.save_strategy != SaveStrategy.BEST:
+            _check_best_model_strategies(self)
+        if self.fp16 and self.bf16:
+            raise ValueError("At most one of fp16 and bf16 can be True, but not both")
+        if self.fp16_full_eval and self.bf16_full_eval:
+            raise ValueError("At most one of fp16 and bf16 can be True for full eval, but not both")
+        for scheduler in (SchedulerType.REDUCE_ON_PLATEAU, SchedulerType.GREEDY):
+            if self.lr_scheduler_type == scheduler and self.eval_strategy == IntervalStrategy.NO:
+                raise ValueError(f"lr_scheduler_type {scheduler.value} requires an eval strategy")
+        if self.warmup_steps < 0:
+            raise ValueError(f"Got warmup_steps = {self.warmup_steps}, Expected value warmup_steps >= 0")
+        if self.dataloader_num_workers == 0 and self.dataloader_prefetch_factor is not None:
+            raise ValueError(
+                "--dataloader_prefetch_factor can only be set when data is loaded in a different process, i.e."
+                " when --dataloader_num_workers > 0."
+            )
+        if self.save_strategy == SaveStrategy.BEST and self.metric_for_best_model is None:
+            raise ValueError(
+                "`save_strategy='best'` requires `metric_for_best_model`: set --metric_for_best_model (e.g. 'loss')."
+            )
+        if self.gradient_accumulation_steps < 1:
+            raise ValueError(
+                f"--gradient_accumulation_steps must be >= 1, got {self.gradient_accumulation_steps}."
+            )
+        for name in ("per_device_train_batch_size", "per_device_eval_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}.")
+        if self.prefetch_batches < 0:
+            raise ValueError(f"--prefetch_batches must be >= 0, got {self.prefetch_batches}.")
+
+    # --- Properties that HF answers from torch/accelerate; here from JAX. ---
+    @property
+    def n_gpu(self) -> int:
+        """Devices this process feeds; HF's per-device batch sizes are multiplied by it."""
+        import jax
+
+        return jax.local_device_count()
+
+    @property
+    def train_batch_size(self) -> int:
+        return self.per_device_train_batch_size * self.n_gpu
+
+    @property
+    def eval_batch_size(self) -> int:
+        return self.per_device_eval_batch_size * self.n_gpu
+
+    @property
+    def device(self):
+        import jax
+
+        return jax.local_devices()[0]
+
+    @property
+    def world_size(self) -> int:
+        import jax
+
+        return jax.process_count()
+
+    @property
+    def process_index(self) -> int:
+        import jax
+
+        return jax.process_index()
+
+    @property
+    def local_process_index(self) -> int:
+        return 0
+
+    @property
+    def parallel_mode(self):
+        from transformers.training_args import ParallelMode
+
+        return ParallelMode.DISTRIBUTED if self.world_size > 1 else ParallelMode.NOT_PARALLEL
+
+    @property
+    def should_log(self) -> bool:
+        return self.process_index == 0
+
+    @property
+    def should_save(self) -> bool:
+        return self.process_index == 0
+
+    @contextlib.contextmanager
+    def main_process_first(self, local=True, desc="work"):
+        yield
+
+    def to_dict(self) -> dict[str, Any]:
+        """HF's dict of fields, with enums as their values and secrets masked."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+        for key, value in d.items():
+            if hasattr(value, "value") and not isinstance(value, (int, float, str)):
+                d[key] = value.value
+            elif isinstance(value, list) and value and hasattr(value[0], "value"):
+                d[key] = [x.value for x in value]
+            if key.endswith("_token"):
+                d[key] = f"<{key.upper()}>"
+        return d
+
+
+def _check_best_model_strategies(args: TrainingArguments) -> None:
+    if args.eval_strategy != args.save_strategy:
+        raise ValueError(
+            "--load_best_model_at_end requires the save and eval strategy to match, except when"
+            f' --save_strategy="best", but found\n- Evaluation strategy: {args.eval_strategy}\n- Save strategy:'
+            f" {args.save_strategy}"
+        )
+    if args.eval_strategy == IntervalStrategy.STEPS and args.save_steps % args.eval_steps != 0:
+        if args.eval_steps < 1 or args.save_steps < 1:
+            if not (args.eval_steps < 1 and args.save_steps < 1):
+                raise ValueError(
+                    "--load_best_model_at_end requires the saving steps to be a multiple of the evaluation "
+                    "steps, which cannot get guaranteed when mixing ratio and absolute steps for save_steps "
+                    f"{args.save_steps} and eval_steps {args.eval_steps}."
+                )
+            scale = 1_000_000  # integer arithmetic, as HF, to avoid float remainders of ratios
+            if round(args.save_steps * scale) % round(args.eval_steps * scale) != 0:
+                raise ValueError(
+                    "--load_best_model_at_end requires the saving steps to be a multiple of the evaluation "
+                    f"steps, but found {args.save_steps}, which is not a multiple of {args.eval_steps}."
+                )
+        else:
+            raise ValueError(
+                "--load_best_model_at_end requires the saving steps to be a round multiple of the evaluation "
+                f"steps, but found {args.save_steps}, which is not a round multiple of {args.eval_steps}."
+            )
+
+
+_warned: set[str] = set()
+
+
+def warn_ignored_fields(args: TrainingArguments) -> list[str]:
+    """Warn once per field name about fields set away from HF's default that have no JAX meaning."""
+    defaults = {f.name: f for f in dataclasses.fields(transformers.TrainingArguments)}
+    flagged = []
+    for name, why in IGNORED_FIELDS.items():
+        spec = defaults[name]
+        default = spec.default_factory() if spec.default_factory is not dataclasses.MISSING else spec.default
+        value = getattr(args, name)
+        if value in (None, False, [], {}, "") and default in (None, False, [], {}, ""):
+            continue
+        if value == default or str(value) == str(default):
+            continue
+        flagged.append(name)
+        if name not in _warned:
+            _warned.add(name)
+            logger.warning("TrainingArguments.%s=%r has no effect in jtrainer: %s.", name, value, why)
+    return flagged

@@ -1,0 +1,39 @@
+"""Token cross-entropy as HF computes it: ignore index -100, causal shift, label smoothing, exact normalisation."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+IGNORE_INDEX = -100
+
+
+def shift_labels(labels_BxL: jax.Array) -> jax.Array:
+    """Causal LMs predict token t+1 at position t: labels move left and the last position is ignored."""
+    pad = jnp.full_like(labels_BxL[:, :1], IGNORE_INDEX)
+    return jnp.concatenate([labels_BxL[:, 1:], pad], axis=1)
+
+
+def token_cross_entropy_sum(logits: jax.Array, labels: jax.Array, label_smoothing: float = 0.0) -> jax.Array:
+    """Sum over tokens whose label is not -100 of the (smoothed) cross-entropy, computed in fp32.
+
+    Label smoothing as HF's `LabelSmoother`: (1 - eps) * nll + eps * mean over classes of -log p.
+    """
+    logits = logits.astype(jnp.float32)
+    valid = labels != IGNORE_INDEX
+    safe_labels = jnp.where(valid, labels, 0)
+    log_probs = jax.nn.log_softmax(logits, axis=-1)
+    nll = -jnp.take_along_axis(log_probs, safe_labels[..., None], axis=-1)[..., 0]
+    if label_smoothing:
+        smooth = -jnp.mean(log_probs, axis=-1)
+        nll = (1.0 - label_smoothing) * nll + label_smoothing * smooth
+    return jnp.sum(jnp.where(valid, nll, 0.0))
+
+
+def count_label_tokens(labels: np.ndarray, causal: bool) -> int:
+    """HF's `num_items_in_batch`: label tokens that are not -100, after the causal shift for causal LMs."""
+    labels = np.asarray(labels)
+    if causal:
+        labels = labels[..., 1:]
+    return int(np.sum(labels != IGNORE_INDEX))

@@ -1,0 +1,104 @@
+"""HF weight files <-> nnx parameters: names and layouts exactly as PyTorch transformers writes them.
+
+nnx paths follow HF module names; only the leaf names and layouts differ: `kernel` [in, out] <-> `weight`
+[out, in] (torch Linear), `embedding` <-> `weight`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import numpy as np
+from flax import nnx
+from safetensors.numpy import load_file, save_file
+
+WEIGHTS_NAME = "model.safetensors"
+WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+
+
+def _hf_name(path: tuple) -> tuple[str, bool]:
+    """nnx path -> (HF tensor name, whether the tensor is transposed)."""
+    *module, leaf = (str(p) for p in path)
+    if leaf == "kernel":
+        return ".".join([*module, "weight"]), True
+    if leaf == "embedding":
+        return ".".join([*module, "weight"]), False
+    return ".".join([*module, leaf]), False
+
+
+def to_hf_state_dict(model: nnx.Module) -> dict[str, np.ndarray]:
+    """HF-named numpy tensors of a model's parameters (gathered to this host)."""
+    out = {}
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        name, transposed = _hf_name(path)
+        value = np.asarray(jax.device_get(var[...]))
+        out[name] = np.ascontiguousarray(value.T if transposed else value)
+    return out
+
+
+def save_pretrained(model: nnx.Module, save_directory: str, max_shard_size: int = 5 * 1024**3) -> None:
+    """config.json + model.safetensors (sharded with an index past `max_shard_size` bytes), as HF writes them."""
+    os.makedirs(save_directory, exist_ok=True)
+    model.config.save_pretrained(save_directory)
+    tensors = to_hf_state_dict(model)
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name, value in tensors.items():
+        if shards[-1] and size + value.nbytes > max_shard_size:
+            shards.append({})
+            size = 0
+        shards[-1][name] = value
+        size += value.nbytes
+    if len(shards) == 1:
+        save_file(shards[0], os.path.join(save_directory, WEIGHTS_NAME), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards, start=1):
+        filename = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, os.path.join(save_directory, filename), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, filename))
+    index = {"metadata": {"total_size": sum(v.nbytes for v in tensors.values())}, "weight_map": weight_map}
+    with open(os.path.join(save_directory, WEIGHTS_INDEX_NAME), "w") as f:
+        json.dump(index, f, indent=2, sort_keys=True)
+
+
+def read_hf_tensors(directory: str) -> dict[str, np.ndarray]:
+    single = os.path.join(directory, WEIGHTS_NAME)
+    if os.path.exists(single):
+        return load_file(single)
+    index_path = os.path.join(directory, WEIGHTS_INDEX_NAME)
+    if not os.path.exists(index_path):
+        raise FileNotFoundError(f"No {WEIGHTS_NAME} or {WEIGHTS_INDEX_NAME} in {directory}.")
+    with open(index_path) as f:
+        files = sorted(set(json.load(f)["weight_map"].values()))
+    tensors: dict[str, np.ndarray] = {}
+    for filename in files:
+        tensors.update(load_file(os.path.join(directory, filename)))
+    return tensors
+
+
+def load_weights(model: nnx.Module, directory: str) -> None:
+    """Fill a model's parameters from HF weight files, checking names and shapes."""
+    tensors = read_hf_tensors(directory)
+    params = nnx.state(model, nnx.Param)
+    flat = dict(nnx.to_flat_state(params))
+    expected = set()
+    for path, var in flat.items():
+        name, transposed = _hf_name(path)
+        expected.add(name)
+        if name not in tensors:
+            raise KeyError(f"Weight {name!r} (parameter {'.'.join(map(str, path))}) is missing from {directory}.")
+        value = tensors[name].T if transposed else tensors[name]
+        if value.shape != var[...].shape:
+            raise ValueError(
+                f"Weight {name!r} has shape {tuple(value.shape)} in {directory}, but the model's parameter "
+                f"{'.'.join(map(str, path))} has shape {tuple(var[...].shape)}."
+            )
+        var[...] = np.asarray(value, dtype=var[...].dtype)
+    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
+    unexpected = set(tensors) - expected - tied
+    if unexpected:
+        raise KeyError(f"Unexpected weights in {directory}: {sorted(unexpected)}")
+    nnx.update(model, params)

@@ -1,0 +1,226 @@
+"""Llama-architecture causal LM in flax.nnx, parameter for parameter HF's `LlamaForCausalLM`.
+
+Parameter paths mirror HF's module names (`model.layers.0.self_attn.q_proj.kernel` <-> HF
+`model.layers.0.self_attn.q_proj.weight`), so `hf_io` converts weights by name alone.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from transformers import LlamaConfig
+
+from jtrainer.losses import shift_labels, token_cross_entropy_sum
+from jtrainer.models.outputs import ModelOutput
+
+
+class StaticConfig:
+    """Holds an HF config as a static, hashable attribute of an nnx module (identity hash: configs are unhashable)."""
+
+    def __init__(self, config):
+        self.config = config
+
+    def __hash__(self):
+        return id(self.config)
+
+    def __eq__(self, other):
+        return isinstance(other, StaticConfig) and other.config is self.config
+
+
+class RMSNorm(nnx.Module):
+    """HF's LlamaRMSNorm: normalise in fp32, then scale by `weight` in the input dtype."""
+
+    def __init__(self, dim: int, eps: float, *, param_dtype=jnp.float32):
+        self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
+        self.eps = eps
+
+    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+        x = x_BxLxD.astype(jnp.float32)
+        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...].astype(x_BxLxD.dtype) * x.astype(x_BxLxD.dtype)
+
+
+def rope_theta(config: LlamaConfig) -> float:
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    rope_type = params.get("rope_type", "default")
+    if rope_type != "default":
+        raise ValueError(
+            f"LlamaConfig.rope_parameters rope_type={rope_type!r} is not supported yet; use 'default'."
+        )
+    return float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+
+
+def rope_inverse_frequencies(theta: float, head_dim: int) -> jax.Array:
+    return 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+
+
+def apply_rope(x_BxLxNxH: jax.Array, cos_BxLxH: jax.Array, sin_BxLxH: jax.Array) -> jax.Array:
+    half = x_BxLxNxH.shape[-1] // 2
+    rotated = jnp.concatenate([-x_BxLxNxH[..., half:], x_BxLxNxH[..., :half]], axis=-1)
+    return x_BxLxNxH * cos_BxLxH[:, :, None, :] + rotated * sin_BxLxH[:, :, None, :]
+
+
+def _linear(din: int, dout: int, bias: bool, dtype, param_dtype, rngs: nnx.Rngs, std: float) -> nnx.Linear:
+    return nnx.Linear(
+        din,
+        dout,
+        use_bias=bias,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        kernel_init=nnx.initializers.normal(std),
+        rngs=rngs,
+    )
+
+
+class LlamaAttention(nnx.Module):
+    def __init__(self, config: LlamaConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads or config.num_attention_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        d, h, std, bias = config.hidden_size, self.head_dim, config.initializer_range, config.attention_bias
+        self.q_proj = _linear(d, self.num_heads * h, bias, dtype, param_dtype, rngs, std)
+        self.k_proj = _linear(d, self.num_kv_heads * h, bias, dtype, param_dtype, rngs, std)
+        self.v_proj = _linear(d, self.num_kv_heads * h, bias, dtype, param_dtype, rngs, std)
+        self.o_proj = _linear(self.num_heads * h, d, bias, dtype, param_dtype, rngs, std)
+
+    def __call__(self, x_BxLxD, cos_BxLxH, sin_BxLxH, mask_Bx1xLxL):
+        b, length, _ = x_BxLxD.shape
+        q = self.q_proj(x_BxLxD).reshape(b, length, self.num_heads, self.head_dim)
+        k = self.k_proj(x_BxLxD).reshape(b, length, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x_BxLxD).reshape(b, length, self.num_kv_heads, self.head_dim)
+        q, k = apply_rope(q, cos_BxLxH, sin_BxLxH), apply_rope(k, cos_BxLxH, sin_BxLxH)
+        out_BxLxNxH = jax.nn.dot_product_attention(q, k, v, mask=mask_Bx1xLxL)
+        return self.o_proj(out_BxLxNxH.reshape(b, length, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nnx.Module):
+    def __init__(self, config: LlamaConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+        d, f, std, bias = config.hidden_size, config.intermediate_size, config.initializer_range, config.mlp_bias
+        if config.hidden_act != "silu":
+            raise ValueError(f"LlamaConfig.hidden_act={config.hidden_act!r} is not supported; use 'silu'.")
+        self.gate_proj = _linear(d, f, bias, dtype, param_dtype, rngs, std)
+        self.up_proj = _linear(d, f, bias, dtype, param_dtype, rngs, std)
+        self.down_proj = _linear(f, d, bias, dtype, param_dtype, rngs, std)
+
+    def __call__(self, x_BxLxD):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x_BxLxD)) * self.up_proj(x_BxLxD))
+
+
+class LlamaDecoderLayer(nnx.Module):
+    def __init__(self, config: LlamaConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+        self.self_attn = LlamaAttention(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.mlp = LlamaMLP(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, param_dtype=param_dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, param_dtype=param_dtype)
+
+    def __call__(self, x_BxLxD, cos, sin, mask):
+        x_BxLxD = x_BxLxD + self.self_attn(self.input_layernorm(x_BxLxD), cos, sin, mask)
+        return x_BxLxD + self.mlp(self.post_attention_layernorm(x_BxLxD))
+
+
+class LlamaModel(nnx.Module):
+    def __init__(self, config: LlamaConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+        self.embed_tokens = nnx.Embed(
+            config.vocab_size,
+            config.hidden_size,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            embedding_init=nnx.initializers.normal(config.initializer_range),
+            rngs=rngs,
+        )
+        self.layers = nnx.List(
+            [
+                LlamaDecoderLayer(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+                for _ in range(config.num_hidden_layers)
+            ]
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, param_dtype=param_dtype)
+        self.rope_theta = rope_theta(config)
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.gradient_checkpointing = False
+
+    def __call__(self, input_ids_BxL, attention_mask_BxL=None, position_ids_BxL=None):
+        b, length = input_ids_BxL.shape
+        if position_ids_BxL is None:
+            position_ids_BxL = jnp.broadcast_to(jnp.arange(length), (b, length))
+        freqs = position_ids_BxL[..., None].astype(jnp.float32) * rope_inverse_frequencies(
+            self.rope_theta, self.head_dim
+        )
+        angles_BxLxH = jnp.concatenate([freqs, freqs], axis=-1)
+        x = self.embed_tokens(input_ids_BxL)
+        cos, sin = jnp.cos(angles_BxLxH).astype(x.dtype), jnp.sin(angles_BxLxH).astype(x.dtype)
+        causal_LxL = jnp.tril(jnp.ones((length, length), dtype=bool))
+        mask = causal_LxL[None, None]
+        if attention_mask_BxL is not None:
+            mask = mask & attention_mask_BxL.astype(bool)[:, None, None, :]
+        for layer in self.layers:
+            if self.gradient_checkpointing:
+                x = nnx.remat(lambda lyr, *a: lyr(*a))(layer, x, cos, sin, mask)
+            else:
+                x = layer(x, cos, sin, mask)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nnx.Module):
+    """HF's `LlamaForCausalLM`: `__call__(input_ids, attention_mask, position_ids, labels, num_items_in_batch)`."""
+
+    main_input_name = "input_ids"
+    accepts_loss_kwargs = True
+    loss_shifts_labels = True
+
+    def __init__(self, config: LlamaConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+        self._config = StaticConfig(config)
+        self.model = LlamaModel(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        if not config.tie_word_embeddings:
+            self.lm_head = _linear(
+                config.hidden_size, config.vocab_size, False, dtype, param_dtype, rngs, config.initializer_range
+            )
+
+    @property
+    def config(self) -> LlamaConfig:
+        return self._config.config
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None) -> None:
+        self.model.gradient_checkpointing = True
+
+    def __call__(
+        self,
+        input_ids,
+        attention_mask=None,
+        position_ids=None,
+        labels=None,
+        num_items_in_batch=None,
+        **kwargs,
+    ) -> ModelOutput:
+        hidden_BxLxD = self.model(input_ids, attention_mask, position_ids)
+        if self.config.tie_word_embeddings:
+            logits = self.model.embed_tokens.attend(hidden_BxLxD)
+        else:
+            logits = self.lm_head(hidden_BxLxD)
+        logits = logits.astype(jnp.float32)
+        loss = None
+        if labels is not None:
+            targets = shift_labels(labels)
+            total = token_cross_entropy_sum(logits, targets)
+            count = num_items_in_batch if num_items_in_batch is not None else jnp.sum(targets != -100)
+            loss = total / count
+        return ModelOutput(loss=loss, logits=logits)
+
+    @classmethod
+    def from_config(cls, config: LlamaConfig, *, seed: int = 0, **kwargs) -> "LlamaForCausalLM":
+        return cls(config, rngs=nnx.Rngs(seed), **kwargs)
+
+    def save_pretrained(self, save_directory: str, **kwargs) -> None:
+        from jtrainer.models import hf_io
+
+        hf_io.save_pretrained(self, save_directory, **kwargs)
+
+    @classmethod
+    def from_pretrained(cls, directory: str, **kwargs) -> "LlamaForCausalLM":
+        from jtrainer.models import hf_io
+
+        config = LlamaConfig.from_pretrained(directory)
+        model = cls(config, rngs=nnx.Rngs(0), **kwargs)
+        hf_io.load_weights(model, directory)
+        return model
