@@ -1,0 +1,35 @@
+"""jtrainer: the Hugging Face Trainer API on one jit-compiled JAX train step."""
+
+from transformers.trainer_utils import EvalPrediction, PredictionOutput, TrainOutput, get_last_checkpoint
+
+from jtrainer.args import TrainingArguments
+from jtrainer.callbacks import (
+    CallbackHandler,
+    DefaultFlowCallback,
+    EarlyStoppingCallback,
+    PrinterCallback,
+    ProgressCallback,
+    TrainerCallback,
+    TrainerControl,
+    TrainerState,
+)
+from jtrainer.trainer import Trainer
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CallbackHandler",
+    "DefaultFlowCallback",
+    "EarlyStoppingCallback",
+    "EvalPrediction",
+    "PredictionOutput",
+    "PrinterCallback",
+    "ProgressCallback",
+    "TrainOutput",
+    "Trainer",
+    "TrainerCallback",
+    "TrainerControl",
+    "TrainerState",
+    "TrainingArguments",
+    "get_last_checkpoint",
+]

@@ -1,0 +1,310 @@
+"""Datasets -> index order -> collated numpy batches -> static-shape windows -> device arrays, prefetched.
+
+Index order is a pure function of (seed, epoch); batches are padded to static shapes (rows with -100 labels,
+sequences to a high-water mark that only grows by powers of two), so the step compiles once per shape.
+"""
+
+from __future__ import annotations
+
+import inspect
+import queue
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from jtrainer.losses import IGNORE_INDEX, count_label_tokens
+
+Batch = dict[str, np.ndarray]
+
+
+def has_length(dataset: Any) -> bool:
+    try:
+        return len(dataset) is not None
+    except (TypeError, NotImplementedError):
+        return False
+
+
+def is_hf_dataset(dataset: Any) -> bool:
+    return type(dataset).__module__.startswith("datasets.")
+
+
+def model_signature_columns(model: Any) -> list[str]:
+    """The keyword inputs a model's `__call__` takes, plus HF's label columns (as `_set_signature_columns`)."""
+    params = inspect.signature(model.__call__).parameters
+    names = [n for n, p in params.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+    return list(dict.fromkeys(names + ["label", "label_ids", "labels"]))
+
+
+def remove_unused_columns(dataset: Any, keep: Sequence[str]) -> Any:
+    """Drop columns the model does not take. HF datasets lose columns; other datasets are filtered per row."""
+    if is_hf_dataset(dataset) and getattr(dataset, "column_names", None) is not None:
+        unused = [c for c in dataset.column_names if c not in keep]
+        if unused and len(unused) == len(dataset.column_names):
+            raise ValueError(
+                f"No columns in the dataset match the model's inputs {list(keep)}; the dataset has "
+                f"{dataset.column_names}. Rename the columns or pass remove_unused_columns=False."
+            )
+        return dataset.remove_columns(unused) if unused else dataset
+    return _FilteredRows(dataset, set(keep))
+
+
+class _FilteredRows:
+    """A view of a dataset whose rows keep only the given keys."""
+
+    def __init__(self, dataset: Any, keep: set[str]):
+        self.dataset, self.keep = dataset, keep
+
+    def _filter(self, row):
+        return {k: v for k, v in row.items() if k in self.keep} if isinstance(row, dict) else row
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, i):
+        return self._filter(self.dataset[i])
+
+    def __iter__(self):
+        return (self._filter(r) for r in self.dataset)
+
+
+def index_order(
+    n: int, *, seed: int, epoch: int, strategy: str, batch_size: int, lengths: Sequence[int] | None = None
+) -> np.ndarray:
+    """The order of row indices for one epoch: a pure function of (seed, epoch)."""
+    if strategy == "sequential":
+        return np.arange(n)
+    rng = np.random.default_rng([seed, epoch])
+    order = rng.permutation(n)
+    if strategy == "group_by_length":
+        if lengths is None:
+            raise ValueError("train_sampling_strategy='group_by_length' needs a length column or input_ids rows.")
+        # HF's LengthGroupedSampler: mega-batches of 50 batches, each sorted by length, longest batch first.
+        mega = 50 * batch_size
+        groups = [sorted(order[i : i + mega], key=lambda j: -lengths[j]) for i in range(0, n, mega)]
+        order = np.concatenate([np.asarray(g) for g in groups]) if groups else order
+    return order
+
+
+def default_collator(processing_class: Any = None) -> Callable[[list[dict]], Batch]:
+    """HF's choice of default collator, in numpy: padding with a tokenizer, plain stacking otherwise."""
+    from transformers import DataCollatorWithPadding, default_data_collator
+
+    if processing_class is not None and hasattr(processing_class, "pad"):
+        return DataCollatorWithPadding(processing_class, return_tensors="np")
+    return lambda features: default_data_collator(features, return_tensors="np")
+
+
+def to_numpy_batch(batch: Any) -> Batch:
+    """A collator's output (numpy, torch, jax or lists) as a dict of numpy arrays."""
+    out = {}
+    for key, value in dict(batch).items():
+        if hasattr(value, "detach"):
+            value = value.detach().cpu().numpy()
+        out[key] = np.asarray(value)
+    return out
+
+
+class BatchLoader:
+    """Yields collated numpy batches of `batch_size` rows; `len()` is the number of batches per epoch."""
+
+    def __init__(
+        self,
+        dataset: Any,
+        batch_size: int,
+        collate: Callable[[list[dict]], Any],
+        *,
+        seed: int = 0,
+        strategy: str = "sequential",
+        drop_last: bool = False,
+        length_column: str = "length",
+    ):
+        if has_length(dataset) and len(dataset) == 0:
+            raise ValueError("The dataset is empty: pass a dataset with at least one row.")
+        self.dataset, self.batch_size, self.collate = dataset, batch_size, collate
+        self.seed, self.strategy, self.drop_last = seed, strategy, drop_last
+        self.length_column = length_column
+        self.sized = has_length(dataset) and hasattr(dataset, "__getitem__")
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        if not self.sized:
+            raise TypeError("This dataset has no length.")
+        n = len(self.dataset)
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    def _lengths(self) -> list[int] | None:
+        if self.strategy != "group_by_length":
+            return None
+        ds = self.dataset
+        if is_hf_dataset(ds) and self.length_column in getattr(ds, "column_names", []):
+            return list(ds[self.length_column])
+        return [len(ds[i]["input_ids"]) for i in range(len(ds))]
+
+    def _rows(self) -> Iterator[dict]:
+        if not self.sized:
+            yield from self.dataset
+            return
+        order = index_order(
+            len(self.dataset),
+            seed=self.seed,
+            epoch=self.epoch,
+            strategy=self.strategy,
+            batch_size=self.batch_size,
+            lengths=self._lengths(),
+        )
+        for i in order:
+            yield self.dataset[int(i)]
+
+    def __iter__(self) -> Iterator[Batch]:
+        rows: list[dict] = []
+        for row in self._rows():
+            rows.append(row)
+            if len(rows) == self.batch_size:
+                yield to_numpy_batch(self.collate(rows))
+                rows = []
+        if rows and not self.drop_last:
+            yield to_numpy_batch(self.collate(rows))
+
+
+def pad_value(key: str, pad_token_id: int) -> int:
+    if key in ("labels", "label", "label_ids") or key.endswith("labels"):
+        return IGNORE_INDEX
+    if key == "input_ids":
+        return pad_token_id
+    return 0
+
+
+def _pad_to(array: np.ndarray, rows: int, length: int | None, value) -> np.ndarray:
+    widths = [(0, rows - array.shape[0])] + [(0, 0)] * (array.ndim - 1)
+    if length is not None and array.ndim >= 2:
+        widths[1] = (0, length - array.shape[1])
+    return np.pad(array, widths, constant_values=value)
+
+
+class ShapeKeeper:
+    """Chooses static padded shapes: rows to the batch size, sequences to a high-water mark.
+
+    A longer sequence than any seen so far raises the mark to the next power of two, so data of one length
+    never gets padded and varied lengths cost a logarithmic number of compilations.
+    """
+
+    def __init__(self, rows: int, pad_token_id: int = 0):
+        self.rows, self.pad_token_id = rows, pad_token_id
+        self.length: int | None = None
+
+    def sequence_length(self, batches: Sequence[Batch]) -> int | None:
+        lengths = [v.shape[1] for b in batches for v in b.values() if v.ndim >= 2 and v.dtype.kind in "iub"]
+        if not lengths:
+            return None
+        longest = max(lengths)
+        if self.length is None:
+            self.length = longest
+        elif longest > self.length:
+            self.length = 1 << (longest - 1).bit_length()
+        return self.length
+
+    def pad(self, batch: Batch, length: int | None) -> tuple[Batch, np.ndarray]:
+        """Padded batch and a row mask (1 for real rows)."""
+        n = next(iter(batch.values())).shape[0]
+        if n > self.rows:
+            raise ValueError(f"A batch has {n} rows, more than the batch size {self.rows}.")
+        out = {}
+        for key, value in batch.items():
+            if value.shape[0] != n:
+                raise ValueError(
+                    f"Batch column {key!r} has {value.shape[0]} rows but the other columns have {n}: the collator "
+                    "must return arrays with one row per example."
+                )
+            seq = length if (value.ndim >= 2 and value.dtype.kind in "iub") else None
+            out[key] = _pad_to(value, self.rows, seq, pad_value(key, self.pad_token_id))
+        mask = np.zeros(self.rows, np.float32)
+        mask[:n] = 1.0
+        return out, mask
+
+
+def check_same_keys(batches: Sequence[Batch]) -> None:
+    keys = set(batches[0])
+    for b in batches[1:]:
+        if set(b) != keys:
+            raise ValueError(
+                f"Batches disagree on their columns: {sorted(keys)} vs {sorted(b)}. Every row needs the same keys."
+            )
+
+
+def assemble_window(
+    batches: Sequence[Batch],
+    accumulation_steps: int,
+    shapes: ShapeKeeper,
+    *,
+    label_name: str | None,
+    causal: bool,
+) -> tuple[Batch, int, np.ndarray]:
+    """One optimizer step's micro-batches stacked to [accumulation_steps, rows, ...], padded; num_items; weights.
+
+    A short window (the end of an epoch) is filled with all-padding micro-batches of weight 0.
+    """
+    check_same_keys(batches)
+    length = shapes.sequence_length(batches)
+    padded = [shapes.pad(b, length)[0] for b in batches]
+    filler = {k: np.full_like(v, pad_value(k, shapes.pad_token_id)) for k, v in padded[0].items()}
+    padded += [filler] * (accumulation_steps - len(padded))
+    stacked = {k: np.stack([p[k] for p in padded]) for k in padded[0]}
+    num_items = 0
+    if label_name is not None and label_name in batches[0]:
+        num_items = sum(count_label_tokens(b[label_name], causal) for b in batches)
+    weights = np.zeros(accumulation_steps, np.float32)
+    weights[: len(batches)] = 1.0
+    return stacked, num_items, weights
+
+
+class Prefetcher:
+    """Runs a producer in a background thread, `depth` items ahead (0: inline). Errors surface in the consumer."""
+
+    _END = object()
+
+    def __init__(self, produce: Iterable, depth: int):
+        self.depth = depth
+        self._source = iter(produce)
+        if depth <= 0:
+            return
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        try:
+            for item in self._source:
+                while not self._stop.is_set():
+                    try:
+                        self._queue.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if self._stop.is_set():
+                    return
+            self._queue.put(self._END)
+        except BaseException as e:  # handed to the consumer thread
+            self._queue.put(e)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.depth <= 0:
+            return next(self._source)
+        item = self._queue.get()
+        if item is self._END:
+            raise StopIteration
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self):
+        if self.depth > 0:
+            self._stop.set()

@@ -1,0 +1,25 @@
+"""The device train state (one pytree) and HF's host-side JSON state.
+
+`TrainState` is what jit, sharding and orbax see. `TrainerState` / `TrainerControl` are HF's own classes, so
+`trainer_state.json` and every callback see exactly what they see under transformers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from flax import struct
+from transformers.trainer_callback import ExportableState, TrainerControl, TrainerState
+
+__all__ = ["TrainState", "TrainerState", "TrainerControl", "ExportableState"]
+
+
+@struct.dataclass
+class TrainState:
+    """Everything a train step reads and writes: the optimizer step, parameters, optimizer and model state."""
+
+    step: jax.Array
+    params: Any  # pure nested dict of arrays (nnx.State.to_pure_dict()), fp32 master weights
+    opt_state: Any
+    model_state: Any  # the model's non-parameter nnx state (rng counters, batch statistics, ...)

@@ -1,0 +1,174 @@
+"""Pure step builders: `train_step(state, batch) -> (state, metrics)` and `eval_step(state, batch) -> outputs`.
+
+Nothing here knows the Trainer. The model enters as an nnx graphdef (static) plus a pure-dict parameter tree;
+how the loss is normalised is decided once on the host (`LossMode`) so the compiled step has no branches.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from jtrainer.losses import IGNORE_INDEX, shift_labels, token_cross_entropy_sum
+from jtrainer.state import TrainState
+
+
+class LossMode(enum.Enum):
+    """How a micro-batch's loss becomes its share of the step loss (HF's rules, see HF_COMPAT.md)."""
+
+    MODEL_SUM = "model_sum"  # model takes num_items_in_batch and returns sum(token losses) / num_items
+    CUSTOM = "custom"  # compute_loss_func(outputs, labels, num_items_in_batch)
+    TRAINER = "trainer"  # the model returns logits only (or label smoothing): token CE sum / num_items
+    MODEL_MEAN = "model_mean"  # the model returns its own mean loss: averaged over the window's micro-batches
+
+
+class StepBatch(NamedTuple):
+    """One optimizer step's data: inputs shaped [micro_batches, rows, ...] and the normalisers."""
+
+    inputs: dict[str, jax.Array]
+    num_items: jax.Array  # label tokens over the whole window (HF's num_items_in_batch)
+    micro_weight: jax.Array  # [micro_batches]: 1 for real micro-batches, 0 for padding of a short window
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    mode: LossMode
+    label_names: tuple[str, ...] = ("labels",)
+    causal: bool = False
+    label_smoothing: float = 0.0
+    compute_loss_func: Callable | None = None
+    compute_dtype: Any = None  # e.g. jnp.bfloat16: parameters are cast for compute, master weights stay fp32
+
+
+def split_outputs(outputs: Any) -> tuple[jax.Array | None, Any]:
+    """(loss, logits) from a tuple, dict or dataclass output, as HF's contract allows."""
+    if isinstance(outputs, dict):
+        return outputs.get("loss"), outputs.get("logits")
+    if isinstance(outputs, (tuple, list)):
+        if len(outputs) > 1 and jnp.ndim(outputs[0]) == 0:
+            return outputs[0], outputs[1]
+        return None, outputs[0]
+    if hasattr(outputs, "logits") or hasattr(outputs, "loss"):
+        return getattr(outputs, "loss", None), getattr(outputs, "logits", None)
+    return None, outputs
+
+
+def _cast_floats(tree, dtype):
+    if dtype is None:
+        return tree
+    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+
+def apply_model(graphdef, params, model_state, inputs: dict[str, jax.Array], compute_dtype=None):
+    """Run the model on keyword inputs; returns (outputs, new non-parameter state)."""
+    model = nnx.merge(graphdef, _cast_floats(params, compute_dtype), model_state)
+    outputs = model(**inputs)
+    _, _, new_state = nnx.split(model, nnx.Param, ...)
+    return outputs, new_state
+
+
+def _trainer_loss(logits, labels, spec: LossSpec) -> jax.Array:
+    targets = shift_labels(labels) if spec.causal else labels
+    return token_cross_entropy_sum(logits, targets, spec.label_smoothing)
+
+
+def micro_batch_loss(graphdef, params, model_state, inputs, num_items, micro_weight, n_micro, spec: LossSpec):
+    """This micro-batch's share of the step loss; summing the shares over a window gives the step's loss."""
+    labels = inputs.get(spec.label_names[0]) if spec.label_names else None
+    model_inputs = dict(inputs)
+    if spec.mode in (LossMode.TRAINER, LossMode.CUSTOM):
+        for name in spec.label_names:
+            model_inputs.pop(name, None)
+    if spec.mode == LossMode.MODEL_SUM:
+        model_inputs["num_items_in_batch"] = num_items
+    outputs, new_state = apply_model(graphdef, params, model_state, model_inputs, spec.compute_dtype)
+    loss, logits = split_outputs(outputs)
+    if spec.mode == LossMode.TRAINER:
+        loss = _trainer_loss(logits, labels, spec) / num_items
+    elif spec.mode == LossMode.CUSTOM:
+        loss = spec.compute_loss_func(outputs, labels, num_items_in_batch=num_items)
+    elif spec.mode == LossMode.MODEL_MEAN:
+        loss = loss / n_micro
+    return loss.astype(jnp.float32) * micro_weight, new_state
+
+
+def clip_by_global_norm(grads, max_norm: float):
+    """torch's clip_grad_norm_: scale by max_norm / (norm + 1e-6) when that is below 1; returns (grads, norm)."""
+    norm = optax.global_norm(grads)
+    if max_norm <= 0:
+        return grads, norm
+    coef = jnp.minimum(1.0, max_norm / (norm + 1e-6))
+    return jax.tree.map(lambda g: g * coef.astype(g.dtype), grads), norm
+
+
+def make_train_step(graphdef, tx: optax.GradientTransformation, spec: LossSpec, max_grad_norm: float):
+    """A pure train step: scan over micro-batches summing loss shares and gradients, clip, update."""
+
+    def train_step(state: TrainState, batch: StepBatch) -> tuple[TrainState, dict[str, jax.Array]]:
+        num_items = jnp.maximum(batch.num_items, 1).astype(jnp.float32)
+        n_micro = jnp.maximum(jnp.sum(batch.micro_weight), 1.0)
+        grad_fn = jax.value_and_grad(micro_batch_loss, argnums=1, has_aux=True)
+
+        def accumulate(carry, xs):
+            grads_sum, loss_sum, model_state = carry
+            inputs, weight = xs
+            (loss, model_state), grads = grad_fn(
+                graphdef, state.params, model_state, inputs, num_items, weight, n_micro, spec
+            )
+            grads_sum = jax.tree.map(jnp.add, grads_sum, grads)
+            return (grads_sum, loss_sum + loss, model_state), None
+
+        zeros = jax.tree.map(jnp.zeros_like, state.params)
+        carry = (zeros, jnp.zeros((), jnp.float32), state.model_state)
+        (grads, loss, model_state), _ = jax.lax.scan(accumulate, carry, (batch.inputs, batch.micro_weight))
+        grads, grad_norm = clip_by_global_norm(grads, max_grad_norm)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {"loss": loss, "grad_norm": grad_norm}
+        hyper = getattr(opt_state, "hyperparams", None)
+        if hyper is not None and "learning_rate" in hyper:
+            metrics["learning_rate"] = jnp.asarray(hyper["learning_rate"], jnp.float32)
+        new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state, model_state=model_state)
+        return new_state, metrics
+
+    return train_step
+
+
+class EvalOutputs(NamedTuple):
+    loss: jax.Array | None  # this batch's mean loss (HF's per-batch loss)
+    logits: Any
+
+
+def make_eval_step(graphdef, spec: LossSpec, want_logits: bool, preprocess_logits: Callable | None = None):
+    """A pure evaluation step on one batch [rows, ...]: the batch's mean loss and (optionally) its logits."""
+
+    def eval_step(params, model_state, inputs: dict[str, jax.Array]) -> EvalOutputs:
+        labels = inputs.get(spec.label_names[0]) if spec.label_names else None
+        model_inputs = dict(inputs)
+        if spec.mode in (LossMode.TRAINER, LossMode.CUSTOM):
+            for name in spec.label_names:
+                model_inputs.pop(name, None)
+        outputs, _ = apply_model(graphdef, params, model_state, model_inputs, spec.compute_dtype)
+        loss, logits = split_outputs(outputs)
+        if labels is not None and spec.mode == LossMode.TRAINER:
+            targets = shift_labels(labels) if spec.causal else labels
+            count = jnp.maximum(jnp.sum(targets != IGNORE_INDEX), 1)
+            loss = token_cross_entropy_sum(logits, targets, spec.label_smoothing) / count
+        elif labels is not None and spec.mode == LossMode.CUSTOM:
+            loss = spec.compute_loss_func(outputs, labels, num_items_in_batch=None)
+        if labels is None:
+            loss = None
+        if not want_logits:
+            logits = None
+        elif preprocess_logits is not None:
+            logits = preprocess_logits(logits, labels)
+        return EvalOutputs(None if loss is None else loss.astype(jnp.float32), logits)
+
+    return eval_step
