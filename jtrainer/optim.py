@@ -325,7 +325,7 @@ def _base_optimizer(name: str, args, learning_rate, mask) -> optax.GradientTrans
         )
     if name == "schedule_free_adamw":
         return optax.contrib.schedule_free_adamw(
-            learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=wd, warmup_steps=0
+            learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=wd
         )
     if name == "schedule_free_sgd":
         return optax.contrib.schedule_free_sgd(learning_rate, b1=extra.get("momentum", 0.9), weight_decay=wd)

@@ -20,6 +20,6 @@ class TrainState:
     """Everything a train step reads and writes: the optimizer step, parameters, optimizer and model state."""
 
     step: jax.Array
-    params: Any  # pure nested dict of arrays (nnx.State.to_pure_dict()), fp32 master weights
+    params: Any  # pure nested dict of arrays (nnx.to_pure_dict), fp32 master weights
     opt_state: Any
     model_state: Any  # the model's non-parameter nnx state (rng counters, batch statistics, ...)

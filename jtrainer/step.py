@@ -101,7 +101,7 @@ def micro_batch_loss(graphdef, params, model_state, inputs, num_items, micro_wei
 
 def clip_by_global_norm(grads, max_norm: float):
     """torch's clip_grad_norm_: scale by max_norm / (norm + 1e-6) when that is below 1; returns (grads, norm)."""
-    norm = optax.global_norm(grads)
+    norm = optax.tree.norm(grads)
     if max_norm <= 0:
         return grads, norm
     coef = jnp.minimum(1.0, max_norm / (norm + 1e-6))

@@ -261,7 +261,7 @@ class Trainer:
         return norms
 
     def get_decay_parameter_names(self, model=None) -> list[str]:
-        params = nnx.state(model or self.model, nnx.Param).to_pure_dict()
+        params = nnx.to_pure_dict(nnx.state(model or self.model, nnx.Param))
         paths = {_dotted(p): None for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]}
         return [p for p, decays in optim.decay_mask(paths, self._norm_module_paths()).items() if decays]
 
@@ -286,7 +286,7 @@ class Trainer:
     def create_optimizer(self, params=None) -> optax.GradientTransformation:
         if self.optimizer is not None:
             return self.optimizer
-        params = params if params is not None else nnx.state(self.model, nnx.Param).to_pure_dict()
+        params = params if params is not None else nnx.to_pure_dict(nnx.state(self.model, nnx.Param))
         mask = self._decay_mask_tree(params)
         if self.optimizer_cls_and_kwargs is not None:
             cls, kwargs = self.optimizer_cls_and_kwargs
@@ -313,7 +313,7 @@ class Trainer:
         return [float(lr)] if lr is not None else []
 
     def get_optimizer_group(self, param=None):
-        params = nnx.state(self.model, nnx.Param).to_pure_dict()
+        params = nnx.to_pure_dict(nnx.state(self.model, nnx.Param))
         names = [_dotted(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
         decayed = set(self.get_decay_parameter_names())
         groups = [
@@ -372,7 +372,7 @@ class Trainer:
 
     def _initial_train_state(self, tx: optax.GradientTransformation) -> TrainState:
         _, params, rest = nnx.split(self.model, nnx.Param, ...)
-        params = params.to_pure_dict()
+        params = nnx.to_pure_dict(params)
         state = TrainState(
             step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), model_state=rest
         )
@@ -381,7 +381,7 @@ class Trainer:
 
     def _model_with(self, params, model_state=None) -> nnx.Module:
         graphdef, abstract, rest = nnx.split(self.model, nnx.Param, ...)
-        abstract.replace_by_pure_dict(params)
+        nnx.replace_by_pure_dict(abstract, params)
         return nnx.merge(graphdef, abstract, rest if model_state is None else model_state)
 
     def _sync_model(self) -> None:
@@ -678,7 +678,7 @@ class Trainer:
             return self._train_state.params, self._train_state.model_state
         _, params, rest = nnx.split(self.model, nnx.Param, ...)
         return (
-            jax.device_put(params.to_pure_dict(), sharding.replicated(self.mesh)),
+            jax.device_put(nnx.to_pure_dict(params), sharding.replicated(self.mesh)),
             jax.device_put(rest, sharding.replicated(self.mesh)),
         )
 

@@ -1,0 +1,46 @@
+"""Shared fixtures: tiny models and datasets built locally (nothing is downloaded)."""
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+# Tests do not measure speed: compile fast.
+jax.config.update("jax_disable_most_optimizations", True)
+
+
+def tiny_llama_config(**overrides):
+    from transformers import LlamaConfig
+
+    kw = dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    kw.update(overrides)
+    return LlamaConfig(**kw)
+
+
+def token_rows(n, length=16, vocab=64, seed=0, ragged_labels=False):
+    """n rows of random tokens; with ragged_labels some label positions are -100 (uneven counts per row)."""
+    rng = np.random.RandomState(seed)
+    rows = []
+    for i in range(n):
+        ids = rng.randint(0, vocab, length)
+        labels = ids.copy()
+        if ragged_labels:
+            labels[: rng.randint(0, length - 2)] = -100
+        rows.append({"input_ids": ids, "attention_mask": np.ones(length, np.int64), "labels": labels})
+    return rows
+
+
+@pytest.fixture
+def llama_config():
+    return tiny_llama_config()

@@ -1,0 +1,88 @@
+"""TrainingArguments: HF's field set, defaults, derived values and validation errors."""
+
+import dataclasses
+import json
+
+import pytest
+import transformers
+
+from jtrainer import TrainingArguments
+from jtrainer.args import IGNORED_FIELDS, warn_ignored_fields
+
+# jtrainer's own fields, and HF defaults that legitimately differ here (with the reason).
+JAX_ONLY_FIELDS = {"jax_compilation_cache_dir", "prefetch_batches"}
+DEFAULT_EXCEPTIONS = {
+    # HF picks adamw_torch_fused when torch >= 2.8 is importable; both names mean AdamW here.
+    "optim": {"adamw_torch", "adamw_torch_fused"},
+}
+
+
+def _default(f):
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
+def test_every_hf_field_with_hf_default():
+    ours = {f.name: f for f in dataclasses.fields(TrainingArguments)}
+    theirs = {f.name: f for f in dataclasses.fields(transformers.TrainingArguments)}
+    assert set(ours) - set(theirs) == JAX_ONLY_FIELDS
+    assert set(theirs) <= set(ours)
+    for name, f in theirs.items():
+        if name in DEFAULT_EXCEPTIONS:
+            assert _default(ours[name]) in DEFAULT_EXCEPTIONS[name]
+        else:
+            assert _default(ours[name]) == _default(f), name
+    assert isinstance(TrainingArguments("o"), transformers.TrainingArguments)
+
+
+def test_derived_values_match_hf():
+    a = TrainingArguments("o", eval_strategy="steps", logging_steps=7, load_best_model_at_end=True, save_steps=14,
+                          report_to="none", lr_scheduler_kwargs='{"num_cycles": "2"}')
+    assert a.do_eval and a.eval_steps == 7
+    assert a.metric_for_best_model == "loss" and a.greater_is_better is False
+    assert a.report_to == []
+    assert a.lr_scheduler_kwargs == {"num_cycles": 2}
+    assert TrainingArguments("o", report_to="tensorboard").report_to == ["tensorboard"]
+    assert TrainingArguments("o", metric_for_best_model="accuracy").greater_is_better is True
+    assert TrainingArguments("o", logging_steps=0.25).logging_steps == 0.25
+    d = json.loads(a.to_json_string())
+    assert d["eval_strategy"] == "steps" and d["hub_token"] == "<HUB_TOKEN>"
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(fp16=True, bf16=True), "At most one of fp16 and bf16"),
+        (dict(eval_strategy="steps", save_strategy="epoch", load_best_model_at_end=True), "requires the save and eval"),
+        (dict(eval_strategy="steps", eval_steps=3, save_steps=10, load_best_model_at_end=True), "round multiple"),
+        (dict(lr_scheduler_type="reduce_lr_on_plateau"), "requires an eval strategy"),
+        (dict(warmup_steps=-1), "warmup_steps >= 0"),
+        (dict(logging_steps=2.5), "--logging_steps must be an integer"),
+        (dict(optim="not_an_optimizer"), "not_an_optimizer"),
+        (dict(lr_scheduler_type="nope"), "nope"),
+        (dict(gradient_accumulation_steps=0), "--gradient_accumulation_steps"),
+    ],
+)
+def test_validation_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        TrainingArguments("o", **kwargs)
+
+
+def test_set_builders_and_parser(tmp_path):
+    a = TrainingArguments("o").set_training(learning_rate=1e-3, batch_size=4, num_epochs=2)
+    assert (a.learning_rate, a.per_device_train_batch_size, a.num_train_epochs) == (1e-3, 4, 2)
+    parser = transformers.HfArgumentParser(TrainingArguments)
+    (parsed,) = parser.parse_args_into_dataclasses(["--output_dir", "x", "--learning_rate", "0.1", "--bf16"])
+    assert parsed.learning_rate == 0.1 and parsed.bf16
+    yaml_file = tmp_path / "a.yaml"
+    yaml_file.write_text("output_dir: y\nmax_steps: 5\nprefetch_batches: 0\n")
+    (from_yaml,) = parser.parse_yaml_file(str(yaml_file))
+    assert from_yaml.max_steps == 5 and from_yaml.prefetch_batches == 0
+    with pytest.raises(SystemExit):
+        parser.parse_args_into_dataclasses(["--output_dir", "x", "--learning_rate", "fast"])
+
+
+def test_fields_without_jax_meaning_warn_once(caplog):
+    a = TrainingArguments("o", ddp_backend="nccl", dataloader_num_workers=2)
+    assert set(warn_ignored_fields(a)) == {"ddp_backend", "dataloader_num_workers"}
+    assert warn_ignored_fields(TrainingArguments("o")) == []
+    assert set(IGNORED_FIELDS) <= {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
