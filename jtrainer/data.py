@@ -160,15 +160,24 @@ class BatchLoader:
         for i in order:
             yield self.dataset[int(i)]
 
+    def _collate(self, rows: list[dict]) -> Batch:
+        keys = set(rows[0]) if isinstance(rows[0], dict) else None
+        for row in rows[1:]:
+            if keys is not None and set(row) != keys:
+                raise ValueError(
+                    f"Rows disagree on their columns: {sorted(keys)} vs {sorted(row)}. Every row needs the same keys."
+                )
+        return to_numpy_batch(self.collate(rows))
+
     def __iter__(self) -> Iterator[Batch]:
         rows: list[dict] = []
         for row in self._rows():
             rows.append(row)
             if len(rows) == self.batch_size:
-                yield to_numpy_batch(self.collate(rows))
+                yield self._collate(rows)
                 rows = []
         if rows and not self.drop_last:
-            yield to_numpy_batch(self.collate(rows))
+            yield self._collate(rows)
 
 
 def pad_value(key: str, pad_token_id: int) -> int:

@@ -71,6 +71,11 @@ def _accepts_loss_kwargs(model: Any) -> bool:
     return "num_items_in_batch" in inspect.signature(model.__call__).parameters
 
 
+def _takes_labels(model: Any, label_names: list[str]) -> bool:
+    params = inspect.signature(model.__call__).parameters
+    return label_names[0] in params or any(p.kind == p.VAR_KEYWORD for p in params.values())
+
+
 def concat_padded(arrays: list[np.ndarray], pad: int = IGNORE_INDEX) -> np.ndarray:
     """Concatenate along rows, padding dimension 1 with `pad` where batches differ (HF's nested_concat)."""
     if not arrays:
@@ -353,6 +358,8 @@ class Trainer:
             return LossSpec(LossMode.CUSTOM, compute_loss_func=self.compute_loss_func, **common)
         if has_labels and smoothing > 0:
             return LossSpec(LossMode.TRAINER, label_smoothing=smoothing, **common)
+        if has_labels and not _takes_labels(self.model, self.label_names):
+            return LossSpec(LossMode.TRAINER, **common)
         graphdef, params, rest = nnx.split(self.model, nnx.Param, ...)
         probe = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in sample.items()}
         from jtrainer.step import apply_model, split_outputs
@@ -376,19 +383,16 @@ class Trainer:
         state = TrainState(
             step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), model_state=rest
         )
-        # Commit the state to its sharding first, so the second step does not recompile.
-        return jax.device_put(state, sharding.replicated(self.mesh))
-
-    def _model_with(self, params, model_state=None) -> nnx.Module:
-        graphdef, abstract, rest = nnx.split(self.model, nnx.Param, ...)
-        nnx.replace_by_pure_dict(abstract, params)
-        return nnx.merge(graphdef, abstract, rest if model_state is None else model_state)
+        # Commit the state to its sharding first, so the second step does not recompile; copy it, because the
+        # step donates its buffers and the user's model must keep its own.
+        return jax.device_put(state, sharding.replicated(self.mesh), may_alias=False)
 
     def _sync_model(self) -> None:
-        """Write the trained parameters back into `self.model`, so users (and save_model) see them."""
+        """Write (copies of) the trained parameters into `self.model`, in place, as HF trains the model given."""
         if self._train_state is not None:
-            self.model = self._model_with(self._train_state.params, self._train_state.model_state)
-            self.callback_handler.model = self.model
+            _, params, _ = nnx.split(self.model, nnx.Param, ...)
+            nnx.replace_by_pure_dict(params, jax.tree.map(jnp.copy, self._train_state.params))
+            nnx.update(self.model, params, jax.tree.map(jnp.copy, self._train_state.model_state))
 
     # ---------------------------------------------------------------------------------------------- training
     def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None, **kwargs):
@@ -404,7 +408,8 @@ class Trainer:
         if args.activation_checkpointing and hasattr(self.model, "gradient_checkpointing_enable"):
             self.model.gradient_checkpointing_enable(args.activation_checkpointing_kwargs)
         if resume_from_checkpoint is True:
-            resume_from_checkpoint = checkpoint.get_last_checkpoint(args.output_dir)
+            found = os.path.isdir(args.output_dir) and checkpoint.get_last_checkpoint(args.output_dir)
+            resume_from_checkpoint = found or None
             if resume_from_checkpoint is None:
                 raise ValueError(f"No valid checkpoint found in output directory ({args.output_dir})")
         if resume_from_checkpoint and not os.path.isfile(

@@ -1,0 +1,165 @@
+"""Evaluation, prediction, data sources, collators, custom models and errors raised before compiling."""
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import tiny_llama_config, token_rows
+from jtrainer import EarlyStoppingCallback, EvalPrediction, Trainer, TrainingArguments
+from jtrainer.models.llama import LlamaForCausalLM
+
+
+def _args(out, **over):
+    kw = dict(output_dir=str(out), per_device_train_batch_size=4, per_device_eval_batch_size=4, learning_rate=1e-2,
+              report_to="none", disable_tqdm=True, save_strategy="no", logging_steps=1)
+    kw.update(over)
+    return TrainingArguments(**kw)
+
+
+class Classifier(nnx.Module):
+    """A user model that returns logits only, as a dict: the Trainer computes the loss."""
+
+    def __init__(self, rngs):
+        self.embed = nnx.Embed(64, 16, rngs=rngs)
+        self.head = nnx.Linear(16, 3, rngs=rngs)
+
+    def __call__(self, input_ids, attention_mask=None):
+        return {"logits": self.head(self.embed(input_ids).mean(axis=1))}
+
+
+def class_rows(n, seed=0):
+    rng = np.random.RandomState(seed)
+    rows = []
+    for _ in range(n):
+        label = rng.randint(0, 3)
+        ids = rng.randint(label * 20, label * 20 + 20, 6)
+        rows.append({"input_ids": ids, "label": label, "unused_text": "x"})
+    return rows
+
+
+def accuracy(pred: EvalPrediction):
+    return {"accuracy": float(np.mean(np.argmax(pred.predictions, -1) == pred.label_ids))}
+
+
+def test_user_model_metrics_and_ragged_eval(tmp_path):
+    train, val = class_rows(40), class_rows(10, seed=1)  # 10 rows / batch 4: the last eval batch is ragged
+    trainer = Trainer(model=Classifier(nnx.Rngs(0)), args=_args(tmp_path, num_train_epochs=4, learning_rate=0.1), train_dataset=train,
+                      eval_dataset=val, compute_metrics=accuracy)
+    before = trainer.evaluate()
+    trainer.train()
+    after = trainer.evaluate()
+    assert after["eval_loss"] < before["eval_loss"]
+    assert after["eval_accuracy"] > 0.8
+    # Evaluating the rows one by one (no padding at all) gives the same metrics.
+    trainer.args.per_device_eval_batch_size = 1
+    single = trainer.evaluate()
+    assert single["eval_loss"] == pytest.approx(after["eval_loss"], rel=1e-5)
+    assert single["eval_accuracy"] == after["eval_accuracy"]
+    pred = trainer.predict(val)
+    assert pred.predictions.shape == (10, 3) and list(pred.label_ids) == [r["label"] for r in val]
+    assert "test_loss" in pred.metrics and "test_accuracy" in pred.metrics
+
+
+def test_eval_dict_prefixes_and_predict_pads_lengths(tmp_path):
+    model = LlamaForCausalLM.from_config(tiny_llama_config())
+    a, b = token_rows(5, length=8), token_rows(4, length=12, seed=3)
+    trainer = Trainer(model=model, args=_args(tmp_path), eval_dataset={"short": a, "long": b},
+                      preprocess_logits_for_metrics=lambda logits, labels: logits.argmax(-1))
+    metrics = trainer.evaluate()
+    assert {"eval_short_loss", "eval_long_loss"} <= set(metrics)
+    both = trainer.predict(a[:4] + b)  # batches of 8 then 12 tokens: padded with -100 across batches
+    assert both.predictions.shape == (8, 12)
+    assert (both.predictions[:4, 8:] == -100).all() and (both.predictions[:4, :8] >= 0).all()
+    assert both.label_ids.shape == (8, 12) and (both.label_ids[:4, 8:] == -100).all()
+
+
+def test_hf_datasets_iterable_and_tokenizer_padding(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    rows = token_rows(12, length=8)
+    ds = datasets.Dataset.from_list([{**r, "text": "unused"} for r in rows])
+    model = LlamaForCausalLM.from_config(tiny_llama_config())
+    out = Trainer(model=model, args=_args(tmp_path, max_steps=3), train_dataset=ds).train()
+    assert out.global_step == 3
+    iterable = datasets.IterableDataset.from_generator(lambda: iter(rows))
+    with pytest.raises(ValueError, match="max_steps"):
+        Trainer(model=model, args=_args(tmp_path), train_dataset=iterable).train()
+    out = Trainer(model=model, args=_args(tmp_path, max_steps=5), train_dataset=iterable).train()
+    assert out.global_step == 5
+
+
+def test_group_by_length_and_seeded_order():
+    from jtrainer.data import index_order
+
+    lengths = list(np.random.RandomState(0).randint(1, 100, 300))
+    a = index_order(300, seed=1, epoch=0, strategy="random", batch_size=4)
+    assert np.array_equal(a, index_order(300, seed=1, epoch=0, strategy="random", batch_size=4))
+    assert not np.array_equal(a, index_order(300, seed=1, epoch=1, strategy="random", batch_size=4))
+    g = index_order(300, seed=1, epoch=0, strategy="group_by_length", batch_size=4, lengths=lengths)
+    assert sorted(g) == list(range(300))
+    assert [lengths[i] for i in g[:200]] == sorted([lengths[i] for i in g[:200]], reverse=True)
+
+
+def test_early_stopping_and_best_model(tmp_path):
+    train, val = class_rows(40), class_rows(8, seed=1)
+    args = _args(tmp_path, num_train_epochs=20, eval_strategy="epoch", save_strategy="epoch",
+                 load_best_model_at_end=True, metric_for_best_model="accuracy", save_total_limit=1,
+                 learning_rate=0.0)  # nothing improves after the first evaluation
+    trainer = Trainer(model=Classifier(nnx.Rngs(0)), args=args, train_dataset=train, eval_dataset=val,
+                      compute_metrics=accuracy, callbacks=[EarlyStoppingCallback(early_stopping_patience=2)])
+    trainer.train()
+    assert trainer.state.epoch == 3  # best at epoch 1, then 2 evaluations without improvement
+    assert trainer.state.best_model_checkpoint.endswith("checkpoint-10")
+    import os
+
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-10"]  # HF: limit 1 keeps only the best at the end
+
+
+def test_resume_from_checkpoint_continues_the_run(tmp_path):
+    import jax
+
+    rows = token_rows(16, length=8)
+    full = Trainer(model=LlamaForCausalLM.from_config(tiny_llama_config()),
+                   args=_args(tmp_path / "full", num_train_epochs=2, train_sampling_strategy="sequential"),
+                   train_dataset=rows)
+    full.train()
+    part = _args(tmp_path / "part", num_train_epochs=2, train_sampling_strategy="sequential", save_strategy="steps",
+                 save_steps=3)
+    first = Trainer(model=LlamaForCausalLM.from_config(tiny_llama_config()), args=part, train_dataset=rows)
+    first.train()
+    resumed = Trainer(model=LlamaForCausalLM.from_config(tiny_llama_config(), seed=7), args=part, train_dataset=rows)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "part" / "checkpoint-6"))
+    assert resumed.state.global_step == 8
+    for x, y in zip(jax.tree.leaves(full._train_state.params), jax.tree.leaves(resumed._train_state.params)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="Can't find a valid checkpoint"):
+        resumed.train(resume_from_checkpoint=str(tmp_path / "nowhere"))
+    with pytest.raises(ValueError, match="No valid checkpoint found"):
+        resumed.args.output_dir = str(tmp_path / "empty")
+        resumed.train(resume_from_checkpoint=True)
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda m, r: Trainer(m, _args("o", eval_strategy="steps"), train_dataset=r), "eval_dataset"),
+        (lambda m, r: Trainer(m, _args("o"), train_dataset=[]).train(), "empty"),
+        (lambda m, r: Trainer(m, _args("o"), train_dataset=[{"input_ids": x["input_ids"]} for x in r]).train(),
+         "did not return a loss"),
+        (lambda m, r: Trainer(m, _args("o"), train_dataset=r[:2] + [{"input_ids": r[2]["input_ids"]}] + r[3:]).train(),
+         "disagree on their columns"),
+        (lambda m, r: Trainer(m, _args("o", optim="galore_adamw"), train_dataset=r), "not supported by jtrainer"),
+    ],
+)
+def test_bad_input_is_named_before_compiling(make, message):
+    model = LlamaForCausalLM.from_config(tiny_llama_config())
+    with pytest.raises(ValueError, match=message):
+        make(model, token_rows(8))
+
+
+def test_callbacks_are_transformers_own():
+    import transformers
+
+    import jtrainer
+
+    assert jtrainer.TrainerCallback is transformers.TrainerCallback
+    assert jtrainer.TrainerState is transformers.TrainerState
