@@ -127,7 +127,9 @@ def run_train(model_args: ModelArguments, data_args: DataArguments, training_arg
 
     from jtrainer import Trainer
     from jtrainer.models.llama import LlamaForCausalLM
+    from jtrainer.optim import check_optimizer_name
 
+    check_optimizer_name(training_args.optim)  # fail before reading text and training a tokenizer
     texts = read_text_files(data_args.text_dir, data_args.max_chars)
     n_eval = max(1, int(len(texts) * data_args.eval_fraction))
     if model_args.model_name_or_path:

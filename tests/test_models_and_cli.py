@@ -1,0 +1,96 @@
+"""The Llama round trip with PyTorch transformers, and the `jtrainer train` main job end to end."""
+
+import glob
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import tiny_llama_config
+
+torch = pytest.importorskip("torch")
+
+from jtrainer.models.llama import LlamaForCausalLM  # noqa: E402
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_llama_round_trip_with_pytorch(tmp_path, tied):
+    import transformers
+
+    config = tiny_llama_config(tie_word_embeddings=tied, attention_bias=True)
+    torch.manual_seed(0)
+    reference = transformers.LlamaForCausalLM(config).eval()
+    reference.save_pretrained(tmp_path / "torch")
+    ids = np.random.RandomState(0).randint(0, 64, (3, 10))
+    mask = np.ones_like(ids)
+    mask[1, 6:] = 0  # a right-padded row
+    with torch.no_grad():
+        expected = reference(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).logits.numpy()
+
+    ours = LlamaForCausalLM.from_pretrained(str(tmp_path / "torch"))
+    got = np.asarray(ours(jnp.asarray(ids), jnp.asarray(mask)).logits)
+    valid = mask.astype(bool)
+    assert np.abs(got - expected)[valid].max() <= 1e-4
+
+    ours.save_pretrained(str(tmp_path / "jax"))
+    reloaded, info = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "jax"), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    with torch.no_grad():
+        again = reloaded(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).logits.numpy()
+    assert np.abs(again - expected)[valid].max() <= 1e-5
+
+
+def test_sharded_weights_and_shape_errors(tmp_path):
+    from jtrainer.models import hf_io
+
+    model = LlamaForCausalLM.from_config(tiny_llama_config())
+    hf_io.save_pretrained(model, str(tmp_path / "sharded"), max_shard_size=20_000)
+    assert os.path.exists(tmp_path / "sharded" / hf_io.WEIGHTS_INDEX_NAME)
+    assert len(glob.glob(str(tmp_path / "sharded" / "model-*-of-*.safetensors"))) > 1
+    again = LlamaForCausalLM.from_pretrained(str(tmp_path / "sharded"))
+    ids = jnp.arange(8)[None]
+    np.testing.assert_array_equal(np.asarray(again(ids).logits), np.asarray(model(ids).logits))
+    other = LlamaForCausalLM.from_config(tiny_llama_config(hidden_size=48))
+    with pytest.raises(ValueError, match=r"has shape \(32, 64\) .* has shape \(48, 64\)"):
+        hf_io.load_weights(other, str(tmp_path / "sharded"))
+
+
+def test_main_job_end_to_end(tmp_path, capsys):
+    import transformers
+
+    from jtrainer.cli import main
+
+    out = tmp_path / "run"
+    main(["train", "configs/default.yaml", "--max_steps", "4", "--max_chars", "60000", "--hidden_size", "32",
+          "--intermediate_size", "64", "--num_hidden_layers", "1", "--block_size", "32",
+          "--tokenizer_vocab_size", "300", "--logging_steps", "1", "--sample_tokens", "4", "--output_dir", str(out),
+          "--disable_tqdm", "true"])
+    printed = capsys.readouterr().out
+    assert "held-out perplexity" in printed and "sample:" in printed
+    model = transformers.LlamaForCausalLM.from_pretrained(str(out))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(out))
+    ids = tokenizer("def main():", return_tensors="pt")["input_ids"]
+    ours = LlamaForCausalLM.from_pretrained(str(out))
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits.numpy()
+    np.testing.assert_allclose(np.asarray(ours(jnp.asarray(ids.numpy())).logits), expected, atol=1e-4)
+
+
+def test_main_job_rejects_bad_values():
+    from jtrainer.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["train", "--learning_rate", "fast"])
+    with pytest.raises(SystemExit):
+        main(["train", "--optim", "no_such_optimizer"])
+    with pytest.raises(ValueError, match="'galore_adamw' is not supported by jtrainer"):
+        main(["train", "--optim", "galore_adamw"])
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob("configs/*.yaml")))
+def test_every_shipped_config_parses(path):
+    from jtrainer.cli import parse_train_args
+
+    model_args, data_args, training_args = parse_train_args([path])
+    assert training_args.output_dir and data_args.block_size > 0 and model_args.hidden_size > 0
