@@ -49,7 +49,16 @@ from jtrainer import checkpoint, data, optim, sharding
 from jtrainer.args import TrainingArguments
 from jtrainer.losses import IGNORE_INDEX
 from jtrainer.state import TrainState
-from jtrainer.step import EvalOutputs, LossMode, LossSpec, StepBatch, make_eval_step, make_train_step
+from jtrainer.step import (
+    EvalOutputs,
+    LossMode,
+    LossSpec,
+    StepBatch,
+    apply_model,
+    make_eval_step,
+    make_train_step,
+    split_outputs,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -362,8 +371,6 @@ class Trainer:
             return LossSpec(LossMode.TRAINER, **common)
         graphdef, params, rest = nnx.split(self.model, nnx.Param, ...)
         probe = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in sample.items()}
-        from jtrainer.step import apply_model, split_outputs
-
         out_shape = jax.eval_shape(lambda p, s, x: apply_model(graphdef, p, s, x)[0], params, rest, probe)
         loss, _ = split_outputs(out_shape)
         if loss is not None:
@@ -400,8 +407,7 @@ class Trainer:
             raise TypeError(f"train() got unexpected keyword arguments: {', '.join(kwargs)}.")
         args = self.args
         if self.model_init is not None:
-            nnx_seed = args.seed
-            np.random.seed(nnx_seed)
+            np.random.seed(args.seed)  # HF seeds before model_init; nnx models take their seed from nnx.Rngs
             self.model = self.call_model_init(trial)
             self.optimizer = self.lr_scheduler = None
             self._train_state = None
@@ -445,7 +451,7 @@ class Trainer:
         return sys.maxsize, max_steps, max_steps * ga, max_steps, max_steps * total_batch
 
     def _inner_training_loop(self, resume_from_checkpoint, trial, ignore_keys_for_eval) -> TrainOutput:
-        args, ga = self.args, self.args.gradient_accumulation_steps
+        args = self.args
         loader = self.get_train_dataloader()
         sharding.check_rows_divisible(loader.batch_size, self.mesh, "per_device_train_batch_size x devices")
         epochs, updates_per_epoch, steps_in_epoch, max_steps, num_train_samples = self._training_values(loader)
@@ -697,37 +703,30 @@ class Trainer:
                     self.evaluate(dataset if override else name, ignore_keys, f"{metric_key_prefix}_{name}")
                 )
             return metrics
-        loader = self.get_eval_dataloader(eval_dataset)
-        start_time = time.time()
-        output = self.evaluation_loop(loader, "Evaluation", None, ignore_keys, metric_key_prefix)
-        total_batch = self.args.eval_batch_size * self.args.world_size
-        output.metrics.update(
-            speed_metrics(
-                metric_key_prefix,
-                start_time,
-                num_samples=output.num_samples,
-                num_steps=math.ceil(output.num_samples / total_batch),
-            )
-        )
+        output = self._timed_loop(self.get_eval_dataloader(eval_dataset), "Evaluation", ignore_keys, metric_key_prefix)
         self.log(output.metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, output.metrics)
         return output.metrics
 
     def predict(self, test_dataset, ignore_keys=None, metric_key_prefix: str = "test") -> PredictionOutput:
-        loader = self.get_test_dataloader(test_dataset)
+        output = self._timed_loop(self.get_test_dataloader(test_dataset), "Prediction", ignore_keys, metric_key_prefix)
+        self.control = self.callback_handler.on_predict(self.args, self.state, self.control, output.metrics)
+        return PredictionOutput(predictions=output.predictions, label_ids=output.label_ids, metrics=output.metrics)
+
+    def _timed_loop(self, loader, description, ignore_keys, prefix) -> EvalLoopOutput:
+        """evaluation_loop plus HF's speed metrics (runtime, samples/s, steps/s) under the prefix."""
         start_time = time.time()
-        output = self.evaluation_loop(loader, "Prediction", None, ignore_keys, metric_key_prefix)
+        output = self.evaluation_loop(loader, description, None, ignore_keys, prefix)
         total_batch = self.args.eval_batch_size * self.args.world_size
         output.metrics.update(
             speed_metrics(
-                metric_key_prefix,
+                prefix,
                 start_time,
                 num_samples=output.num_samples,
                 num_steps=math.ceil(output.num_samples / total_batch),
             )
         )
-        self.control = self.callback_handler.on_predict(self.args, self.state, self.control, output.metrics)
-        return PredictionOutput(predictions=output.predictions, label_ids=output.label_ids, metrics=output.metrics)
+        return output
 
     def _eval_step(self, spec: LossSpec, want_logits: bool):
         key = (spec, want_logits)

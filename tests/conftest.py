@@ -41,6 +41,20 @@ def token_rows(n, length=16, vocab=64, seed=0, ragged_labels=False):
     return rows
 
 
+def torch_rows(rows):
+    """The same rows as a torch Dataset, for transformers.Trainer."""
+    import torch
+
+    class TorchRows(torch.utils.data.Dataset):
+        def __len__(self):
+            return len(rows)
+
+        def __getitem__(self, i):
+            return {k: torch.tensor(v) for k, v in rows[i].items()}
+
+    return TorchRows()
+
+
 @pytest.fixture
 def llama_config():
     return tiny_llama_config()

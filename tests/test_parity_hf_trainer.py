@@ -6,18 +6,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("accelerate")
 
-from conftest import tiny_llama_config, token_rows  # noqa: E402
-
-
-class _TorchRows(torch.utils.data.Dataset):
-    def __init__(self, rows):
-        self.rows = rows
-
-    def __len__(self):
-        return len(self.rows)
-
-    def __getitem__(self, i):
-        return {k: torch.tensor(v) for k, v in self.rows[i].items()}
+from conftest import tiny_llama_config, token_rows, torch_rows  # noqa: E402
 
 
 def _args(cls, out):
@@ -56,7 +45,7 @@ def test_same_run_as_transformers_trainer(tmp_path):
     rows = token_rows(22, ragged_labels=True)
 
     hf = transformers.Trainer(
-        model=torch_model, args=_args(transformers.TrainingArguments, tmp_path / "hf"), train_dataset=_TorchRows(rows)
+        model=torch_model, args=_args(transformers.TrainingArguments, tmp_path / "hf"), train_dataset=torch_rows(rows)
     )
     hf_out = hf.train()
 

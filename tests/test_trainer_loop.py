@@ -4,7 +4,7 @@ accumulation; one compilation per run."""
 import numpy as np
 import pytest
 
-from conftest import tiny_llama_config, token_rows
+from conftest import tiny_llama_config, token_rows, torch_rows
 from jtrainer import Trainer, TrainerCallback, TrainingArguments
 from jtrainer.models.llama import LlamaForCausalLM
 
@@ -40,23 +40,13 @@ def run_hf(tmp_path, rows, eval_rows=None, **over):
     pytest.importorskip("accelerate")
     import transformers
 
-    class TorchRows(torch.utils.data.Dataset):
-        def __init__(self, r):
-            self.r = r
-
-        def __len__(self):
-            return len(self.r)
-
-        def __getitem__(self, i):
-            return {k: torch.tensor(v) for k, v in self.r[i].items()}
-
     torch.manual_seed(0)
     rec = Recorder()
     trainer = transformers.Trainer(
         model=transformers.LlamaForCausalLM(tiny_llama_config()),
         args=transformers.TrainingArguments(**_kwargs(tmp_path / "hf", **over)),
-        train_dataset=TorchRows(rows),
-        eval_dataset=TorchRows(eval_rows) if eval_rows else None,
+        train_dataset=torch_rows(rows),
+        eval_dataset=torch_rows(eval_rows) if eval_rows else None,
         callbacks=[rec],
     )
     trainer.train()
