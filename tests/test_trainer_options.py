@@ -1,0 +1,107 @@
+"""Trainer options: bf16, user optimizers, model_init, compute_loss_func, label smoothing, plateau scheduling."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from conftest import tiny_llama_config, token_rows
+from jtrainer import Trainer, TrainingArguments
+from jtrainer.models.llama import LlamaForCausalLM
+
+
+def _args(**over):
+    kw = dict(output_dir="unused", per_device_train_batch_size=4, learning_rate=1e-2, report_to="none",
+              disable_tqdm=True, save_strategy="no", logging_steps=1, max_steps=4, train_sampling_strategy="sequential")
+    kw.update(over)
+    return TrainingArguments(**kw)
+
+
+def _model(seed=0):
+    return LlamaForCausalLM.from_config(tiny_llama_config(), seed=seed)
+
+
+def _losses(trainer):
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def test_bf16_computes_in_bfloat16_with_fp32_master_weights():
+    rows = token_rows(16)
+    fp32 = Trainer(_model(), _args(), train_dataset=rows)
+    fp32.train()
+    bf16 = Trainer(_model(), _args(bf16=True), train_dataset=rows)
+    bf16.train()
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(bf16._train_state.params))
+    a, b = _losses(fp32), _losses(bf16)
+    assert a != b and np.allclose(a, b, rtol=2e-2)
+
+
+def test_user_optimizers_and_optimizer_cls():
+    rows = token_rows(16)
+    tx = optax.sgd(0.5)
+    by_tuple = Trainer(_model(), _args(), train_dataset=rows, optimizers=(tx, None))
+    by_tuple.train()
+    by_cls = Trainer(_model(), _args(learning_rate=0.5, lr_scheduler_type="constant"), train_dataset=rows,
+                     optimizer_cls_and_kwargs=(optax.sgd, {}))
+    by_cls.train()
+    assert _losses(by_tuple) == pytest.approx(_losses(by_cls), rel=1e-5)
+    assert [h["learning_rate"] for h in by_cls.state.log_history if "loss" in h] == [0.5] * 4
+    with pytest.raises(RuntimeError, match="model_init"):
+        Trainer(args=_args(), model_init=_model, optimizers=(tx, None))
+
+
+def test_model_init_gives_a_fresh_model_per_train():
+    rows = token_rows(16)
+    calls = []
+
+    def init():
+        calls.append(1)
+        return _model()
+
+    trainer = Trainer(args=_args(), train_dataset=rows, model_init=init)
+    first = trainer.train().training_loss
+    second = trainer.train().training_loss
+    assert len(calls) == 3 and first == pytest.approx(second, rel=1e-6)
+
+
+def test_compute_loss_func_and_label_smoothing():
+    rows = token_rows(16)
+    seen = {}
+
+    def loss_func(outputs, labels, num_items_in_batch):
+        seen["num_items"] = num_items_in_batch
+        logits = outputs.logits[:, :-1]
+        targets = labels[:, 1:]
+        logp = jax.nn.log_softmax(logits)
+        nll = -jnp.take_along_axis(logp, targets[..., None], -1)[..., 0]
+        return jnp.sum(nll) / num_items_in_batch
+
+    custom = Trainer(_model(), _args(), train_dataset=rows, compute_loss_func=loss_func)
+    custom.train()
+    default = Trainer(_model(), _args(), train_dataset=rows)
+    default.train()
+    assert _losses(custom) == pytest.approx(_losses(default), rel=1e-5)
+    smoothed = Trainer(_model(), _args(label_smoothing_factor=0.1), train_dataset=rows)
+    smoothed.train()
+    # The first step's loss, by hand: HF's LabelSmoother on the first batch of 4 rows, causal shift.
+    ids = np.stack([r["input_ids"] for r in rows[:4]])
+    logp = np.asarray(jax.nn.log_softmax(_model()(jnp.asarray(ids)).logits[:, :-1]), np.float64)
+    nll = -np.take_along_axis(logp, ids[:, 1:, None], -1)[..., 0]
+    expected = np.mean(0.9 * nll + 0.1 * -logp.mean(-1))
+    assert _losses(smoothed)[0] == pytest.approx(expected, rel=1e-5)
+
+
+def test_reduce_lr_on_plateau_steps_after_evaluation():
+    rows = token_rows(8)
+    scores = iter(range(100))
+    trainer = Trainer(_model(), _args(learning_rate=1e-3, lr_scheduler_type="reduce_lr_on_plateau",
+                                      lr_scheduler_kwargs={"patience": 0, "factor": 0.5}, eval_strategy="steps",
+                                      eval_steps=1, max_steps=4, metric_for_best_model="score",
+                                      greater_is_better=False),
+                      train_dataset=rows, eval_dataset=rows,
+                      compute_metrics=lambda pred: {"score": float(next(scores))})
+    trainer.train()
+    lrs = [h["learning_rate"] for h in trainer.state.log_history if "loss" in h]
+    # The score only grows, so with mode "min" and patience 0 every evaluation after the first halves the rate.
+    assert lrs == pytest.approx([1e-3, 1e-3, 5e-4, 2.5e-4])
