@@ -23,3 +23,4 @@ class TrainState:
     params: Any  # pure nested dict of arrays (nnx.to_pure_dict), fp32 master weights
     opt_state: Any
     model_state: Any  # the model's non-parameter nnx state (rng counters, batch statistics, ...)
+    rng: jax.Array  # uint32 key data of the run's base key; step keys are fold_in(rng, step)

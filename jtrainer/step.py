@@ -7,6 +7,7 @@ how the loss is normalised is decided once on the host (`LossMode`) so the compi
 from __future__ import annotations
 
 import enum
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -66,8 +67,22 @@ def _cast_floats(tree, dtype):
     return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
 
 
-def apply_model(graphdef, params, model_state, inputs: dict[str, jax.Array], compute_dtype=None):
+def reseed_streams(model_state, key: jax.Array):
+    """Replace every rng stream key of the model (dropout, ...) with one derived from `key` and the stream's
+    path: randomness is a function of (seed, step, micro-batch), never carried state."""
+
+    def reseed(path, leaf):
+        if isinstance(leaf, jax.Array) and jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            return jax.random.fold_in(key, zlib.crc32(jax.tree_util.keystr(path).encode()))
+        return leaf
+
+    return jax.tree_util.tree_map_with_path(reseed, model_state)
+
+
+def apply_model(graphdef, params, model_state, inputs: dict[str, jax.Array], compute_dtype=None, rng=None):
     """Run the model on keyword inputs; returns (outputs, new non-parameter state)."""
+    if rng is not None:
+        model_state = reseed_streams(model_state, rng)
     model = nnx.merge(graphdef, _cast_floats(params, compute_dtype), model_state)
     outputs = model(**inputs)
     _, _, new_state = nnx.split(model, nnx.Param, ...)
@@ -79,7 +94,7 @@ def _trainer_loss(logits, labels, spec: LossSpec) -> jax.Array:
     return token_cross_entropy_sum(logits, targets, spec.label_smoothing)
 
 
-def micro_batch_loss(graphdef, params, model_state, inputs, num_items, micro_weight, n_micro, spec: LossSpec):
+def micro_batch_loss(graphdef, params, model_state, inputs, num_items, micro_weight, n_micro, spec: LossSpec, rng):
     """This micro-batch's share of the step loss; summing the shares over a window gives the step's loss."""
     labels = inputs.get(spec.label_names[0]) if spec.label_names else None
     model_inputs = dict(inputs)
@@ -88,7 +103,7 @@ def micro_batch_loss(graphdef, params, model_state, inputs, num_items, micro_wei
             model_inputs.pop(name, None)
     if spec.mode == LossMode.MODEL_SUM:
         model_inputs["num_items_in_batch"] = num_items
-    outputs, new_state = apply_model(graphdef, params, model_state, model_inputs, spec.compute_dtype)
+    outputs, new_state = apply_model(graphdef, params, model_state, model_inputs, spec.compute_dtype, rng)
     loss, logits = split_outputs(outputs)
     if spec.mode == LossMode.TRAINER:
         loss = _trainer_loss(logits, labels, spec) / num_items
@@ -116,18 +131,33 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, spec: LossSpec, 
         n_micro = jnp.maximum(jnp.sum(batch.micro_weight), 1.0)
         grad_fn = jax.value_and_grad(micro_batch_loss, argnums=1, has_aux=True)
 
+        # Step randomness is derived: fold the step, then the micro-batch index, into the run's key.
+        step_key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+        micro_keys = jax.vmap(lambda i: jax.random.key_data(jax.random.fold_in(step_key, i)))(
+            jnp.arange(batch.micro_weight.shape[0])
+        )
+
         def accumulate(carry, xs):
             grads_sum, loss_sum, model_state = carry
-            inputs, weight = xs
+            inputs, weight, key_data = xs
             (loss, model_state), grads = grad_fn(
-                graphdef, state.params, model_state, inputs, num_items, weight, n_micro, spec
+                graphdef,
+                state.params,
+                model_state,
+                inputs,
+                num_items,
+                weight,
+                n_micro,
+                spec,
+                jax.random.wrap_key_data(key_data),
             )
             grads_sum = jax.tree.map(jnp.add, grads_sum, grads)
             return (grads_sum, loss_sum + loss, model_state), None
 
         zeros = jax.tree.map(jnp.zeros_like, state.params)
         carry = (zeros, jnp.zeros((), jnp.float32), state.model_state)
-        (grads, loss, model_state), _ = jax.lax.scan(accumulate, carry, (batch.inputs, batch.micro_weight))
+        xs = (batch.inputs, batch.micro_weight, micro_keys)
+        (grads, loss, model_state), _ = jax.lax.scan(accumulate, carry, xs)
         grads, grad_norm = clip_by_global_norm(grads, max_grad_norm)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)

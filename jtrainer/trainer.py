@@ -356,8 +356,11 @@ class Trainer:
         return 0
 
     # ---------------------------------------------------------------------------------------------- the step
-    def _loss_spec(self, sample: data.Batch) -> LossSpec:
-        """Decide, before compiling, how the loss is computed and normalised (HF's rules)."""
+    def _loss_spec(self, sample: data.Batch, training: bool = True) -> LossSpec:
+        """Decide, before compiling, how the loss is computed and normalised (HF's rules).
+
+        Without labels, evaluation and prediction still run (no loss), as in HF; training fails here, named.
+        """
         causal = _is_causal_lm(self.model)
         has_labels = any(name in sample for name in self.label_names)
         smoothing = self.args.label_smoothing_factor
@@ -376,7 +379,7 @@ class Trainer:
         if loss is not None:
             mode = LossMode.MODEL_SUM if (has_labels and _accepts_loss_kwargs(self.model)) else LossMode.MODEL_MEAN
             return LossSpec(mode, **common)
-        if has_labels:
+        if has_labels or not training:
             return LossSpec(LossMode.TRAINER, **common)
         raise ValueError(
             f"The model did not return a loss from the inputs, and the batch has no label column "
@@ -388,7 +391,11 @@ class Trainer:
         _, params, rest = nnx.split(self.model, nnx.Param, ...)
         params = nnx.to_pure_dict(params)
         state = TrainState(
-            step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), model_state=rest
+            step=jnp.zeros((), jnp.int32),
+            params=params,
+            opt_state=tx.init(params),
+            model_state=rest,
+            rng=jax.random.key_data(jax.random.key(self.args.seed)),
         )
         # Commit the state to its sharding first, so the second step does not recompile; copy it, because the
         # step donates its buffers and the user's model must keep its own.
@@ -760,7 +767,7 @@ class Trainer:
             length = shapes.sequence_length([batch])
             padded, _ = shapes.pad(batch, length)
             if spec is None:
-                spec = self._loss_spec(padded)
+                spec = self._loss_spec(padded, training=False)
                 step = self._eval_step(spec, want_logits)
             out: EvalOutputs = step(params, model_state, sharding.put_rows(padded, self.mesh, row_dim=0))
             collated_len = max((v.shape[1] for v in batch.values() if v.ndim >= 2), default=None)

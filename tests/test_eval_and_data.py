@@ -163,3 +163,25 @@ def test_callbacks_are_transformers_own():
 
     assert jtrainer.TrainerCallback is transformers.TrainerCallback
     assert jtrainer.TrainerState is transformers.TrainerState
+
+
+def test_tokenizer_collators_with_varied_lengths(tmp_path):
+    from transformers import DataCollatorForLanguageModeling
+
+    from jtrainer.cli import train_tokenizer
+
+    texts = ["def f(x):\n    return x + 1\n", "class A:\n    pass\n", "import os\nprint(os.getcwd())\n"] * 10
+    tokenizer = train_tokenizer(texts, vocab_size=300)
+    rng = np.random.RandomState(0)
+    rows = [{"input_ids": tokenizer(t)["input_ids"][: rng.randint(3, 20)]} for t in texts]
+    model = LlamaForCausalLM.from_config(tiny_llama_config(vocab_size=len(tokenizer)))
+    collator = DataCollatorForLanguageModeling(tokenizer, mlm=False, return_tensors="np")
+    trainer = Trainer(model=model, args=_args(tmp_path, num_train_epochs=2, remove_unused_columns=False),
+                      train_dataset=rows, data_collator=collator, processing_class=tokenizer)
+    trainer.train()
+    # Lengths vary batch to batch; the padded length only grows by powers of two: few compilations.
+    assert 1 <= trainer._train_step._cache_size() <= 3
+    # With only a tokenizer, HF's default collator (DataCollatorWithPadding) pads inputs of varied lengths.
+    metrics = Trainer(model=model, args=_args(tmp_path, prediction_loss_only=True), processing_class=tokenizer,
+                      compute_loss_func=None).predict([{"input_ids": r["input_ids"]} for r in rows[:6]])
+    assert metrics.predictions is None

@@ -105,3 +105,28 @@ def test_reduce_lr_on_plateau_steps_after_evaluation():
     lrs = [h["learning_rate"] for h in trainer.state.log_history if "loss" in h]
     # The score only grows, so with mode "min" and patience 0 every evaluation after the first halves the rate.
     assert lrs == pytest.approx([1e-3, 1e-3, 5e-4, 2.5e-4])
+
+
+def test_dropout_randomness_is_derived_from_seed_and_step():
+    from flax import nnx
+
+    class DropoutLM(nnx.Module):
+        def __init__(self, rngs):
+            self.embed = nnx.Embed(64, 16, rngs=rngs)
+            self.drop = nnx.Dropout(0.5, rngs=rngs)
+            self.head = nnx.Linear(16, 64, rngs=rngs)
+
+        def __call__(self, input_ids, attention_mask=None):
+            return self.head(self.drop(self.embed(input_ids)))
+
+    rows = token_rows(16)
+
+    def run(seed):
+        trainer = Trainer(DropoutLM(nnx.Rngs(0)), _args(seed=seed, gradient_accumulation_steps=2), train_dataset=rows)
+        trainer.train()
+        return _losses(trainer), trainer.evaluate(rows)["eval_loss"]
+
+    a, b, c = run(1), run(1), run(2)
+    assert a == b  # same seed, same masks, bit for bit
+    assert a[0] != c[0]  # another seed, other masks
+    assert len(set(a[0])) == len(a[0])  # a fresh mask at every step (losses all differ)
