@@ -1,8 +1,13 @@
 """jtrainer: the Hugging Face Trainer API on one jit-compiled JAX train step."""
 
+from jtrainer import distributed
+
+# One process of many (jtrainer launch, Cloud TPU VMs, SLURM): join the others before any device is touched.
+distributed.maybe_initialize()
+
 from transformers.trainer_utils import EvalPrediction, PredictionOutput, TrainOutput, get_last_checkpoint
 
-from jtrainer.args import TrainingArguments
+from jtrainer.args import TrainingArguments  # noqa: E402
 from jtrainer.callbacks import (
     CallbackHandler,
     DefaultFlowCallback,

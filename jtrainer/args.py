@@ -42,7 +42,6 @@ IGNORED_FIELDS: dict[str, str] = {
     "full_determinism": "jtrainer runs are deterministic for a given seed and topology already",
     "use_cpu": "set JAX_PLATFORMS=cpu to run on CPU",
     "accelerator_config": "there is no accelerate in jtrainer",
-    "parallelism_config": "the sharding mesh is not configurable yet; all devices are data-parallel",
     "dataloader_num_workers": "batches are built by one background prefetch thread",
     "dataloader_pin_memory": "host-to-device copies are done by jax.device_put",
     "dataloader_persistent_workers": "batches are built by one background prefetch thread",
@@ -54,8 +53,7 @@ IGNORED_FIELDS: dict[str, str] = {
     "ddp_static_graph": "there is no DDP: one jit-compiled step over a mesh",
     "ddp_backend": "collectives are XLA's",
     "ddp_timeout": "collectives are XLA's",
-    "fsdp": "FSDP sharding over a mesh is not implemented yet; all devices are data-parallel",
-    "fsdp_config": "FSDP sharding over a mesh is not implemented yet",
+    "fsdp_config": "torch FSDP options; with fsdp set, parameters are split over the mesh's fsdp axis",
     "deepspeed": "there is no DeepSpeed: one jit-compiled step over a mesh",
     "debug": "torch debug options have no XLA counterpart",
     "auto_find_batch_size": "not implemented yet",
@@ -83,6 +81,20 @@ class TrainingArguments(transformers.TrainingArguments):
     jax_compilation_cache_dir: str | None = field(
         default=None,
         metadata={"help": "Directory of JAX's persistent compilation cache; unset: the cache is left as JAX has it."},
+    )
+    mesh_shape: dict | str | None = field(
+        default=None,
+        metadata={
+            "help": 'Device mesh axis sizes, e.g. {"data": 2, "fsdp": -1, "tensor": 2} (-1: the remaining devices). '
+            "Axes: data, fsdp, tensor, sequence. Unset: from parallelism_config or fsdp, else all devices on data."
+        },
+    )
+    logical_axis_rules: dict | str | None = field(
+        default=None,
+        metadata={
+            "help": 'Overrides of the logical-axis -> mesh-axis table, e.g. {"mlp": "fsdp", "vocab": null}. '
+            "See jtrainer.sharding.DEFAULT_RULES."
+        },
     )
     prefetch_batches: int = field(
         default=2,

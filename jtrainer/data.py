@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from jtrainer.losses import IGNORE_INDEX, count_label_tokens
+from jtrainer.losses import IGNORE_INDEX
 
 Batch = dict[str, np.ndarray]
 
@@ -107,7 +107,12 @@ def to_numpy_batch(batch: Any) -> Batch:
 
 
 class BatchLoader:
-    """Yields collated numpy batches of `batch_size` rows; `len()` is the number of batches per epoch."""
+    """Global batches of `batch_size` rows, of which this process collates only its own rows.
+
+    Iterating yields `(local_batch, global_rows)`: the collated numpy batch of this process's rows
+    `[row_range)` of the global batch (None when it has none, at a ragged end) and the number of real rows in
+    the global batch. `len()` is the number of global batches per epoch, as HF's dataloader length.
+    """
 
     def __init__(
         self,
@@ -119,14 +124,20 @@ class BatchLoader:
         strategy: str = "sequential",
         drop_last: bool = False,
         length_column: str = "length",
+        row_range: tuple[int, int] | None = None,
     ):
         if has_length(dataset) and len(dataset) == 0:
             raise ValueError("The dataset is empty: pass a dataset with at least one row.")
         self.dataset, self.batch_size, self.collate = dataset, batch_size, collate
         self.seed, self.strategy, self.drop_last = seed, strategy, drop_last
         self.length_column = length_column
+        self.row_range = row_range or (0, batch_size)
         self.sized = has_length(dataset) and hasattr(dataset, "__getitem__")
         self.epoch = 0
+
+    @property
+    def local_rows(self) -> int:
+        return self.row_range[1] - self.row_range[0]
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -145,20 +156,28 @@ class BatchLoader:
             return list(ds[self.length_column])
         return [len(ds[i]["input_ids"]) for i in range(len(ds))]
 
-    def _rows(self) -> Iterator[dict]:
-        if not self.sized:
-            yield from self.dataset
-            return
-        order = index_order(
-            len(self.dataset),
-            seed=self.seed,
-            epoch=self.epoch,
-            strategy=self.strategy,
-            batch_size=self.batch_size,
-            lengths=self._lengths(),
-        )
-        for i in order:
-            yield self.dataset[int(i)]
+    def _global_batches(self) -> Iterator[list[Any]]:
+        """Lists of up to batch_size items: row indices for sized datasets, rows themselves for iterables."""
+        if self.sized:
+            order = index_order(
+                len(self.dataset),
+                seed=self.seed,
+                epoch=self.epoch,
+                strategy=self.strategy,
+                batch_size=self.batch_size,
+                lengths=self._lengths(),
+            )
+            items: Iterable = (int(i) for i in order)
+        else:
+            items = iter(self.dataset)
+        group: list[Any] = []
+        for item in items:
+            group.append(item)
+            if len(group) == self.batch_size:
+                yield group
+                group = []
+        if group and not self.drop_last:
+            yield group
 
     def _collate(self, rows: list[dict]) -> Batch:
         keys = set(rows[0]) if isinstance(rows[0], dict) else None
@@ -169,15 +188,13 @@ class BatchLoader:
                 )
         return to_numpy_batch(self.collate(rows))
 
-    def __iter__(self) -> Iterator[Batch]:
-        rows: list[dict] = []
-        for row in self._rows():
-            rows.append(row)
-            if len(rows) == self.batch_size:
-                yield self._collate(rows)
-                rows = []
-        if rows and not self.drop_last:
-            yield self._collate(rows)
+    def __iter__(self) -> Iterator[tuple[Batch | None, int]]:
+        start, stop = self.row_range
+        for group in self._global_batches():
+            mine = group[start:stop]
+            if self.sized:
+                mine = [self.dataset[i] for i in mine]
+            yield (self._collate(mine) if mine else None), len(group)
 
 
 def pad_value(key: str, pad_token_id: int) -> int:
@@ -196,29 +213,40 @@ def _pad_to(array: np.ndarray, rows: int, length: int | None, value) -> np.ndarr
 
 
 class ShapeKeeper:
-    """Chooses static padded shapes: rows to the batch size, sequences to a high-water mark.
+    """Chooses static padded shapes: rows to this process's share of the batch, sequences to a high-water mark.
 
     A longer sequence than any seen so far raises the mark to the next power of two, so data of one length
-    never gets padded and varied lengths cost a logarithmic number of compilations.
+    never gets padded and varied lengths cost a logarithmic number of compilations. `agree` (given on many
+    hosts) turns a local length into the one all processes use.
     """
 
-    def __init__(self, rows: int, pad_token_id: int = 0):
-        self.rows, self.pad_token_id = rows, pad_token_id
+    def __init__(self, rows: int, pad_token_id: int = 0, agree: Callable[[int], int] | None = None):
+        self.rows, self.pad_token_id, self.agree = rows, pad_token_id, agree
         self.length: int | None = None
+        self.template: Batch | None = None
 
-    def sequence_length(self, batches: Sequence[Batch]) -> int | None:
-        lengths = [v.shape[1] for b in batches for v in b.values() if v.ndim >= 2 and v.dtype.kind in "iub"]
-        if not lengths:
-            return None
-        longest = max(lengths)
+    def sequence_length(self, batches: Sequence[Batch | None]) -> int | None:
+        lengths = [v.shape[1] for b in batches if b is not None for v in b.values() if v.ndim >= 2 and v.dtype.kind in "iub"]
+        longest = max(lengths, default=0)
+        if self.agree is not None:
+            longest = self.agree(longest)
+        if longest == 0:
+            return self.length
         if self.length is None:
             self.length = longest
         elif longest > self.length:
             self.length = 1 << (longest - 1).bit_length()
         return self.length
 
-    def pad(self, batch: Batch, length: int | None) -> tuple[Batch, np.ndarray]:
-        """Padded batch and a row mask (1 for real rows)."""
+    def pad(self, batch: Batch | None, length: int | None) -> Batch:
+        """The batch padded to the static shape; an all-padding batch when this process has no rows."""
+        if batch is None:
+            if self.template is None:
+                raise ValueError(
+                    "This process received no rows in its first batch: the dataset has fewer rows than the "
+                    "data-parallel processes. Use a larger dataset or fewer processes."
+                )
+            return {k: np.full_like(v, pad_value(k, self.pad_token_id)) for k, v in self.template.items()}
         n = next(iter(batch.values())).shape[0]
         if n > self.rows:
             raise ValueError(f"A batch has {n} rows, more than the batch size {self.rows}.")
@@ -231,14 +259,14 @@ class ShapeKeeper:
                 )
             seq = length if (value.ndim >= 2 and value.dtype.kind in "iub") else None
             out[key] = _pad_to(value, self.rows, seq, pad_value(key, self.pad_token_id))
-        mask = np.zeros(self.rows, np.float32)
-        mask[:n] = 1.0
-        return out, mask
+        self.template = out
+        return out
 
 
-def check_same_keys(batches: Sequence[Batch]) -> None:
-    keys = set(batches[0])
-    for b in batches[1:]:
+def check_same_keys(batches: Sequence[Batch | None]) -> None:
+    present = [b for b in batches if b is not None]
+    keys = set(present[0]) if present else set()
+    for b in present[1:]:
         if set(b) != keys:
             raise ValueError(
                 f"Batches disagree on their columns: {sorted(keys)} vs {sorted(b)}. Every row needs the same keys."
@@ -246,29 +274,21 @@ def check_same_keys(batches: Sequence[Batch]) -> None:
 
 
 def assemble_window(
-    batches: Sequence[Batch],
-    accumulation_steps: int,
-    shapes: ShapeKeeper,
-    *,
-    label_name: str | None,
-    causal: bool,
-) -> tuple[Batch, int, np.ndarray]:
-    """One optimizer step's micro-batches stacked to [accumulation_steps, rows, ...], padded; num_items; weights.
+    batches: Sequence[Batch | None], accumulation_steps: int, shapes: ShapeKeeper
+) -> tuple[Batch, np.ndarray]:
+    """One optimizer step's micro-batches stacked to [accumulation_steps, rows, ...], padded, and their weights.
 
     A short window (the end of an epoch) is filled with all-padding micro-batches of weight 0.
     """
     check_same_keys(batches)
     length = shapes.sequence_length(batches)
-    padded = [shapes.pad(b, length)[0] for b in batches]
+    padded = [shapes.pad(b, length) for b in batches]
     filler = {k: np.full_like(v, pad_value(k, shapes.pad_token_id)) for k, v in padded[0].items()}
     padded += [filler] * (accumulation_steps - len(padded))
     stacked = {k: np.stack([p[k] for p in padded]) for k in padded[0]}
-    num_items = 0
-    if label_name is not None and label_name in batches[0]:
-        num_items = sum(count_label_tokens(b[label_name], causal) for b in batches)
     weights = np.zeros(accumulation_steps, np.float32)
     weights[: len(batches)] = 1.0
-    return stacked, num_items, weights
+    return stacked, weights
 
 
 class Prefetcher:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 IGNORE_INDEX = -100
 
@@ -31,9 +30,11 @@ def token_cross_entropy_sum(logits: jax.Array, labels: jax.Array, label_smoothin
     return jnp.sum(jnp.where(valid, nll, 0.0))
 
 
-def count_label_tokens(labels: np.ndarray, causal: bool) -> int:
-    """HF's `num_items_in_batch`: label tokens that are not -100, after the causal shift for causal LMs."""
-    labels = np.asarray(labels)
+def count_label_tokens(labels: jax.Array, causal: bool) -> jax.Array:
+    """HF's `num_items_in_batch`: label tokens that are not -100, after the causal shift for causal LMs.
+
+    Counted on the device over the global batch, so it is the same number on every process.
+    """
     if causal:
         labels = labels[..., 1:]
-    return int(np.sum(labels != IGNORE_INDEX))
+    return jnp.sum(labels != IGNORE_INDEX)

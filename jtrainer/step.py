@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jtrainer.losses import IGNORE_INDEX, shift_labels, token_cross_entropy_sum
+from jtrainer.losses import IGNORE_INDEX, count_label_tokens, shift_labels, token_cross_entropy_sum
 from jtrainer.state import TrainState
 
 
@@ -31,10 +31,9 @@ class LossMode(enum.Enum):
 
 
 class StepBatch(NamedTuple):
-    """One optimizer step's data: inputs shaped [micro_batches, rows, ...] and the normalisers."""
+    """One optimizer step's data: inputs shaped [micro_batches, rows, ...] and the micro-batch weights."""
 
     inputs: dict[str, jax.Array]
-    num_items: jax.Array  # label tokens over the whole window (HF's num_items_in_batch)
     micro_weight: jax.Array  # [micro_batches]: 1 for real micro-batches, 0 for padding of a short window
 
 
@@ -114,6 +113,15 @@ def micro_batch_loss(graphdef, params, model_state, inputs, num_items, micro_wei
     return loss.astype(jnp.float32) * micro_weight, new_state
 
 
+def window_label_count(inputs: dict[str, jax.Array], spec: LossSpec) -> jax.Array:
+    """HF's num_items_in_batch over the whole window [micro_batches, rows, ...] (1 without labels)."""
+    labels = inputs.get(spec.label_names[0]) if spec.label_names else None
+    if labels is None:
+        return jnp.ones((), jnp.int32)
+    per_micro = jax.vmap(lambda lab: count_label_tokens(lab, spec.causal))(labels)
+    return jnp.sum(per_micro)
+
+
 def clip_by_global_norm(grads, max_norm: float):
     """torch's clip_grad_norm_: scale by max_norm / (norm + 1e-6) when that is below 1; returns (grads, norm)."""
     norm = optax.tree.norm(grads)
@@ -127,7 +135,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, spec: LossSpec, 
     """A pure train step: scan over micro-batches summing loss shares and gradients, clip, update."""
 
     def train_step(state: TrainState, batch: StepBatch) -> tuple[TrainState, dict[str, jax.Array]]:
-        num_items = jnp.maximum(batch.num_items, 1).astype(jnp.float32)
+        num_items = jnp.maximum(window_label_count(batch.inputs, spec), 1).astype(jnp.float32)
         n_micro = jnp.maximum(jnp.sum(batch.micro_weight), 1.0)
         grad_fn = jax.value_and_grad(micro_batch_loss, argnums=1, has_aux=True)
 

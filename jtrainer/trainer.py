@@ -7,6 +7,7 @@ logs, and runs HF's callbacks.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import inspect
 import json
@@ -45,7 +46,7 @@ from transformers.trainer_utils import (
     speed_metrics,
 )
 
-from jtrainer import checkpoint, data, optim, sharding
+from jtrainer import checkpoint, data, distributed, optim, sharding
 from jtrainer.args import TrainingArguments
 from jtrainer.losses import IGNORE_INDEX
 from jtrainer.state import TrainState
@@ -169,7 +170,9 @@ class Trainer:
         self.optimizer, self.lr_scheduler = optimizers
         self.optimizer_cls_and_kwargs = optimizer_cls_and_kwargs
         self.label_names = list(args.label_names) if args.label_names else ["labels"]
-        self.mesh = sharding.make_mesh()
+        self.mesh = sharding.make_mesh(sharding.resolve_mesh_shape(args, jax.device_count()))
+        self.axis_rules = sharding.merged_rules(args.logical_axis_rules)
+        self._check_layout()
         self.neftune_noise_alpha = None
         self.hp_search_backend = None
         self.hp_name = None
@@ -192,6 +195,19 @@ class Trainer:
         )
         self.control = TrainerControl()
         self.control = self.callback_handler.on_init_end(self.args, self.state, self.control)
+
+    def _check_layout(self) -> None:
+        """Every sharding error (mesh vs heads, dimensions vs axis sizes) is raised here, before compiling."""
+        if hasattr(self.model, "check_mesh"):
+            self.model.check_mesh(self.mesh)
+        self._param_specs = sharding.param_specs(self.model, self.mesh, self.axis_rules)
+
+    def _mesh_context(self):
+        """The mesh and logical rules under which model code traces (activation constraints read them)."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(jax.set_mesh(self.mesh))
+        stack.enter_context(sharding.axis_rules(self.axis_rules))
+        return stack
 
     # ----------------------------------------------------------------------------------------------- callbacks
     def add_callback(self, callback):
@@ -240,14 +256,16 @@ class Trainer:
                 f"{self.args.max_steps}"
             )
         strategy = self.args.train_sampling_strategy if sized else "sequential"
+        rows = self.args.per_device_train_batch_size * sharding.data_parallel_size(self.mesh)
         return data.BatchLoader(
             self._prepare_dataset(self.train_dataset),
-            self.args.train_batch_size,
+            rows,
             self._collator(),
             seed=self.args.data_seed if self.args.data_seed is not None else self.args.seed,
             strategy=strategy,
             drop_last=self.args.dataloader_drop_last,
             length_column=self.args.length_column_name,
+            row_range=sharding.process_row_range(self.mesh, rows),
         )
 
     def get_eval_dataloader(self, eval_dataset: Any = None) -> data.BatchLoader:
@@ -256,11 +274,13 @@ class Trainer:
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if dataset is None:
             raise ValueError("Trainer: evaluation requires an eval_dataset.")
+        rows = self.args.per_device_eval_batch_size * sharding.data_parallel_size(self.mesh)
         return data.BatchLoader(
             self._prepare_dataset(dataset),
-            self.args.eval_batch_size,
+            rows,
             self._collator(),
             drop_last=self.args.dataloader_drop_last,
+            row_range=sharding.process_row_range(self.mesh, rows),
         )
 
     def get_test_dataloader(self, test_dataset: Any) -> data.BatchLoader:
@@ -374,7 +394,8 @@ class Trainer:
             return LossSpec(LossMode.TRAINER, **common)
         graphdef, params, rest = nnx.split(self.model, nnx.Param, ...)
         probe = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in sample.items()}
-        out_shape = jax.eval_shape(lambda p, s, x: apply_model(graphdef, p, s, x)[0], params, rest, probe)
+        with self._mesh_context():
+            out_shape = jax.eval_shape(lambda p, s, x: apply_model(graphdef, p, s, x)[0], params, rest, probe)
         loss, _ = split_outputs(out_shape)
         if loss is not None:
             mode = LossMode.MODEL_SUM if (has_labels and _accepts_loss_kwargs(self.model)) else LossMode.MODEL_MEAN
@@ -387,19 +408,46 @@ class Trainer:
             "--label_names), or pass compute_loss_func."
         )
 
+    def _state_shardings(self, tx: optax.GradientTransformation, params) -> TrainState:
+        """NamedShardings of the train state: parameters and their optimizer moments by the logical rules."""
+        replicated = sharding.replicated(self.mesh)
+        param_shardings = sharding.named(self.mesh, self._param_specs)
+        opt_shardings = optax.tree_map_params(
+            tx,
+            lambda _, s: s,
+            jax.eval_shape(tx.init, params),
+            param_shardings,
+            transform_non_params=lambda _: replicated,
+        )
+        _, _, rest = nnx.split(self.model, nnx.Param, ...)
+        return TrainState(
+            step=replicated,
+            params=param_shardings,
+            opt_state=opt_shardings,
+            model_state=jax.tree.map(lambda _: replicated, rest),
+            rng=replicated,
+        )
+
     def _initial_train_state(self, tx: optax.GradientTransformation) -> TrainState:
+        """The state placed on its shardings (so the second step does not recompile), built by one jit."""
         _, params, rest = nnx.split(self.model, nnx.Param, ...)
         params = nnx.to_pure_dict(params)
-        state = TrainState(
-            step=jnp.zeros((), jnp.int32),
-            params=params,
-            opt_state=tx.init(params),
-            model_state=rest,
-            rng=jax.random.key_data(jax.random.key(self.args.seed)),
-        )
-        # Commit the state to its sharding first, so the second step does not recompile; copy it, because the
-        # step donates its buffers and the user's model must keep its own.
-        return jax.device_put(state, sharding.replicated(self.mesh), may_alias=False)
+        shardings = self._state_shardings(tx, params)
+        # Copies: the step donates its buffers and the user's model keeps its own.
+        params = jax.device_put(params, shardings.params, may_alias=False)
+        rest = jax.device_put(rest, shardings.model_state, may_alias=False)
+        seed = self.args.seed
+
+        def init(params, rest):
+            return TrainState(
+                step=jnp.zeros((), jnp.int32),
+                params=params,
+                opt_state=tx.init(params),
+                model_state=rest,
+                rng=jax.random.key_data(jax.random.key(seed)),
+            )
+
+        return jax.jit(init, out_shardings=shardings)(params, rest)
 
     def _sync_model(self) -> None:
         """Write (copies of) the trained parameters into `self.model`, in place, as HF trains the model given."""
@@ -416,8 +464,10 @@ class Trainer:
         if self.model_init is not None:
             np.random.seed(args.seed)  # HF seeds before model_init; nnx models take their seed from nnx.Rngs
             self.model = self.call_model_init(trial)
+            self.callback_handler.model = self.model
             self.optimizer = self.lr_scheduler = None
             self._train_state = None
+            self._check_layout()
         if args.activation_checkpointing and hasattr(self.model, "gradient_checkpointing_enable"):
             self.model.gradient_checkpointing_enable(args.activation_checkpointing_kwargs)
         if resume_from_checkpoint is True:
@@ -436,7 +486,7 @@ class Trainer:
     def _training_values(self, loader: data.BatchLoader) -> tuple[int, int, int, int, int]:
         """HF's set_initial_training_values: (epochs, updates/epoch, micro-batches/epoch, max_steps, samples)."""
         args, ga = self.args, self.args.gradient_accumulation_steps
-        total_batch = args.train_batch_size * ga * args.world_size
+        total_batch = loader.batch_size * ga
         if loader.sized:
             n_batches = len(loader)
             if n_batches == 0:
@@ -460,7 +510,6 @@ class Trainer:
     def _inner_training_loop(self, resume_from_checkpoint, trial, ignore_keys_for_eval) -> TrainOutput:
         args = self.args
         loader = self.get_train_dataloader()
-        sharding.check_rows_divisible(loader.batch_size, self.mesh, "per_device_train_batch_size x devices")
         epochs, updates_per_epoch, steps_in_epoch, max_steps, num_train_samples = self._training_values(loader)
 
         self.state = TrainerState(
@@ -469,15 +518,15 @@ class Trainer:
             ]
         )
         self.state.is_hyper_param_search = trial is not None
-        self.state.train_batch_size = args.train_batch_size
+        self.state.train_batch_size = loader.batch_size // args.world_size
         self.state.compute_steps(args, max_steps)
         self.state.is_local_process_zero = self.is_local_process_zero()
         self.state.is_world_process_zero = self.is_world_process_zero()
 
         pad_id = getattr(self.processing_class, "pad_token_id", None) or 0
-        shapes = data.ShapeKeeper(loader.batch_size, pad_id)
-        first = next(iter(loader))
-        spec = self._loss_spec(shapes.pad(first, shapes.sequence_length([first]))[0])
+        shapes = data.ShapeKeeper(loader.local_rows, pad_id, agree=distributed.agree_max)
+        first, _ = next(iter(loader))
+        spec = self._loss_spec(shapes.pad(first, shapes.sequence_length([first])))
         shapes.length = None  # the probe must not fix the sequence length
 
         self.create_optimizer_and_scheduler(max_steps)
@@ -491,7 +540,9 @@ class Trainer:
         self._train_state = train_state
         graphdef = nnx.split(self.model, nnx.Param, ...)[0]
         train_step = jax.jit(
-            make_train_step(graphdef, self.optimizer, spec, args.max_grad_norm), donate_argnums=(0,)
+            make_train_step(graphdef, self.optimizer, spec, args.max_grad_norm),
+            out_shardings=(self._state_shardings(self.optimizer, train_state.params), sharding.replicated(self.mesh)),
+            donate_argnums=(0,),
         )
         self._train_step = train_step
 
@@ -521,11 +572,13 @@ class Trainer:
                         step += 1
                         if i == 0:
                             self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
-                        self.current_flos += float(self.floating_point_ops(batch))
-                        self._track_num_input_tokens(batch)
+                        if batch is not None:
+                            self.current_flos += float(self.floating_point_ops(batch))
+                            self._track_num_input_tokens(batch)
                         if i < len(batches) - 1:
                             self.control = self.callback_handler.on_substep_end(args, self.state, self.control)
-                    self._train_state, metrics = train_step(self._train_state, step_batch)
+                    with self._mesh_context():
+                        self._train_state, metrics = train_step(self._train_state, step_batch)
                     self._pending_losses.append(metrics["loss"])
                     self.control = self.callback_handler.on_pre_optimizer_step(args, self.state, self.control)
                     self.control = self.callback_handler.on_optimizer_step(args, self.state, self.control)
@@ -561,18 +614,16 @@ class Trainer:
             wanted = ga if update_step != updates_per_epoch - 1 else remainder
             batches = []
             for _ in range(wanted):
-                batch = next(iterator, None)
-                if batch is None:
+                item = next(iterator, None)
+                if item is None:
                     break
-                batches.append(batch)
+                batches.append(item[0])
             if not batches:
                 return
-            stacked, num_items, weights = data.assemble_window(
-                batches, ga, shapes, label_name=spec.label_names[0] if spec.label_names else None, causal=spec.causal
-            )
+            stacked, weights = data.assemble_window(batches, ga, shapes)
+            sharding.check_length_divisible(shapes.length, self.mesh)
             step_batch = StepBatch(
-                inputs=sharding.put_rows(stacked, self.mesh, row_dim=1),
-                num_items=jax.device_put(np.float32(num_items), sharding.replicated(self.mesh)),
+                inputs=sharding.put_global(stacked, self.mesh, row_dim=1, global_rows=loader.batch_size),
                 micro_weight=jax.device_put(weights, sharding.replicated(self.mesh)),
             )
             yield batches, step_batch
@@ -651,7 +702,7 @@ class Trainer:
         return TrainOutput(self.state.global_step, train_loss, metrics)
 
     def store_flos(self) -> None:
-        self.state.total_flos += self.current_flos
+        self.state.total_flos += distributed.agree_sum(self.current_flos)
         self.current_flos = 0.0
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
@@ -696,7 +747,7 @@ class Trainer:
             return self._train_state.params, self._train_state.model_state
         _, params, rest = nnx.split(self.model, nnx.Param, ...)
         return (
-            jax.device_put(nnx.to_pure_dict(params), sharding.replicated(self.mesh)),
+            jax.device_put(nnx.to_pure_dict(params), sharding.named(self.mesh, self._param_specs)),
             jax.device_put(rest, sharding.replicated(self.mesh)),
         )
 
@@ -750,32 +801,37 @@ class Trainer:
         self, dataloader, description, prediction_loss_only=None, ignore_keys=None, metric_key_prefix="eval"
     ) -> EvalLoopOutput:
         args = self.args
-        sharding.check_rows_divisible(dataloader.batch_size, self.mesh, "per_device_eval_batch_size x devices")
         loss_only = prediction_loss_only if prediction_loss_only is not None else args.prediction_loss_only
         want_logits = not loss_only
         self.callback_handler.eval_dataloader = dataloader
         params, model_state = self._current_params()
         pad_id = getattr(self.processing_class, "pad_token_id", None) or 0
-        shapes = data.ShapeKeeper(dataloader.batch_size, pad_id)
+        shapes = data.ShapeKeeper(dataloader.local_rows, pad_id, agree=distributed.agree_max)
         spec, step = None, None
         losses, preds, labels, inputs_seen = [], [], [], []
         num_samples = 0
         include = set(args.include_for_metrics or [])
         label_name = self.label_names[0]
-        for batch in dataloader:
-            rows = next(iter(batch.values())).shape[0]
+        for batch, rows in dataloader:
             length = shapes.sequence_length([batch])
-            padded, _ = shapes.pad(batch, length)
+            sharding.check_length_divisible(length, self.mesh)
+            padded = shapes.pad(batch, length)
             if spec is None:
                 spec = self._loss_spec(padded, training=False)
                 step = self._eval_step(spec, want_logits)
-            out: EvalOutputs = step(params, model_state, sharding.put_rows(padded, self.mesh, row_dim=0))
-            collated_len = max((v.shape[1] for v in batch.values() if v.ndim >= 2), default=None)
+            inputs = sharding.put_global(padded, self.mesh, row_dim=0, global_rows=dataloader.batch_size)
+            with self._mesh_context():
+                out: EvalOutputs = step(params, model_state, inputs)
+            collated_len = distributed.agree_max(
+                max((v.shape[1] for v in (batch or {}).values() if v.ndim >= 2), default=0)
+            ) or None
             if out.loss is not None:
                 losses.append(np.full(rows, float(out.loss), np.float64))
-            batch_labels = batch.get(label_name)
+            batch_labels = padded.get(label_name)
+            if batch_labels is not None:
+                batch_labels = _slice_tree(distributed.gather_rows(batch_labels), rows, collated_len)
             if want_logits and out.logits is not None:
-                logits = _slice_tree(jax.device_get(out.logits), rows, collated_len)
+                logits = _slice_tree(jax.tree.map(distributed.gather_rows, out.logits), rows, collated_len)
                 if ignore_keys and isinstance(logits, dict):
                     logits = {k: v for k, v in logits.items() if k not in ignore_keys}
                 if isinstance(logits, (tuple, list)) and len(logits) == 1:
@@ -789,7 +845,8 @@ class Trainer:
             if batch_labels is not None:
                 labels.append(batch_labels)
             if "inputs" in include:
-                inputs_seen.append(batch[getattr(self.model, "main_input_name", "input_ids")])
+                main = padded[getattr(self.model, "main_input_name", "input_ids")]
+                inputs_seen.append(_slice_tree(distributed.gather_rows(main), rows, collated_len))
             num_samples += rows
             self.control = self.callback_handler.on_prediction_step(args, self.state, self.control)
 

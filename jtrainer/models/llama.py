@@ -13,6 +13,10 @@ from transformers import LlamaConfig
 
 from jtrainer.losses import shift_labels, token_cross_entropy_sum
 from jtrainer.models.outputs import ModelOutput
+from jtrainer.sharding import TENSOR, constrain
+
+# Activations between layers: rows over (data, fsdp), positions over `sequence`, features whole.
+ACTIVATION_AXES = ("batch", "length", "act_embed")
 
 
 class StaticConfig:
@@ -32,7 +36,7 @@ class RMSNorm(nnx.Module):
     """HF's LlamaRMSNorm: normalise in fp32, then scale by `weight` in the input dtype."""
 
     def __init__(self, dim: int, eps: float, *, param_dtype=jnp.float32):
-        self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
+        self.weight = nnx.Param(jnp.ones((dim,), param_dtype), logical_axes=("norm",))
         self.eps = eps
 
     def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
@@ -61,8 +65,9 @@ def apply_rope(x_BxLxNxH: jax.Array, cos_BxLxH: jax.Array, sin_BxLxH: jax.Array)
     return x_BxLxNxH * cos_BxLxH[:, :, None, :] + rotated * sin_BxLxH[:, :, None, :]
 
 
-def _linear(din: int, dout: int, bias: bool, dtype, param_dtype, rngs: nnx.Rngs, std: float) -> nnx.Linear:
-    return nnx.Linear(
+def _linear(din: int, dout: int, bias: bool, dtype, param_dtype, rngs: nnx.Rngs, std: float, axes) -> nnx.Linear:
+    """nnx.Linear whose kernel (and bias) carry logical axis names for sharding (see jtrainer.sharding)."""
+    layer = nnx.Linear(
         din,
         dout,
         use_bias=bias,
@@ -71,6 +76,10 @@ def _linear(din: int, dout: int, bias: bool, dtype, param_dtype, rngs: nnx.Rngs,
         kernel_init=nnx.initializers.normal(std),
         rngs=rngs,
     )
+    layer.kernel.set_metadata(logical_axes=axes)
+    if bias:
+        layer.bias.set_metadata(logical_axes=axes[1:])
+    return layer
 
 
 class LlamaAttention(nnx.Module):
@@ -79,10 +88,10 @@ class LlamaAttention(nnx.Module):
         self.num_kv_heads = config.num_key_value_heads or config.num_attention_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         d, h, std, bias = config.hidden_size, self.head_dim, config.initializer_range, config.attention_bias
-        self.q_proj = _linear(d, self.num_heads * h, bias, dtype, param_dtype, rngs, std)
-        self.k_proj = _linear(d, self.num_kv_heads * h, bias, dtype, param_dtype, rngs, std)
-        self.v_proj = _linear(d, self.num_kv_heads * h, bias, dtype, param_dtype, rngs, std)
-        self.o_proj = _linear(self.num_heads * h, d, bias, dtype, param_dtype, rngs, std)
+        self.q_proj = _linear(d, self.num_heads * h, bias, dtype, param_dtype, rngs, std, ("embed", "heads"))
+        self.k_proj = _linear(d, self.num_kv_heads * h, bias, dtype, param_dtype, rngs, std, ("embed", "kv"))
+        self.v_proj = _linear(d, self.num_kv_heads * h, bias, dtype, param_dtype, rngs, std, ("embed", "kv"))
+        self.o_proj = _linear(self.num_heads * h, d, bias, dtype, param_dtype, rngs, std, ("heads", "embed"))
 
     def __call__(self, x_BxLxD, cos_BxLxH, sin_BxLxH, mask_Bx1xLxL):
         b, length, _ = x_BxLxD.shape
@@ -99,9 +108,9 @@ class LlamaMLP(nnx.Module):
         d, f, std, bias = config.hidden_size, config.intermediate_size, config.initializer_range, config.mlp_bias
         if config.hidden_act != "silu":
             raise ValueError(f"LlamaConfig.hidden_act={config.hidden_act!r} is not supported; use 'silu'.")
-        self.gate_proj = _linear(d, f, bias, dtype, param_dtype, rngs, std)
-        self.up_proj = _linear(d, f, bias, dtype, param_dtype, rngs, std)
-        self.down_proj = _linear(f, d, bias, dtype, param_dtype, rngs, std)
+        self.gate_proj = _linear(d, f, bias, dtype, param_dtype, rngs, std, ("embed", "mlp"))
+        self.up_proj = _linear(d, f, bias, dtype, param_dtype, rngs, std, ("embed", "mlp"))
+        self.down_proj = _linear(f, d, bias, dtype, param_dtype, rngs, std, ("mlp", "embed"))
 
     def __call__(self, x_BxLxD):
         return self.down_proj(jax.nn.silu(self.gate_proj(x_BxLxD)) * self.up_proj(x_BxLxD))
@@ -129,6 +138,7 @@ class LlamaModel(nnx.Module):
             embedding_init=nnx.initializers.normal(config.initializer_range),
             rngs=rngs,
         )
+        self.embed_tokens.embedding.set_metadata(logical_axes=("vocab", "embed"))
         self.layers = nnx.List(
             [
                 LlamaDecoderLayer(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -154,11 +164,13 @@ class LlamaModel(nnx.Module):
         mask = causal_LxL[None, None]
         if attention_mask_BxL is not None:
             mask = mask & attention_mask_BxL.astype(bool)[:, None, None, :]
+        x = constrain(x, ACTIVATION_AXES)
         for layer in self.layers:
             if self.gradient_checkpointing:
                 x = nnx.remat(lambda lyr, *a: lyr(*a))(layer, x, cos, sin, mask)
             else:
                 x = layer(x, cos, sin, mask)
+            x = constrain(x, ACTIVATION_AXES)
         return self.norm(x)
 
 
@@ -174,12 +186,28 @@ class LlamaForCausalLM(nnx.Module):
         self.model = LlamaModel(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         if not config.tie_word_embeddings:
             self.lm_head = _linear(
-                config.hidden_size, config.vocab_size, False, dtype, param_dtype, rngs, config.initializer_range
+                config.hidden_size,
+                config.vocab_size,
+                False,
+                dtype,
+                param_dtype,
+                rngs,
+                config.initializer_range,
+                ("embed", "vocab"),
             )
 
     @property
     def config(self) -> LlamaConfig:
         return self._config.config
+
+    def check_mesh(self, mesh) -> None:
+        """Tensor parallelism splits attention heads: the `tensor` axis must divide the number of heads."""
+        n, heads = mesh.shape[TENSOR], self.config.num_attention_heads
+        if heads % n:
+            raise ValueError(
+                f"Tensor parallel size {n} does not divide num_attention_heads={heads}: use a `tensor` mesh axis "
+                f"of at most {heads} that divides it (mesh_shape)."
+            )
 
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None) -> None:
         self.model.gradient_checkpointing = True
