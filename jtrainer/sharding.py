@@ -217,14 +217,6 @@ def data_parallel_size(mesh: Mesh) -> int:
     return mesh.shape[DATA] * mesh.shape[FSDP]
 
 
-def check_rows_divisible(rows: int, mesh: Mesh, what: str) -> None:
-    n = data_parallel_size(mesh)
-    if rows % n:
-        raise ValueError(
-            f"{what} of {rows} rows cannot be split over {n} data-parallel devices (data x fsdp): use a multiple of {n}."
-        )
-
-
 def check_length_divisible(length: int | None, mesh: Mesh) -> None:
     n = mesh.shape[SEQUENCE]
     if length is not None and length % n:
