@@ -255,7 +255,8 @@ class TrainingArguments(transformers.TrainingArguments):
 
     @property
     def local_process_index(self) -> int:
-        return 0
+        """This process's index on its machine (`jtrainer launch` sets it; one process per host elsewhere)."""
+        return int(os.environ.get("JTRAINER_LOCAL_PROCESS_ID", "0"))
 
     @property
     def parallel_mode(self):

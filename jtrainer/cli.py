@@ -1,4 +1,4 @@
-"""The `jtrainer` command: `jtrainer train [CONFIG.yaml] [--field value ...]`.
+"""The `jtrainer` command: `jtrainer train [CONFIG.yaml] [--field value ...]` and `jtrainer launch`.
 
 Model, data and training arguments are parsed by `transformers.HfArgumentParser`: a YAML file gives the values,
 command-line flags override them, and bad values fail with argparse's error naming the flag. Without a config
@@ -204,16 +204,33 @@ def parse_train_args(argv: list[str]):
     return parser.parse_args_into_dataclasses(args=argv)
 
 
+def run_launch(argv: list[str]) -> int:
+    from jtrainer.launch import launch
+
+    parser = argparse.ArgumentParser(prog="jtrainer launch", description="Run N processes of one job here.")
+    parser.add_argument("--num_processes", type=int, required=True)
+    parser.add_argument("--devices_per_process", type=int, default=None, help="simulated CPU devices each")
+    parser.add_argument("target", help="a .py script or a .yaml config for `jtrainer train`")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="passed on to the script or to `jtrainer train`")
+    ns = parser.parse_args(argv)
+    return launch(ns.target, ns.args, ns.num_processes, ns.devices_per_process)
+
+
+COMMANDS = ("train", "launch")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="jtrainer", description=__doc__.splitlines()[0])
-    parser.add_argument("command", choices=["train"], help="what to run")
+    parser.add_argument("command", choices=COMMANDS, help="what to run")
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
-    if command != "train":
-        parser.error(f"argument command: invalid choice: {command!r} (choose from 'train')")
+    if command not in COMMANDS:
+        parser.error(f"argument command: invalid choice: {command!r} (choose from {', '.join(COMMANDS)})")
+    if command == "launch":
+        return run_launch(rest)
     model_args, data_args, training_args = parse_train_args(rest)
     run_train(model_args, data_args, training_args)
     return 0

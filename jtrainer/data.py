@@ -188,13 +188,18 @@ class BatchLoader:
                 )
         return to_numpy_batch(self.collate(rows))
 
-    def __iter__(self) -> Iterator[tuple[Batch | None, int]]:
+    def __iter__(self) -> Iterator[tuple[Batch, int]]:
         start, stop = self.row_range
         for group in self._global_batches():
             mine = group[start:stop]
+            # A process with no rows of a ragged last batch collates the first row and keeps none of it: a
+            # zero-row batch with the right columns, which padding turns into all-padding rows.
+            keep = len(mine)
+            mine = mine or group[:1]
             if self.sized:
                 mine = [self.dataset[i] for i in mine]
-            yield (self._collate(mine) if mine else None), len(group)
+            batch = self._collate(mine)
+            yield {k: v[:keep] for k, v in batch.items()}, len(group)
 
 
 def pad_value(key: str, pad_token_id: int) -> int:
@@ -223,10 +228,9 @@ class ShapeKeeper:
     def __init__(self, rows: int, pad_token_id: int = 0, agree: Callable[[int], int] | None = None):
         self.rows, self.pad_token_id, self.agree = rows, pad_token_id, agree
         self.length: int | None = None
-        self.template: Batch | None = None
 
-    def sequence_length(self, batches: Sequence[Batch | None]) -> int | None:
-        lengths = [v.shape[1] for b in batches if b is not None for v in b.values() if v.ndim >= 2 and v.dtype.kind in "iub"]
+    def sequence_length(self, batches: Sequence[Batch]) -> int | None:
+        lengths = [v.shape[1] for b in batches for v in b.values() if v.ndim >= 2 and v.dtype.kind in "iub"]
         longest = max(lengths, default=0)
         if self.agree is not None:
             longest = self.agree(longest)
@@ -238,15 +242,8 @@ class ShapeKeeper:
             self.length = 1 << (longest - 1).bit_length()
         return self.length
 
-    def pad(self, batch: Batch | None, length: int | None) -> Batch:
-        """The batch padded to the static shape; an all-padding batch when this process has no rows."""
-        if batch is None:
-            if self.template is None:
-                raise ValueError(
-                    "This process received no rows in its first batch: the dataset has fewer rows than the "
-                    "data-parallel processes. Use a larger dataset or fewer processes."
-                )
-            return {k: np.full_like(v, pad_value(k, self.pad_token_id)) for k, v in self.template.items()}
+    def pad(self, batch: Batch, length: int | None) -> Batch:
+        """The batch padded to the static shape (a zero-row batch becomes all padding)."""
         n = next(iter(batch.values())).shape[0]
         if n > self.rows:
             raise ValueError(f"A batch has {n} rows, more than the batch size {self.rows}.")
@@ -259,14 +256,12 @@ class ShapeKeeper:
                 )
             seq = length if (value.ndim >= 2 and value.dtype.kind in "iub") else None
             out[key] = _pad_to(value, self.rows, seq, pad_value(key, self.pad_token_id))
-        self.template = out
         return out
 
 
-def check_same_keys(batches: Sequence[Batch | None]) -> None:
-    present = [b for b in batches if b is not None]
-    keys = set(present[0]) if present else set()
-    for b in present[1:]:
+def check_same_keys(batches: Sequence[Batch]) -> None:
+    keys = set(batches[0])
+    for b in batches[1:]:
         if set(b) != keys:
             raise ValueError(
                 f"Batches disagree on their columns: {sorted(keys)} vs {sorted(b)}. Every row needs the same keys."
@@ -274,7 +269,7 @@ def check_same_keys(batches: Sequence[Batch | None]) -> None:
 
 
 def assemble_window(
-    batches: Sequence[Batch | None], accumulation_steps: int, shapes: ShapeKeeper
+    batches: Sequence[Batch], accumulation_steps: int, shapes: ShapeKeeper
 ) -> tuple[Batch, np.ndarray]:
     """One optimizer step's micro-batches stacked to [accumulation_steps, rows, ...], padded, and their weights.
 

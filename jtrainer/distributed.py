@@ -40,6 +40,7 @@ def maybe_initialize() -> bool:
             num_processes=int(os.environ[ENV_NUM_PROCESSES]),
             process_id=int(os.environ[ENV_PROCESS_ID]),
             heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S,
+            shutdown_timeout_seconds=HEARTBEAT_TIMEOUT_S,
             initialization_timeout=120,
         )
         return True

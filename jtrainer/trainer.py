@@ -564,17 +564,22 @@ class Trainer:
             loader.set_epoch(epoch)
             skip = micro_steps_to_skip if epoch == epochs_trained else 0
             windows = self._windows(loader, updates_per_epoch, steps_in_epoch, skip, shapes, spec)
+            # With many processes, agreeing on shapes is a collective: it must run on the main thread, in step
+            # order with the train steps. On one process the background thread also pads and places batches.
+            in_background = jax.process_count() == 1
+            if in_background:
+                windows = ((b, self._step_batch(b, shapes, loader.batch_size)) for b in windows)
             step = skip - 1
             prefetch = data.Prefetcher(windows, args.prefetch_batches)
             try:
-                for batches, step_batch in prefetch:
+                for item in prefetch:
+                    batches, step_batch = item if in_background else (item, self._step_batch(item, shapes, loader.batch_size))
                     for i, batch in enumerate(batches):
                         step += 1
                         if i == 0:
                             self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
-                        if batch is not None:
-                            self.current_flos += float(self.floating_point_ops(batch))
-                            self._track_num_input_tokens(batch)
+                        self.current_flos += float(self.floating_point_ops(batch))
+                        self._track_num_input_tokens(batch)
                         if i < len(batches) - 1:
                             self.control = self.callback_handler.on_substep_end(args, self.state, self.control)
                     with self._mesh_context():
@@ -604,7 +609,7 @@ class Trainer:
         return self._finalize_training(trial, num_train_samples, start_time)
 
     def _windows(self, loader, updates_per_epoch, steps_in_epoch, skip, shapes, spec):
-        """Yield (micro-batches, StepBatch on devices) per optimizer step of one epoch: HF's get_batch_samples."""
+        """Yield each optimizer step's micro-batches (this process's rows) for one epoch: HF's get_batch_samples."""
         ga = self.args.gradient_accumulation_steps
         iterator = iter(loader)
         for _ in range(skip):
@@ -620,13 +625,17 @@ class Trainer:
                 batches.append(item[0])
             if not batches:
                 return
-            stacked, weights = data.assemble_window(batches, ga, shapes)
-            sharding.check_length_divisible(shapes.length, self.mesh)
-            step_batch = StepBatch(
-                inputs=sharding.put_global(stacked, self.mesh, row_dim=1, global_rows=loader.batch_size),
-                micro_weight=jax.device_put(weights, sharding.replicated(self.mesh)),
-            )
-            yield batches, step_batch
+            yield batches
+
+    def _step_batch(self, batches, shapes: data.ShapeKeeper, global_rows: int) -> StepBatch:
+        """Pad and stack one window, then place it on the mesh as global arrays."""
+        stacked, weights = data.assemble_window(batches, self.args.gradient_accumulation_steps, shapes)
+        sharding.check_length_divisible(shapes.length, self.mesh)
+        replicated = sharding.replicated(self.mesh)
+        return StepBatch(
+            inputs=sharding.put_global(stacked, self.mesh, row_dim=1, global_rows=global_rows),
+            micro_weight=jax.make_array_from_process_local_data(replicated, weights, weights.shape),
+        )
 
     def _track_num_input_tokens(self, batch: data.Batch) -> None:
         mode = self.args.include_num_input_tokens_seen
@@ -822,9 +831,8 @@ class Trainer:
             inputs = sharding.put_global(padded, self.mesh, row_dim=0, global_rows=dataloader.batch_size)
             with self._mesh_context():
                 out: EvalOutputs = step(params, model_state, inputs)
-            collated_len = distributed.agree_max(
-                max((v.shape[1] for v in (batch or {}).values() if v.ndim >= 2), default=0)
-            ) or None
+            collated_len = distributed.agree_max(max((v.shape[1] for v in batch.values() if v.ndim >= 2), default=0))
+            collated_len = collated_len or None
             if out.loss is not None:
                 losses.append(np.full(rows, float(out.loss), np.float64))
             batch_labels = padded.get(label_name)

@@ -28,12 +28,21 @@ def _hf_name(path: tuple) -> tuple[str, bool]:
     return ".".join([*module, leaf]), False
 
 
+def host_value(x) -> np.ndarray:
+    """The whole value of an array on this host; sharded arrays spanning processes are gathered."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(jax.device_get(x))
+
+
 def to_hf_state_dict(model: nnx.Module) -> dict[str, np.ndarray]:
     """HF-named numpy tensors of a model's parameters (gathered to this host)."""
     out = {}
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         name, transposed = _hf_name(path)
-        value = np.asarray(jax.device_get(var[...]))
+        value = host_value(var[...])
         out[name] = np.ascontiguousarray(value.T if transposed else value)
     return out
 

@@ -1,0 +1,74 @@
+"""Many processes, one program: `jtrainer launch` with 2 processes x 4 CPU devices equals 1 process x 8 devices,
+and a process that dies takes the others down with an error instead of a hang."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(__file__)
+JOB = os.path.join(HERE, "multihost_job.py")
+MESH = '{"data": 2, "fsdp": 4}'
+
+
+def _env(**extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JTRAINER_")}
+    env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+def test_two_processes_equal_one(tmp_path):
+    launched, single = tmp_path / "launched.npz", tmp_path / "single.npz"
+    jtrainer = [sys.executable, "-m", "jtrainer.cli"]
+    run = subprocess.run(
+        jtrainer + ["launch", "--num_processes", "2", "--devices_per_process", "4", JOB, str(launched), MESH],
+        env=_env(), capture_output=True, text=True, timeout=400,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    subprocess.run(
+        [sys.executable, JOB, str(single), MESH],
+        env=_env(XLA_FLAGS="--xla_force_host_platform_device_count=8"), check=True, capture_output=True, timeout=400,
+    )
+    a, b = np.load(launched), np.load(single)
+    assert int(a["processes"]) == 2 and int(b["processes"]) == 1
+    assert int(a["compiles"]) == int(b["compiles"]) == 1
+    np.testing.assert_allclose(a["losses"], b["losses"], rtol=1e-5)
+    np.testing.assert_allclose(float(a["eval_loss"]), float(b["eval_loss"]), rtol=1e-5)
+    params = [k for k in a.files if k.startswith("param:")]
+    assert params and set(params) == {k for k in b.files if k.startswith("param:")}
+    for key in params:
+        np.testing.assert_allclose(a[key], b[key], rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+def test_a_killed_process_makes_the_other_fail_fast(tmp_path):
+    out = tmp_path / "killed.npz"
+    port = 20000 + os.getpid() % 20000
+    procs = []
+    for i in range(2):
+        env = _env(
+            JTRAINER_COORDINATOR=f"127.0.0.1:{port}",
+            JTRAINER_NUM_PROCESSES="2",
+            JTRAINER_PROCESS_ID=str(i),
+            XLA_FLAGS="--xla_force_host_platform_device_count=4",
+        )
+        procs.append(subprocess.Popen([sys.executable, JOB, str(out), MESH, "100000"], env=env,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    marker = tmp_path / "killed.npz.step1"
+    deadline = time.monotonic() + 300
+    while not marker.exists():
+        assert time.monotonic() < deadline, "training never started"
+        assert all(p.poll() is None for p in procs), "a process ended before training"
+        time.sleep(0.5)
+    procs[1].send_signal(signal.SIGKILL)
+    killed_at = time.monotonic()
+    try:
+        code = procs[0].wait(timeout=60)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert code != 0
+    assert time.monotonic() - killed_at < 60
