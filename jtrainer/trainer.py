@@ -178,6 +178,7 @@ class Trainer:
         self.hp_name = None
         self._trial = None
         self._train_state: TrainState | None = None
+        self._last_step_batch: StepBatch | None = None
         self._plateau: optim.PlateauScheduler | None = None
         self._compiled: dict[Any, Callable] = {}
         self.current_flos = 0.0
@@ -584,6 +585,7 @@ class Trainer:
                             self.control = self.callback_handler.on_substep_end(args, self.state, self.control)
                     with self._mesh_context():
                         self._train_state, metrics = train_step(self._train_state, step_batch)
+                    self._last_step_batch = step_batch
                     self._pending_losses.append(metrics["loss"])
                     self.control = self.callback_handler.on_pre_optimizer_step(args, self.state, self.control)
                     self.control = self.callback_handler.on_optimizer_step(args, self.state, self.control)
@@ -694,6 +696,8 @@ class Trainer:
         self.store_flos()
         metrics["total_flos"] = self.state.total_flos
         metrics["train_loss"] = train_loss
+        if not self.args.skip_memory_metrics:
+            metrics.update(self.memory_report())
         self._sync_model()
         self.log(metrics)
         if self.args.load_best_model_at_end and self.state.best_model_checkpoint is not None:
@@ -709,6 +713,24 @@ class Trainer:
                     shutil.rmtree(folder, ignore_errors=True)
         self.control = self.callback_handler.on_train_end(self.args, self.state, self.control)
         return TrainOutput(self.state.global_step, train_loss, metrics)
+
+    def memory_report(self, prefix: str = "train") -> dict[str, int]:
+        """Bytes per device of parameters and optimizer state (from their shards), the step's temporaries
+        (activations, from XLA's memory analysis of the compiled step) and this host's peak resident memory."""
+        import resource
+
+        state = self._train_state
+        report = {
+            f"{prefix}_mem_params_bytes_per_device": max(sharding.per_device_bytes(state.params).values()),
+            f"{prefix}_mem_optimizer_bytes_per_device": max(sharding.per_device_bytes(state.opt_state).values(), default=0),
+        }
+        if self._last_step_batch is not None:
+            with self._mesh_context():
+                analysis = self._train_step.lower(state, self._last_step_batch).compile().memory_analysis()
+            if analysis is not None:
+                report[f"{prefix}_mem_activations_bytes_per_device"] = int(analysis.temp_size_in_bytes)
+        report[f"{prefix}_mem_host_peak_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return report
 
     def store_flos(self) -> None:
         self.state.total_flos += distributed.agree_sum(self.current_flos)

@@ -130,3 +130,22 @@ def test_dropout_randomness_is_derived_from_seed_and_step():
     assert a == b  # same seed, same masks, bit for bit
     assert a[0] != c[0]  # another seed, other masks
     assert len(set(a[0])) == len(a[0])  # a fresh mask at every step (losses all differ)
+
+
+def test_gradient_checkpointing_and_memory_report():
+    rows = token_rows(16)
+    plain = Trainer(_model(), _args(skip_memory_metrics=False), train_dataset=rows)
+    out_plain = plain.train()
+    remat = Trainer(_model(), _args(activation_checkpointing=True,
+                                    activation_checkpointing_kwargs={"policy": "nothing_saveable"}),
+                    train_dataset=rows)
+    remat.train()
+    assert _losses(remat) == pytest.approx(_losses(plain), rel=1e-5)  # remat changes memory, not results
+    assert remat.model.model.remat_policy == "nothing_saveable"
+    m = out_plain.metrics
+    n_params = plain.get_num_trainable_parameters()
+    assert m["train_mem_params_bytes_per_device"] == 4 * n_params
+    assert m["train_mem_optimizer_bytes_per_device"] >= 2 * 4 * n_params  # AdamW's two moments
+    assert m["train_mem_activations_bytes_per_device"] > 0 and m["train_mem_host_peak_bytes"] > 0
+    with pytest.raises(ValueError, match="checkpoint_policies"):
+        _model().gradient_checkpointing_enable({"policy": "save_everything_please"})

@@ -149,6 +149,7 @@ class LlamaModel(nnx.Module):
         self.rope_theta = rope_theta(config)
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.gradient_checkpointing = False
+        self.remat_policy: str | None = None
 
     def __call__(self, input_ids_BxL, attention_mask_BxL=None, position_ids_BxL=None):
         b, length = input_ids_BxL.shape
@@ -167,7 +168,8 @@ class LlamaModel(nnx.Module):
         x = constrain(x, ACTIVATION_AXES)
         for layer in self.layers:
             if self.gradient_checkpointing:
-                x = nnx.remat(lambda lyr, *a: lyr(*a))(layer, x, cos, sin, mask)
+                policy = getattr(jax.checkpoint_policies, self.remat_policy) if self.remat_policy else None
+                x = nnx.remat(lambda lyr, *a: lyr(*a), policy=policy)(layer, x, cos, sin, mask)
             else:
                 x = layer(x, cos, sin, mask)
             x = constrain(x, ACTIVATION_AXES)
@@ -210,7 +212,16 @@ class LlamaForCausalLM(nnx.Module):
             )
 
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None) -> None:
+        """Remat each decoder layer; `{"policy": NAME}` picks a `jax.checkpoint_policies` policy (default:
+        save nothing, recompute everything)."""
+        policy = (gradient_checkpointing_kwargs or {}).get("policy")
+        if policy is not None and not hasattr(jax.checkpoint_policies, policy):
+            raise ValueError(
+                f"activation_checkpointing_kwargs policy={policy!r} is not a jax.checkpoint_policies name, e.g. "
+                "'dots_saveable', 'nothing_saveable', 'dots_with_no_batch_dims_saveable'."
+            )
         self.model.gradient_checkpointing = True
+        self.model.remat_policy = policy
 
     def __call__(
         self,
