@@ -1,53 +1,205 @@
-"""`checkpoint-N/` folders: orbax train state + HF's JSON files + an HF-format model export.
+"""`checkpoint-N/` folders: committed atomically, checked on restore, rotated only after a successor exists.
 
 Layout of `output_dir/checkpoint-{global_step}/`:
-  train_state/          orbax: params, optimizer state, step, model state (omitted with save_only_model)
+  train_state/          orbax: params, optimizer state, step, rng, model state (omitted with save_only_model);
+                        every process writes its own shards
   config.json, model.safetensors   the model in HF format (what `from_pretrained` reads)
   trainer_state.json    HF's TrainerState
   training_args.json    the TrainingArguments (HF writes a torch pickle, training_args.bin, instead)
+  manifest.json         sha256 and size of every other file
+  commit_success.json   written last: the checkpoint is complete
 
-Orbax writes each state to a temporary folder and renames it when complete, so a reader never sees half a
-state; older checkpoints are only rotated away after the new one exists.
+Everything is written into `checkpoint-N.tmp/` and renamed to `checkpoint-N/` only when complete (a rename is
+atomic), so a reader never sees half a checkpoint and a crash leaves only a `.tmp` folder, which is removed at
+the next start.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 import os
+import re
+import shutil
+import time
+from collections.abc import Callable
 
 import jax
 import orbax.checkpoint as ocp
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, rotate_checkpoints
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+
+logger = logging.getLogger(__name__)
 
 TRAIN_STATE_DIR = "train_state"
 TRAINER_STATE_NAME = "trainer_state.json"
 TRAINING_ARGS_NAME = "training_args.json"
+MANIFEST_NAME = "manifest.json"
+COMMIT_NAME = "commit_success.json"
+TMP_SUFFIX = ".tmp"
+# Test seam: seconds to wait between writing everything and the commit (to kill a process mid-save).
+PAUSE_ENV = "JTRAINER_TEST_PAUSE_BEFORE_COMMIT"
 
 __all__ = [
-    "PREFIX_CHECKPOINT_DIR",
-    "TRAINER_STATE_NAME",
+    "CheckpointIntegrityError",
     "checkpoint_folder",
     "get_last_checkpoint",
     "restore_train_state",
     "rotate_checkpoints",
-    "save_train_state",
+    "save_checkpoint",
+    "verify_checkpoint",
 ]
+
+
+class CheckpointIntegrityError(ValueError):
+    """A checkpoint folder is incomplete or corrupted; the message names the folder and the file."""
 
 
 def checkpoint_folder(run_dir: str, global_step: int) -> str:
     return os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{global_step}")
 
 
-def save_train_state(directory: str, train_state) -> None:
-    """Write the train state with orbax (every process writes its own shards) and wait for the commit."""
-    checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(os.path.abspath(os.path.join(directory, TRAIN_STATE_DIR)), train_state, force=True)
-    checkpointer.wait_until_finished()
+def _barrier(name: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _files(folder: str) -> list[str]:
+    out = []
+    for root, _, names in os.walk(folder):
+        for name in names:
+            rel = os.path.relpath(os.path.join(root, name), folder)
+            if rel not in (MANIFEST_NAME, COMMIT_NAME):
+                out.append(rel)
+    return sorted(out)
+
+
+def write_manifest(folder: str) -> None:
+    entries = {
+        rel: {"sha256": _sha256(os.path.join(folder, rel)), "bytes": os.path.getsize(os.path.join(folder, rel))}
+        for rel in _files(folder)
+    }
+    with open(os.path.join(folder, MANIFEST_NAME), "w") as f:
+        json.dump(entries, f, indent=1, sort_keys=True)
+
+
+def verify_checkpoint(folder: str) -> None:
+    """Raise CheckpointIntegrityError naming the file if `folder` is uncommitted, truncated or corrupted."""
+    if not os.path.isfile(os.path.join(folder, COMMIT_NAME)):
+        raise CheckpointIntegrityError(f"Checkpoint {folder} is not committed: {COMMIT_NAME} is missing.")
+    manifest_path = os.path.join(folder, MANIFEST_NAME)
+    if not os.path.isfile(manifest_path):
+        raise CheckpointIntegrityError(f"Checkpoint {folder} has no {MANIFEST_NAME}.")
+    with open(manifest_path) as f:
+        manifest = json.load(f)
+    for rel, entry in manifest.items():
+        path = os.path.join(folder, rel)
+        if not os.path.isfile(path):
+            raise CheckpointIntegrityError(f"Checkpoint {folder}: file {rel} is missing.")
+        size = os.path.getsize(path)
+        if size != entry["bytes"]:
+            raise CheckpointIntegrityError(
+                f"Checkpoint {folder}: file {rel} has {size} bytes, {entry['bytes']} were written (truncated?)."
+            )
+        if _sha256(path) != entry["sha256"]:
+            raise CheckpointIntegrityError(f"Checkpoint {folder}: file {rel} does not match its checksum.")
+
+
+def save_checkpoint(
+    folder: str, train_state, write_files: Callable[[str], None], is_main: bool, step: int
+) -> None:
+    """Write a checkpoint into `folder.tmp`, then commit it by renaming to `folder` (see the module doc)."""
+    tmp = folder + TMP_SUFFIX
+    if is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    _barrier(f"jtrainer_ckpt_begin_{step}")
+    if train_state is not None:
+        checkpointer = ocp.StandardCheckpointer()
+        checkpointer.save(os.path.abspath(os.path.join(tmp, TRAIN_STATE_DIR)), train_state)
+        checkpointer.wait_until_finished()
+    _barrier(f"jtrainer_ckpt_written_{step}")
+    if is_main:
+        write_files(tmp)
+        write_manifest(tmp)
+        pause = float(os.environ.get(PAUSE_ENV, "0") or 0)
+        if pause:
+            open(os.path.join(tmp, "paused"), "w").close()
+            time.sleep(pause)
+        with open(os.path.join(tmp, COMMIT_NAME), "w") as f:
+            json.dump({"global_step": step, "time": time.time()}, f)
+        if os.path.exists(folder):
+            shutil.rmtree(folder)
+        os.rename(tmp, folder)
+    _barrier(f"jtrainer_ckpt_committed_{step}")
+
+
+def remove_uncommitted(run_dir: str) -> list[str]:
+    """Delete the `.tmp` folders a crash left behind; returns their paths."""
+    if not os.path.isdir(run_dir):
+        return []
+    removed = []
+    for name in os.listdir(run_dir):
+        if name.startswith(PREFIX_CHECKPOINT_DIR + "-") and name.endswith(TMP_SUFFIX):
+            path = os.path.join(run_dir, name)
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def get_last_checkpoint(folder: str) -> str | None:
+    """HF's get_last_checkpoint, skipping checkpoints that are not committed or fail their checksums."""
+    if not os.path.isdir(folder):
+        return None
+    pattern = re.compile(r"^" + PREFIX_CHECKPOINT_DIR + r"\-(\d+)$")
+    candidates = sorted(
+        (int(m.group(1)), name) for name in os.listdir(folder) if (m := pattern.match(name))
+    )
+    for _, name in reversed(candidates):
+        path = os.path.join(folder, name)
+        try:
+            verify_checkpoint(path)
+        except CheckpointIntegrityError as e:
+            logger.warning("Skipping %s: %s", path, e)
+            continue
+        return path
+    return None
+
+
+def _shapes_by_path(tree) -> dict[str, tuple]:
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {
+        ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path): tuple(getattr(leaf, "shape", ()))
+        for path, leaf in flat
+    }
 
 
 def restore_train_state(directory: str, like):
-    """Read a train state saved by `save_train_state`, placed like the abstract or concrete pytree `like`."""
+    """Read a train state saved by `save_checkpoint`, placed (and resharded) like the pytree `like`."""
+    verify_checkpoint(directory)
     path = os.path.abspath(os.path.join(directory, TRAIN_STATE_DIR))
     if not os.path.isdir(path):
         raise FileNotFoundError(f"Can't find a valid checkpoint at {directory}")
+    checkpointer = ocp.StandardCheckpointer()
+    saved = _shapes_by_path(checkpointer.metadata(path).item_metadata.tree["params"])
+    wanted = _shapes_by_path(like.params)
+    for name, shape in wanted.items():
+        if name in saved and saved[name] != shape:
+            raise ValueError(
+                f"Checkpoint {directory}: parameter {name} has shape {saved[name]} but the model's has shape {shape}."
+            )
+    missing = sorted(set(wanted) - set(saved))
+    if missing:
+        raise ValueError(f"Checkpoint {directory} has no parameters {missing[:5]}: it was saved from another model.")
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
-    return ocp.StandardCheckpointer().restore(path, abstract)
+    return checkpointer.restore(path, abstract)

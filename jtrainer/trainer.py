@@ -472,14 +472,16 @@ class Trainer:
         if args.activation_checkpointing and hasattr(self.model, "gradient_checkpointing_enable"):
             self.model.gradient_checkpointing_enable(args.activation_checkpointing_kwargs)
         if resume_from_checkpoint is True:
-            found = os.path.isdir(args.output_dir) and checkpoint.get_last_checkpoint(args.output_dir)
-            resume_from_checkpoint = found or None
+            resume_from_checkpoint = checkpoint.get_last_checkpoint(args.output_dir)
             if resume_from_checkpoint is None:
                 raise ValueError(f"No valid checkpoint found in output directory ({args.output_dir})")
         if resume_from_checkpoint and not os.path.isfile(
             os.path.join(resume_from_checkpoint, checkpoint.TRAINER_STATE_NAME)
         ):
             raise ValueError(f"Can't find a valid checkpoint at {resume_from_checkpoint}")
+        if self.args.should_save:
+            for path in checkpoint.remove_uncommitted(args.output_dir):
+                logger.warning("Removed %s, a checkpoint that was never committed.", path)
         if args.jax_compilation_cache_dir:
             jax.config.update("jax_compilation_cache_dir", args.jax_compilation_cache_dir)
         return self._inner_training_loop(resume_from_checkpoint or None, trial, ignore_keys_for_eval)
@@ -936,41 +938,94 @@ class Trainer:
         run_dir = self._get_output_dir(trial)
         folder = checkpoint.checkpoint_folder(run_dir, self.state.global_step)
         self.store_flos()
-        self._sync_model()
-        self.save_model(folder)
+        if not self._params_finite():
+            logger.error(
+                "Parameters are not finite at step %d: not writing %s (earlier checkpoints are kept).",
+                self.state.global_step,
+                folder,
+            )
+            return
+        tensors = self._hf_tensors()  # on many hosts a collective: every process takes part
         if self.state.best_global_step:
             best = checkpoint.checkpoint_folder(run_dir, self.state.best_global_step)
-            if os.path.exists(best):
+            if best == folder or os.path.exists(best):
                 self.state.best_model_checkpoint = best
-        if not self.args.save_only_model:
-            checkpoint.save_train_state(folder, self._train_state)
+        for cb in [c for c in self.callback_handler.callbacks + [self.control] if isinstance(c, ExportableState)]:
+            name, cb_state = cb.__class__.__name__, cb.state()
+            if isinstance(self.state.stateful_callbacks.get(name), list):
+                self.state.stateful_callbacks[name].append(cb_state)
+            else:
+                self.state.stateful_callbacks[name] = cb_state
+
+        def write_files(tmp: str) -> None:
+            self._write_model(tmp, tensors)
+            self.state.save_to_json(os.path.join(tmp, checkpoint.TRAINER_STATE_NAME))
+
+        train_state = None if self.args.save_only_model else self._train_state
+        checkpoint.save_checkpoint(folder, train_state, write_files, self.args.should_save, self.state.global_step)
         if self.args.should_save:
-            for cb in [c for c in self.callback_handler.callbacks + [self.control] if isinstance(c, ExportableState)]:
-                name, cb_state = cb.__class__.__name__, cb.state()
-                if isinstance(self.state.stateful_callbacks.get(name), list):
-                    self.state.stateful_callbacks[name].append(cb_state)
-                else:
-                    self.state.stateful_callbacks[name] = cb_state
-            self.state.save_to_json(os.path.join(folder, checkpoint.TRAINER_STATE_NAME))
-            with open(os.path.join(folder, checkpoint.TRAINING_ARGS_NAME), "w") as f:
-                f.write(self.args.to_json_string())
             checkpoint.rotate_checkpoints(
                 run_dir, self.args.save_total_limit, best_model_checkpoint=self.state.best_model_checkpoint
             )
 
+    def _params_finite(self) -> bool:
+        if self._train_state is None:
+            return True
+        leaves = jax.tree.leaves(self._train_state.params)
+        return bool(jax.jit(lambda xs: jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs])))(leaves))
+
     def _resume(self, folder: str, train_state: TrainState, updates_per_epoch: int):
-        self.state = TrainerState.load_from_json(os.path.join(folder, checkpoint.TRAINER_STATE_NAME))
-        self.state.max_steps = self.args.max_steps if self.args.max_steps > 0 else self.state.max_steps
         if not os.path.isdir(os.path.join(folder, checkpoint.TRAIN_STATE_DIR)):
             raise ValueError(
                 f"Can't find a valid checkpoint at {folder}: it has no train state (saved with save_only_model?)."
             )
         train_state = checkpoint.restore_train_state(folder, train_state)
+        self.state = TrainerState.load_from_json(os.path.join(folder, checkpoint.TRAINER_STATE_NAME))
+        if self.state.best_model_checkpoint is not None and not os.path.isdir(self.state.best_model_checkpoint):
+            logger.warning(
+                f"The best checkpoint {self.state.best_model_checkpoint} recorded in the resumed state does not "
+                "exist anymore. Ignoring it for this run."
+            )
+            self.state.best_model_checkpoint = None
+        self._warn_changed_args(folder)
+        if self.args.restore_callback_states_from_checkpoint:
+            self._load_callback_state()
         epochs_trained = self.state.global_step // updates_per_epoch
         skip = 0
         if not self.args.ignore_data_skip:
             skip = (self.state.global_step % updates_per_epoch) * self.args.gradient_accumulation_steps
         return train_state, epochs_trained, skip
+
+    def _warn_changed_args(self, folder: str) -> None:
+        """HF's compare_trainer_and_checkpoint_args: warn when batch-shaping arguments changed."""
+        for name in ("logging_steps", "eval_steps", "save_steps"):
+            saved, now = getattr(self.state, name, None), getattr(self.args, name)
+            if saved is not None and now is not None and saved != now and now >= 1:
+                logger.warning(
+                    f"You are resuming training from a checkpoint trained with {name}={saved} but your current "
+                    f"args have {name}={now}. Using {now}."
+                )
+        if self.state.train_batch_size is not None:
+            now = self.get_train_dataloader().batch_size // self.args.world_size
+            if now != self.state.train_batch_size:
+                logger.warning(
+                    f"You are resuming training from a checkpoint trained with a batch size of "
+                    f"{self.state.train_batch_size}, but your current batch size is {now}. Using {now}."
+                )
+
+    def _load_callback_state(self) -> None:
+        """HF's restore_callback_states_from_checkpoint: restore ExportableState callbacks by class name."""
+        saved = self.state.stateful_callbacks or {}
+        for cb in self.callback_handler.callbacks + [self.control]:
+            if not isinstance(cb, ExportableState):
+                continue
+            entry = saved.get(cb.__class__.__name__)
+            entry = entry[-1] if isinstance(entry, list) and entry else entry
+            if isinstance(entry, dict):
+                for key, value in entry.get("args", {}).items():
+                    setattr(cb, key, value)
+                for key, value in entry.get("attributes", {}).items():
+                    setattr(cb, key, value)
 
     def _load_best_model(self) -> None:
         best = self.state.best_model_checkpoint
@@ -982,24 +1037,37 @@ class Trainer:
 
             hf_io.load_weights(self.model, best)
 
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """The model in HF format (config.json + safetensors) and the tokenizer, as PyTorch transformers loads it."""
-        output_dir = output_dir or self.args.output_dir
+    def _hf_tensors(self) -> dict[str, np.ndarray] | None:
+        """The model's weights as HF-named host arrays (gathered from every process), if the model is ours."""
         self._sync_model()
-        if not self.args.should_save:
-            return
+        if getattr(self.model, "save_pretrained", None) is not None and not hasattr(self.model, "config"):
+            return None
+        from jtrainer.models import hf_io
+
+        return hf_io.to_hf_state_dict(self.model)
+
+    def _write_model(self, output_dir: str, tensors) -> None:
+        from jtrainer.models import hf_io
+
         os.makedirs(output_dir, exist_ok=True)
-        if hasattr(self.model, "save_pretrained"):
+        if tensors is None:
             self.model.save_pretrained(output_dir)
+        elif hasattr(self.model, "config"):
+            hf_io.write_hf_folder(self.model.config, tensors, output_dir)
         else:
-            from jtrainer.models import hf_io
             from safetensors.numpy import save_file
 
-            save_file(hf_io.to_hf_state_dict(self.model), os.path.join(output_dir, hf_io.WEIGHTS_NAME))
+            save_file(tensors, os.path.join(output_dir, hf_io.WEIGHTS_NAME), metadata={"format": "pt"})
         if self.processing_class is not None and hasattr(self.processing_class, "save_pretrained"):
             self.processing_class.save_pretrained(output_dir)
         with open(os.path.join(output_dir, checkpoint.TRAINING_ARGS_NAME), "w") as f:
             f.write(self.args.to_json_string())
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """The model in HF format (config.json + safetensors) and the tokenizer, as PyTorch transformers loads it."""
+        tensors = self._hf_tensors()
+        if self.args.should_save:
+            self._write_model(output_dir or self.args.output_dir, tensors)
 
     def save_state(self) -> None:
         if self.args.should_save:

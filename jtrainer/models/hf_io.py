@@ -49,9 +49,12 @@ def to_hf_state_dict(model: nnx.Module) -> dict[str, np.ndarray]:
 
 def save_pretrained(model: nnx.Module, save_directory: str, max_shard_size: int = 5 * 1024**3) -> None:
     """config.json + model.safetensors (sharded with an index past `max_shard_size` bytes), as HF writes them."""
+    write_hf_folder(model.config, to_hf_state_dict(model), save_directory, max_shard_size)
+
+
+def write_hf_folder(config, tensors: dict[str, np.ndarray], save_directory: str, max_shard_size: int = 5 * 1024**3):
     os.makedirs(save_directory, exist_ok=True)
-    model.config.save_pretrained(save_directory)
-    tensors = to_hf_state_dict(model)
+    config.save_pretrained(save_directory)
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
     for name, value in tensors.items():
