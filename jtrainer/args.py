@@ -32,7 +32,6 @@ IGNORED_FIELDS: dict[str, str] = {
     "liger_kernel_config": "Liger kernels are Triton kernels for torch",
     "log_on_each_node": "only process 0 logs",
     "eval_use_gather_object": "predictions are gathered as global jax.Arrays",
-    "enable_jit_checkpoint": "preemption checkpoints are not implemented yet",
     "push_to_hub": "no hub upload is implemented yet; save_model writes the HF folder to upload",
     "hub_token": "no hub upload is implemented yet",
     "hub_private_repo": "no hub upload is implemented yet",
@@ -94,6 +93,15 @@ class TrainingArguments(transformers.TrainingArguments):
         metadata={
             "help": 'Overrides of the logical-axis -> mesh-axis table, e.g. {"mlp": "fsdp", "vocab": null}. '
             "See jtrainer.sharding.DEFAULT_RULES."
+        },
+    )
+    nan_inf_policy: str = field(
+        default="log",
+        metadata={
+            "help": "What a non-finite loss or update does: 'log' (HF's behaviour: logged, and "
+            "logging_nan_inf_filter affects logs only), 'skip' (the update is skipped, counted as "
+            "skipped_updates in the logs), 'error' (training stops with an error naming the step).",
+            "choices": ["log", "skip", "error"],
         },
     )
     prefetch_batches: int = field(
@@ -216,6 +224,8 @@ class TrainingArguments(transformers.TrainingArguments):
         for name in ("per_device_train_batch_size", "per_device_eval_batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}.")
+        if self.nan_inf_policy not in ("log", "skip", "error"):
+            raise ValueError(f"--nan_inf_policy must be 'log', 'skip' or 'error', got {self.nan_inf_policy!r}.")
         if self.prefetch_batches < 0:
             raise ValueError(f"--prefetch_batches must be >= 0, got {self.prefetch_batches}.")
 

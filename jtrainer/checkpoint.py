@@ -132,7 +132,7 @@ def save_checkpoint(
     if is_main:
         write_files(tmp)
         write_manifest(tmp)
-        pause = float(os.environ.get(PAUSE_ENV, "0") or 0)
+        pause = _test_pause(step)
         if pause:
             open(os.path.join(tmp, "paused"), "w").close()
             time.sleep(pause)
@@ -142,6 +142,15 @@ def save_checkpoint(
             shutil.rmtree(folder)
         os.rename(tmp, folder)
     _barrier(f"jtrainer_ckpt_committed_{step}")
+
+
+def _test_pause(step: int) -> float:
+    """`JTRAINER_TEST_PAUSE_BEFORE_COMMIT` = "SECONDS" (every save) or "STEP:SECONDS" (that step's save)."""
+    value = os.environ.get(PAUSE_ENV, "")
+    if not value:
+        return 0.0
+    at, _, seconds = value.rpartition(":")
+    return float(seconds) if (not at or int(at) == step) else 0.0
 
 
 def remove_uncommitted(run_dir: str) -> list[str]:

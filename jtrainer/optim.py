@@ -350,7 +350,29 @@ def make_optimizer(args, schedule: Schedule | float, mask) -> optax.GradientTran
     return optax.inject_hyperparams(factory)(learning_rate=schedule)
 
 
+def find_hyperparams(opt_state) -> dict | None:
+    """inject_hyperparams' dict of the (possibly wrapped, e.g. apply_if_finite) optimizer state."""
+    while opt_state is not None:
+        hyper = getattr(opt_state, "hyperparams", None)
+        if hyper is not None:
+            return hyper
+        opt_state = getattr(opt_state, "inner_state", None)
+    return None
+
+
+def replace_hyperparam(opt_state, name: str, value):
+    """The optimizer state with one injected hyperparameter replaced (through wrappers)."""
+    if getattr(opt_state, "hyperparams", None) is not None:
+        return opt_state._replace(hyperparams={**opt_state.hyperparams, name: value})
+    return opt_state._replace(inner_state=replace_hyperparam(opt_state.inner_state, name, value))
+
+
 def current_learning_rate(opt_state) -> jax.Array | None:
     """The rate that the last update used (inject_hyperparams keeps it in the state)."""
-    hyper = getattr(opt_state, "hyperparams", None)
+    hyper = find_hyperparams(opt_state)
     return None if hyper is None else hyper.get("learning_rate")
+
+
+def skip_non_finite(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+    """Updates with a NaN or Inf are skipped (parameters and moments unchanged) and counted."""
+    return optax.apply_if_finite(tx, max_consecutive_errors=2**31 - 1)

@@ -18,6 +18,7 @@ import optax
 from flax import nnx
 
 from jtrainer.losses import IGNORE_INDEX, count_label_tokens, shift_labels, token_cross_entropy_sum
+from jtrainer.optim import current_learning_rate
 from jtrainer.state import TrainState
 
 
@@ -170,9 +171,11 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, spec: LossSpec, 
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = {"loss": loss, "grad_norm": grad_norm}
-        hyper = getattr(opt_state, "hyperparams", None)
-        if hyper is not None and "learning_rate" in hyper:
-            metrics["learning_rate"] = jnp.asarray(hyper["learning_rate"], jnp.float32)
+        lr = current_learning_rate(opt_state)
+        if lr is not None:
+            metrics["learning_rate"] = jnp.asarray(lr, jnp.float32)
+        if hasattr(opt_state, "total_notfinite"):
+            metrics["skipped_updates"] = opt_state.total_notfinite
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state, model_state=model_state)
         return new_state, metrics
 

@@ -14,7 +14,9 @@ import json
 import logging
 import math
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -484,7 +486,37 @@ class Trainer:
                 logger.warning("Removed %s, a checkpoint that was never committed.", path)
         if args.jax_compilation_cache_dir:
             jax.config.update("jax_compilation_cache_dir", args.jax_compilation_cache_dir)
-        return self._inner_training_loop(resume_from_checkpoint or None, trial, ignore_keys_for_eval)
+        with self._preemption_handler():
+            return self._inner_training_loop(resume_from_checkpoint or None, trial, ignore_keys_for_eval)
+
+    @contextlib.contextmanager
+    def _preemption_handler(self):
+        """SIGTERM (the preemption notice of TPU VMs and schedulers) asks for a checkpoint and a clean exit."""
+        self._sigterm = False
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def on_sigterm(signum, frame):
+            logger.warning("SIGTERM received: saving a checkpoint after the current step, then exiting.")
+            self._sigterm = True
+
+        previous = signal.signal(signal.SIGTERM, on_sigterm)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+    def _exit_if_preempted(self, trial) -> None:
+        """After a step: if any process got SIGTERM, all save this step's checkpoint and exit with code 0."""
+        if not distributed.agree_max(int(self._sigterm)):
+            return
+        folder = checkpoint.checkpoint_folder(self._get_output_dir(trial), self.state.global_step)
+        if not os.path.isdir(folder):
+            self._save_checkpoint(trial)
+            self.control = self.callback_handler.on_save(self.args, self.state, self.control)
+        logger.warning("Preempted: saved %s; resume with train(resume_from_checkpoint=True).", folder)
+        raise SystemExit(0)
 
     def _training_values(self, loader: data.BatchLoader) -> tuple[int, int, int, int, int]:
         """HF's set_initial_training_values: (epochs, updates/epoch, micro-batches/epoch, max_steps, samples)."""
@@ -534,7 +566,8 @@ class Trainer:
 
         self.create_optimizer_and_scheduler(max_steps)
         self.callback_handler.optimizer, self.callback_handler.lr_scheduler = self.optimizer, self.lr_scheduler
-        train_state = self._initial_train_state(self.optimizer)
+        tx = optim.skip_non_finite(self.optimizer) if args.nan_inf_policy == "skip" else self.optimizer
+        train_state = self._initial_train_state(tx)
         epochs_trained, micro_steps_to_skip = 0, 0
         if resume_from_checkpoint is not None:
             train_state, epochs_trained, micro_steps_to_skip = self._resume(
@@ -543,8 +576,8 @@ class Trainer:
         self._train_state = train_state
         graphdef = nnx.split(self.model, nnx.Param, ...)[0]
         train_step = jax.jit(
-            make_train_step(graphdef, self.optimizer, spec, args.max_grad_norm),
-            out_shardings=(self._state_shardings(self.optimizer, train_state.params), sharding.replicated(self.mesh)),
+            make_train_step(graphdef, tx, spec, args.max_grad_norm),
+            out_shardings=(self._state_shardings(tx, train_state.params), sharding.replicated(self.mesh)),
             donate_argnums=(0,),
         )
         self._train_step = train_step
@@ -595,6 +628,7 @@ class Trainer:
                     self.state.epoch = epoch + (step + 1) / steps_in_epoch
                     self.control = self.callback_handler.on_step_end(args, self.state, self.control)
                     self._maybe_log_save_evaluate(metrics, trial, epoch, ignore_keys_for_eval, start_time)
+                    self._exit_if_preempted(trial)
                     if self.control.should_epoch_stop or self.control.should_training_stop:
                         break
             finally:
@@ -657,6 +691,11 @@ class Trainer:
         steps_before = self._globalstep_last_logged
         for i, value in enumerate(jax.device_get(self._pending_losses)):
             value = float(value)
+            if self.args.nan_inf_policy == "error" and not math.isfinite(value):
+                raise FloatingPointError(
+                    f"The loss of step {steps_before + i + 1} is {value} (nan_inf_policy='error'). Lower the "
+                    "learning rate, clip gradients (max_grad_norm) or use nan_inf_policy='skip'."
+                )
             if self.args.logging_nan_inf_filter and not math.isfinite(value):
                 total += total / (1 + (steps_before + i) - self._globalstep_last_logged)
             else:
@@ -672,6 +711,8 @@ class Trainer:
             logs["grad_norm"] = float(host["grad_norm"])
             if "learning_rate" in host:
                 logs["learning_rate"] = float(host["learning_rate"])
+            if "skipped_updates" in host:
+                logs["skipped_updates"] = int(host["skipped_updates"])
             self._total_loss_scalar += tr_loss
             self._globalstep_last_logged = self.state.global_step
             self.store_flos()
@@ -766,14 +807,13 @@ class Trainer:
 
     def _step_plateau(self, metric: float) -> None:
         opt_state = self._train_state.opt_state
-        lr = float(opt_state.hyperparams["learning_rate"])
+        current = optim.current_learning_rate(opt_state)
+        lr = float(current)
         new_lr = self._plateau.step(metric, lr)
         if new_lr != lr:
-            hyper = dict(opt_state.hyperparams)
-            hyper["learning_rate"] = jax.device_put(
-                jnp.asarray(new_lr, hyper["learning_rate"].dtype), hyper["learning_rate"].sharding
-            )
-            self._train_state = self._train_state.replace(opt_state=opt_state._replace(hyperparams=hyper))
+            value = jax.device_put(jnp.asarray(new_lr, current.dtype), current.sharding)
+            opt_state = optim.replace_hyperparam(opt_state, "learning_rate", value)
+            self._train_state = self._train_state.replace(opt_state=opt_state)
 
     def _current_params(self):
         if self._train_state is not None:
