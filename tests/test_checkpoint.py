@@ -1,0 +1,190 @@
+"""Checkpoints: exact resume, atomic commit under kill -9, preemption by SIGTERM, integrity, NaN policies."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from ckpt_job import make_trainer
+from jtrainer import Trainer, TrainingArguments
+from jtrainer import checkpoint
+
+HERE = os.path.dirname(__file__)
+
+
+def _tree_equal(a, b):
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert len(la) == len(lb)
+    return all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb))
+
+
+def _losses(trainer, after=0):
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h and h["step"] > after]
+
+
+def test_resume_mid_epoch_is_bit_identical(tmp_path):
+    # 20 rows / batch 4 = 5 micro-batches per epoch, accumulation 2: 3 updates per epoch (the last one short).
+    # Checkpoint at step 2 (mid-epoch), resume, cross the epoch boundary, stop at step 6.
+    full = make_trainer(str(tmp_path / "full"), 6, 0, False)
+    full.train()
+    first = make_trainer(str(tmp_path / "part"), 6, 2, False)
+    first.train()
+    resumed = make_trainer(str(tmp_path / "part"), 6, 0, False)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "part" / "checkpoint-2"))
+    assert resumed.state.global_step == 6
+    assert _tree_equal(full._train_state.params, resumed._train_state.params)
+    assert _tree_equal(full._train_state.opt_state, resumed._train_state.opt_state)
+    assert _losses(resumed, after=2) == _losses(full, after=2)
+
+
+def _spawn(out, *args, env=None):
+    return subprocess.Popen(
+        [sys.executable, os.path.join(HERE, "ckpt_job.py"), str(out), *map(str, args)],
+        env=dict(os.environ, JAX_PLATFORMS="cpu", **(env or {})),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+
+
+def _wait_for(path, proc, timeout=180):
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.2)
+
+
+def test_kill_during_save_loses_nothing(tmp_path):
+    out = tmp_path / "run"
+    proc = _spawn(out, 6, 2, 0, env={checkpoint.PAUSE_ENV: "4:120"})
+    _wait_for(out / "checkpoint-4.tmp" / "paused", proc)
+    proc.kill()
+    proc.wait()
+    assert (out / "checkpoint-4.tmp").exists() and not (out / "checkpoint-4").exists()
+    checkpoint.verify_checkpoint(str(out / "checkpoint-2"))  # the previous checkpoint is intact
+    assert checkpoint.get_last_checkpoint(str(out)) == str(out / "checkpoint-2")
+
+    resumed = make_trainer(str(out), 6, 2, False)
+    resumed.train(resume_from_checkpoint=True)
+    assert not (out / "checkpoint-4.tmp").exists()  # the partial one was cleaned up
+    reference = make_trainer(str(tmp_path / "ref"), 6, 0, False)
+    reference.train()
+    assert _tree_equal(resumed._train_state.params, reference._train_state.params)
+
+
+@pytest.mark.parametrize("during", ["step", "evaluation"])
+def test_sigterm_saves_and_exits_cleanly(tmp_path, during):
+    out = tmp_path / "run"
+    evaluate = during == "evaluation"
+    proc = _spawn(out, 10_000, 0, int(evaluate))
+    _wait_for(out / ("evaluating" if evaluate else "step"), proc)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 0
+    folder = checkpoint.get_last_checkpoint(str(out))
+    assert folder is not None
+    step = json.load(open(os.path.join(folder, checkpoint.TRAINER_STATE_NAME)))["global_step"]
+    assert folder.endswith(f"checkpoint-{step}") and step >= 1
+
+    resumed = make_trainer(str(out), step + 2, 0, False)
+    resumed.train(resume_from_checkpoint=True)
+    reference = make_trainer(str(tmp_path / "ref"), step + 2, 0, False)
+    reference.train()
+    assert _tree_equal(resumed._train_state.params, reference._train_state.params)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    out = tmp_path_factory.mktemp("saved")
+    make_trainer(str(out), 2, 2, False).train()
+    return out / "checkpoint-2"
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("flip", "does not match its checksum"),
+    ("truncate", "bytes, .* were written"),
+    ("uncommit", "not committed: commit_success.json is missing"),
+])
+def test_damaged_checkpoints_are_named(tmp_path, saved, damage, message):
+    import shutil
+
+    folder = tmp_path / "copy"
+    shutil.copytree(saved, folder)
+    target = folder / "model.safetensors"
+    if damage == "flip":
+        data = bytearray(target.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        target.write_bytes(bytes(data))
+    elif damage == "truncate":
+        target.write_bytes(target.read_bytes()[:-100])
+    else:
+        (folder / checkpoint.COMMIT_NAME).unlink()
+    with pytest.raises(checkpoint.CheckpointIntegrityError, match=message):
+        checkpoint.verify_checkpoint(str(folder))
+    if damage != "uncommit":
+        with pytest.raises(checkpoint.CheckpointIntegrityError, match="model.safetensors"):
+            checkpoint.verify_checkpoint(str(folder))
+
+
+def test_fallback_to_the_previous_good_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    make_trainer(str(out), 4, 2, False).train()
+    (out / "checkpoint-4" / "trainer_state.json").write_text("{}")
+    assert checkpoint.get_last_checkpoint(str(out)) == str(out / "checkpoint-2")
+
+
+def test_restore_into_another_shape_names_the_parameter(tmp_path, saved):
+    from conftest import tiny_llama_config
+    from jtrainer.models.llama import LlamaForCausalLM
+
+    trainer = make_trainer(str(tmp_path), 2, 0, False)
+    trainer.model = LlamaForCausalLM.from_config(tiny_llama_config(intermediate_size=96))
+    trainer._check_layout()
+    with pytest.raises(ValueError, match=r"parameter model.layers.0.mlp.down_proj.kernel has shape \(64, 32\) but "
+                                         r"the model's has shape \(96, 32\)"):
+        trainer.train(resume_from_checkpoint=str(saved))
+
+
+class Regressor(nnx.Module):
+    """Returns its own mean-squared-error loss (a model that computes its loss)."""
+
+    def __init__(self):
+        self.w = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+
+    def __call__(self, x, labels=None):
+        pred = self.w(x)[:, 0]
+        return {"loss": ((pred - labels) ** 2).mean(), "logits": pred}
+
+
+def _nan_rows():
+    rng = np.random.RandomState(0)
+    rows = [{"x": rng.randn(2).astype(np.float32), "labels": np.float32(rng.randn())} for _ in range(16)]
+    rows[9]["x"] = np.array([np.nan, 1.0], np.float32)  # in the third batch of 4
+    return rows
+
+
+def _nan_args(out, policy):
+    return TrainingArguments(str(out), per_device_train_batch_size=4, max_steps=4, learning_rate=0.1,
+                             logging_steps=1, save_strategy="steps", save_steps=2, nan_inf_policy=policy,
+                             report_to="none", disable_tqdm=True, train_sampling_strategy="sequential")
+
+
+def test_nan_policies(tmp_path):
+    skip = Trainer(Regressor(), _nan_args(tmp_path / "skip", "skip"), train_dataset=_nan_rows())
+    skip.train()
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(skip._train_state.params))
+    assert [h["skipped_updates"] for h in skip.state.log_history if "loss" in h] == [0, 0, 1, 1]
+    assert (tmp_path / "skip" / "checkpoint-4").exists()
+
+    with pytest.raises(FloatingPointError, match="step 3"):
+        Trainer(Regressor(), _nan_args(tmp_path / "error", "error"), train_dataset=_nan_rows()).train()
+
+    logged = Trainer(Regressor(), _nan_args(tmp_path / "log", "log"), train_dataset=_nan_rows())
+    logged.train()  # HF's behaviour: training goes on; but no checkpoint is written with NaN parameters
+    assert (tmp_path / "log" / "checkpoint-2").exists() and not (tmp_path / "log" / "checkpoint-4").exists()
