@@ -1,6 +1,6 @@
 """A training run for the checkpoint/preemption tests, in its own process (to be killed or sent SIGTERM).
 
-    python tests/ckpt_job.py OUT_DIR MAX_STEPS SAVE_STEPS EVAL(0|1) [resume]
+    python tests/ckpt_job.py OUT_DIR MAX_STEPS SAVE_STEPS EVAL(0|1) [MESH_JSON GLOBAL_BATCH [RESUME_FROM]]
 Touches OUT_DIR/step (the global step) after every step, and OUT_DIR/evaluating during evaluations.
 """
 
@@ -32,11 +32,13 @@ class Marker(TrainerCallback):
         open(os.path.join(self.out, "evaluating"), "w").close()
 
 
-def make_trainer(out, max_steps, save_steps, evaluate):
+def make_trainer(out, max_steps, save_steps, evaluate, mesh_shape=None, global_batch=4):
     os.makedirs(out, exist_ok=True)
+    data_parallel = mesh_shape.get("data", 1) * mesh_shape.get("fsdp", 1) if mesh_shape else jax.device_count()
     args = TrainingArguments(
         output_dir=out,
-        per_device_train_batch_size=4,
+        mesh_shape=mesh_shape,
+        per_device_train_batch_size=global_batch // data_parallel,
         per_device_eval_batch_size=2,
         gradient_accumulation_steps=2,
         max_steps=max_steps,
@@ -62,6 +64,14 @@ def make_trainer(out, max_steps, save_steps, evaluate):
 
 
 if __name__ == "__main__":
+    import json
+
     out, max_steps, save_steps, evaluate = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
-    os.makedirs(out, exist_ok=True)
-    make_trainer(out, max_steps, save_steps, evaluate).train(resume_from_checkpoint=len(sys.argv) > 5 or None)
+    mesh = json.loads(sys.argv[5]) if len(sys.argv) > 5 else None
+    batch = int(sys.argv[6]) if len(sys.argv) > 6 else 4
+    resume = sys.argv[7] if len(sys.argv) > 7 else None
+    trainer = make_trainer(out, max_steps, save_steps, evaluate, mesh or None, batch)
+    trainer.train(resume_from_checkpoint=resume)
+    if jax.process_index() == 0:
+        with open(os.path.join(out, "losses.json"), "w") as f:
+            json.dump({str(h["step"]): h["loss"] for h in trainer.state.log_history if "loss" in h}, f)
