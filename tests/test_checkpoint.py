@@ -207,3 +207,29 @@ def test_resume_on_another_mesh_reshards(tmp_path):
     for resumed in (other_mesh, one_device):
         assert sorted(resumed) == ["1", "2", "3", "4", "5", "6"]  # log_history continues from the checkpoint
         np.testing.assert_allclose([resumed[k] for k in "456"], [reference[k] for k in "456"], rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "limit, scores, kept",
+    [
+        (1, [5, 1, 1, 1, 1], ["checkpoint-1"]),
+        (1, [1, 2, 3, 4, 5], ["checkpoint-5"]),
+        (2, [5, 1, 1, 1, 1], ["checkpoint-1", "checkpoint-5"]),
+        (2, [1, 1, 5, 1, 1], ["checkpoint-3", "checkpoint-5"]),
+        (2, [1, 2, 3, 4, 5], ["checkpoint-4", "checkpoint-5"]),
+        (None, [1, 1, 5, 1, 1], [f"checkpoint-{i}" for i in range(1, 6)]),
+    ],
+)
+def test_rotation_keeps_the_newest_and_the_best(tmp_path, limit, scores, kept):
+    order = iter(scores)
+    args = TrainingArguments(str(tmp_path), per_device_train_batch_size=4, max_steps=5, learning_rate=0.1,
+                             eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=1,
+                             save_total_limit=limit, metric_for_best_model="score", report_to="none",
+                             disable_tqdm=True)
+    trainer = Trainer(Regressor(), args, train_dataset=_nan_rows()[:8], eval_dataset=_nan_rows()[:4],
+                      compute_metrics=lambda pred: {"score": float(next(order))})
+    trainer.train()
+    assert sorted(os.listdir(tmp_path)) == kept
+    best = int(np.argmax(scores)) + 1
+    assert trainer.state.best_model_checkpoint == str(tmp_path / f"checkpoint-{best}")
+    assert trainer.state.best_global_step == best

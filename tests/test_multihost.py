@@ -72,3 +72,32 @@ def test_a_killed_process_makes_the_other_fail_fast(tmp_path):
                 p.kill()
     assert code != 0
     assert time.monotonic() - killed_at < 60
+
+
+def test_sigterm_to_one_process_makes_both_save_the_same_step(tmp_path):
+    sys.path.insert(0, HERE)
+    from jtrainer import checkpoint
+
+    out = tmp_path / "run"
+    port = 20000 + (os.getpid() + 7) % 20000
+    procs = []
+    for i in range(2):
+        env = _env(
+            JTRAINER_COORDINATOR=f"127.0.0.1:{port}",
+            JTRAINER_NUM_PROCESSES="2",
+            JTRAINER_PROCESS_ID=str(i),
+            XLA_FLAGS="--xla_force_host_platform_device_count=4",
+        )
+        cmd = [sys.executable, os.path.join(HERE, "ckpt_job.py"), str(out), "100000", "0", "0", MESH, "8"]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    deadline = time.monotonic() + 300
+    while not (out / "step").exists():
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+        time.sleep(0.5)
+    procs[1].send_signal(signal.SIGTERM)
+    codes = [p.wait(timeout=120) for p in procs]
+    assert codes == [0, 0]
+    folder = checkpoint.get_last_checkpoint(str(out))
+    assert folder is not None
+    checkpoint.verify_checkpoint(folder)
+    assert len([n for n in os.listdir(out) if n.startswith("checkpoint-")]) == 1
