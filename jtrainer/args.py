@@ -104,6 +104,13 @@ class TrainingArguments(transformers.TrainingArguments):
             "choices": ["log", "skip", "error"],
         },
     )
+    async_checkpointing: bool = field(
+        default=True,
+        metadata={
+            "help": "Write checkpoints in the background: training continues while orbax writes; a checkpoint "
+            "folder appears (committed) when the next save starts, when training ends, or on preemption."
+        },
+    )
     prefetch_batches: int = field(
         default=2,
         metadata={"help": "How many batches a background thread prepares (and places on devices) ahead of the step."},

@@ -46,6 +46,7 @@ __all__ = [
     "get_last_checkpoint",
     "restore_train_state",
     "rotate_checkpoints",
+    "PendingCheckpoint",
     "save_checkpoint",
     "verify_checkpoint",
 ]
@@ -115,33 +116,65 @@ def verify_checkpoint(folder: str) -> None:
             raise CheckpointIntegrityError(f"Checkpoint {folder}: file {rel} does not match its checksum.")
 
 
+class PendingCheckpoint:
+    """A checkpoint whose arrays orbax is still writing in the background; `commit()` waits and commits it."""
+
+    def __init__(self, folder: str, checkpointer, is_main: bool, step: int, on_commit: Callable[[], None]):
+        self.folder, self.checkpointer, self.is_main, self.step = folder, checkpointer, is_main, step
+        self.on_commit = on_commit
+
+    def commit(self) -> None:
+        if self.checkpointer is not None:
+            self.checkpointer.wait_until_finished()
+        _barrier(f"jtrainer_ckpt_written_{self.step}")
+        tmp = self.folder + TMP_SUFFIX
+        if self.is_main:
+            write_manifest(tmp)
+            pause = _test_pause(self.step)
+            if pause:
+                open(os.path.join(tmp, "paused"), "w").close()
+                time.sleep(pause)
+            with open(os.path.join(tmp, COMMIT_NAME), "w") as f:
+                json.dump({"global_step": self.step, "time": time.time()}, f)
+            if os.path.exists(self.folder):
+                shutil.rmtree(self.folder)
+            os.rename(tmp, self.folder)
+        _barrier(f"jtrainer_ckpt_committed_{self.step}")
+        self.on_commit()
+
+
 def save_checkpoint(
-    folder: str, train_state, write_files: Callable[[str], None], is_main: bool, step: int
-) -> None:
-    """Write a checkpoint into `folder.tmp`, then commit it by renaming to `folder` (see the module doc)."""
+    folder: str,
+    train_state,
+    write_files: Callable[[str], None],
+    is_main: bool,
+    step: int,
+    *,
+    asynchronous: bool = False,
+    on_commit: Callable[[], None] = lambda: None,
+) -> PendingCheckpoint | None:
+    """Write a checkpoint into `folder.tmp`, then commit it by renaming to `folder` (see the module doc).
+
+    With `asynchronous`, orbax writes the arrays in the background (after copying them off the devices) and the
+    returned PendingCheckpoint must be committed later; `on_commit` runs after the rename (rotation goes there,
+    so nothing is deleted before its successor exists).
+    """
     tmp = folder + TMP_SUFFIX
     if is_main:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     _barrier(f"jtrainer_ckpt_begin_{step}")
+    checkpointer = None
     if train_state is not None:
         checkpointer = ocp.StandardCheckpointer()
         checkpointer.save(os.path.abspath(os.path.join(tmp, TRAIN_STATE_DIR)), train_state)
-        checkpointer.wait_until_finished()
-    _barrier(f"jtrainer_ckpt_written_{step}")
     if is_main:
         write_files(tmp)
-        write_manifest(tmp)
-        pause = _test_pause(step)
-        if pause:
-            open(os.path.join(tmp, "paused"), "w").close()
-            time.sleep(pause)
-        with open(os.path.join(tmp, COMMIT_NAME), "w") as f:
-            json.dump({"global_step": step, "time": time.time()}, f)
-        if os.path.exists(folder):
-            shutil.rmtree(folder)
-        os.rename(tmp, folder)
-    _barrier(f"jtrainer_ckpt_committed_{step}")
+    pending = PendingCheckpoint(folder, checkpointer, is_main, step, on_commit)
+    if asynchronous:
+        return pending
+    pending.commit()
+    return None
 
 
 def _test_pause(step: int) -> float:

@@ -181,6 +181,7 @@ class Trainer:
         self._trial = None
         self._train_state: TrainState | None = None
         self._last_step_batch: StepBatch | None = None
+        self._pending_checkpoint: checkpoint.PendingCheckpoint | None = None
         self._plateau: optim.PlateauScheduler | None = None
         self._compiled: dict[Any, Callable] = {}
         self.current_flos = 0.0
@@ -512,9 +513,11 @@ class Trainer:
         if not distributed.agree_max(int(self._sigterm)):
             return
         folder = checkpoint.checkpoint_folder(self._get_output_dir(trial), self.state.global_step)
-        if not os.path.isdir(folder):
+        pending = self._pending_checkpoint is not None and self._pending_checkpoint.folder == folder
+        if not pending and not os.path.isdir(folder):
             self._save_checkpoint(trial)
             self.control = self.callback_handler.on_save(self.args, self.state, self.control)
+        self._commit_pending_checkpoint()
         logger.warning("Preempted: saved %s; resume with train(resume_from_checkpoint=True).", folder)
         raise SystemExit(0)
 
@@ -742,6 +745,7 @@ class Trainer:
         if not self.args.skip_memory_metrics:
             metrics.update(self.memory_report())
         self._sync_model()
+        self._commit_pending_checkpoint()
         self.log(metrics)
         if self.args.load_best_model_at_end and self.state.best_model_checkpoint is not None:
             self._load_best_model()
@@ -974,7 +978,14 @@ class Trainer:
             return True
         return False
 
+    def _commit_pending_checkpoint(self) -> None:
+        """Wait for the checkpoint being written in the background, then commit (and rotate)."""
+        if self._pending_checkpoint is not None:
+            pending, self._pending_checkpoint = self._pending_checkpoint, None
+            pending.commit()
+
     def _save_checkpoint(self, trial) -> None:
+        self._commit_pending_checkpoint()
         run_dir = self._get_output_dir(trial)
         folder = checkpoint.checkpoint_folder(run_dir, self.state.global_step)
         self.store_flos()
@@ -988,7 +999,7 @@ class Trainer:
         tensors = self._hf_tensors()  # on many hosts a collective: every process takes part
         if self.state.best_global_step:
             best = checkpoint.checkpoint_folder(run_dir, self.state.best_global_step)
-            if best == folder or os.path.exists(best):
+            if best == folder or os.path.exists(best):  # saves are committed in order: an earlier one exists
                 self.state.best_model_checkpoint = best
         for cb in [c for c in self.callback_handler.callbacks + [self.control] if isinstance(c, ExportableState)]:
             name, cb_state = cb.__class__.__name__, cb.state()
@@ -1001,12 +1012,22 @@ class Trainer:
             self._write_model(tmp, tensors)
             self.state.save_to_json(os.path.join(tmp, checkpoint.TRAINER_STATE_NAME))
 
+        def rotate() -> None:
+            if self.args.should_save:
+                checkpoint.rotate_checkpoints(
+                    run_dir, self.args.save_total_limit, best_model_checkpoint=self.state.best_model_checkpoint
+                )
+
         train_state = None if self.args.save_only_model else self._train_state
-        checkpoint.save_checkpoint(folder, train_state, write_files, self.args.should_save, self.state.global_step)
-        if self.args.should_save:
-            checkpoint.rotate_checkpoints(
-                run_dir, self.args.save_total_limit, best_model_checkpoint=self.state.best_model_checkpoint
-            )
+        self._pending_checkpoint = checkpoint.save_checkpoint(
+            folder,
+            train_state,
+            write_files,
+            self.args.should_save,
+            self.state.global_step,
+            asynchronous=self.args.async_checkpointing,
+            on_commit=rotate,
+        )
 
     def _params_finite(self) -> bool:
         if self._train_state is None:

@@ -10,7 +10,10 @@ from jtrainer import TrainingArguments
 from jtrainer.args import IGNORED_FIELDS, warn_ignored_fields
 
 # jtrainer's own fields, and HF defaults that legitimately differ here (with the reason).
-JAX_ONLY_FIELDS = {"jax_compilation_cache_dir", "prefetch_batches", "mesh_shape", "logical_axis_rules"}
+JAX_ONLY_FIELDS = {
+    "jax_compilation_cache_dir", "prefetch_batches", "mesh_shape", "logical_axis_rules", "nan_inf_policy",
+    "async_checkpointing",
+}
 DEFAULT_EXCEPTIONS = {
     # HF picks adamw_torch_fused when torch >= 2.8 is importable; both names mean AdamW here.
     "optim": {"adamw_torch", "adamw_torch_fused"},

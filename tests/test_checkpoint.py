@@ -233,3 +233,26 @@ def test_rotation_keeps_the_newest_and_the_best(tmp_path, limit, scores, kept):
     best = int(np.argmax(scores)) + 1
     assert trainer.state.best_model_checkpoint == str(tmp_path / f"checkpoint-{best}")
     assert trainer.state.best_global_step == best
+
+
+@pytest.mark.parametrize("asynchronous", [True, False])
+def test_asynchronous_saves_commit_before_the_next_one(tmp_path, asynchronous):
+    from jtrainer import TrainerCallback
+
+    seen = []
+
+    class Listing(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            seen.append(sorted(n for n in os.listdir(args.output_dir) if n.startswith("checkpoint")))
+
+    trainer = make_trainer(str(tmp_path), 4, 2, False)
+    trainer.args.async_checkpointing = asynchronous
+    trainer.add_callback(Listing())
+    trainer.train()
+    if asynchronous:  # the arrays are still being written when training goes on
+        assert seen == [["checkpoint-2.tmp"], ["checkpoint-2", "checkpoint-4.tmp"]]
+    else:
+        assert seen == [["checkpoint-2"], ["checkpoint-2", "checkpoint-4"]]
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("checkpoint")) == ["checkpoint-2", "checkpoint-4"]
+    for name in ("checkpoint-2", "checkpoint-4"):
+        checkpoint.verify_checkpoint(str(tmp_path / name))
