@@ -20,6 +20,20 @@ def _env(**extra):
     return env
 
 
+def _spawn_pair(cmd, port):
+    """Two processes of `cmd` with 4 CPU devices each, joined through a coordinator on `port`."""
+    procs = []
+    for i in range(2):
+        env = _env(
+            JTRAINER_COORDINATOR=f"127.0.0.1:{port}",
+            JTRAINER_NUM_PROCESSES="2",
+            JTRAINER_PROCESS_ID=str(i),
+            XLA_FLAGS="--xla_force_host_platform_device_count=4",
+        )
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    return procs
+
+
 def test_two_processes_equal_one(tmp_path):
     launched, single = tmp_path / "launched.npz", tmp_path / "single.npz"
     jtrainer = [sys.executable, "-m", "jtrainer.cli"]
@@ -45,17 +59,7 @@ def test_two_processes_equal_one(tmp_path):
 
 def test_a_killed_process_makes_the_other_fail_fast(tmp_path):
     out = tmp_path / "killed.npz"
-    port = 20000 + os.getpid() % 20000
-    procs = []
-    for i in range(2):
-        env = _env(
-            JTRAINER_COORDINATOR=f"127.0.0.1:{port}",
-            JTRAINER_NUM_PROCESSES="2",
-            JTRAINER_PROCESS_ID=str(i),
-            XLA_FLAGS="--xla_force_host_platform_device_count=4",
-        )
-        procs.append(subprocess.Popen([sys.executable, JOB, str(out), MESH, "100000"], env=env,
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    procs = _spawn_pair([sys.executable, JOB, str(out), MESH, "100000"], port=20000 + os.getpid() % 20000)
     marker = tmp_path / "killed.npz.step1"
     deadline = time.monotonic() + 300
     while not marker.exists():
@@ -79,17 +83,8 @@ def test_sigterm_to_one_process_makes_both_save_the_same_step(tmp_path):
     from jtrainer import checkpoint
 
     out = tmp_path / "run"
-    port = 20000 + (os.getpid() + 7) % 20000
-    procs = []
-    for i in range(2):
-        env = _env(
-            JTRAINER_COORDINATOR=f"127.0.0.1:{port}",
-            JTRAINER_NUM_PROCESSES="2",
-            JTRAINER_PROCESS_ID=str(i),
-            XLA_FLAGS="--xla_force_host_platform_device_count=4",
-        )
-        cmd = [sys.executable, os.path.join(HERE, "ckpt_job.py"), str(out), "100000", "0", "0", MESH, "8"]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    cmd = [sys.executable, os.path.join(HERE, "ckpt_job.py"), str(out), "100000", "0", "0", MESH, "8"]
+    procs = _spawn_pair(cmd, port=20000 + (os.getpid() + 7) % 20000)
     deadline = time.monotonic() + 300
     while not (out / "step").exists():
         assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
