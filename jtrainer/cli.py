@@ -135,8 +135,10 @@ def run_train(model_args: ModelArguments, data_args: DataArguments, training_arg
     if model_args.model_name_or_path:
         from transformers import AutoTokenizer
 
+        from jtrainer.models.auto import AutoModelForCausalLM
+
         tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path)
-        model = LlamaForCausalLM.from_pretrained(model_args.model_name_or_path)
+        model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path)
     else:
         tokenizer = train_tokenizer(texts[:-n_eval], data_args.tokenizer_vocab_size)
         config = LlamaConfig(

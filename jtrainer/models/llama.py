@@ -1,4 +1,5 @@
-"""Llama-architecture causal LM in flax.nnx, parameter for parameter HF's `LlamaForCausalLM`.
+"""Llama-family causal LMs in flax.nnx, parameter for parameter HF's `LlamaForCausalLM`, `MistralForCausalLM`,
+`Qwen2ForCausalLM` and `Qwen3ForCausalLM` (one implementation; the members differ in attention details).
 
 Parameter paths mirror HF's module names (`model.layers.0.self_attn.q_proj.kernel` <-> HF
 `model.layers.0.self_attn.q_proj.weight`), so `hf_io` converts weights by name alone.
@@ -6,10 +7,13 @@ Parameter paths mirror HF's module names (`model.layers.0.self_attn.q_proj.kerne
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
-from transformers import LlamaConfig
+from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from jtrainer.losses import shift_labels, token_cross_entropy_sum
 from jtrainer.models.outputs import ModelOutput
@@ -45,18 +49,48 @@ class RMSNorm(nnx.Module):
         return self.weight[...].astype(x_BxLxD.dtype) * x.astype(x_BxLxD.dtype)
 
 
-def rope_theta(config: LlamaConfig) -> float:
+def rope_inverse_frequencies(config, head_dim: int) -> tuple[float, ...]:
+    """RoPE inverse frequencies as HF computes them (fp32) for rope types default, linear and llama3."""
     params = dict(getattr(config, "rope_parameters", None) or {})
-    rope_type = params.get("rope_type", "default")
-    if rope_type != "default":
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    base = float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+    exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
+    inv_freq = (1.0 / (np.float32(base) ** exponents)).astype(np.float32)
+    if rope_type == "linear":
+        inv_freq = inv_freq / np.float32(params["factor"])
+    elif rope_type == "llama3":
+        factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
+        old_len = params["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
+        inv_freq = np.where(medium, smoothed, scaled).astype(np.float32)
+    elif rope_type != "default":
         raise ValueError(
-            f"LlamaConfig.rope_parameters rope_type={rope_type!r} is not supported yet; use 'default'."
+            f"{type(config).__name__}.rope_parameters rope_type={rope_type!r} is not supported yet; "
+            "use 'default', 'linear' or 'llama3'."
         )
-    return float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+    return tuple(float(x) for x in inv_freq)
 
 
-def rope_inverse_frequencies(theta: float, head_dim: int) -> jax.Array:
-    return 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+def attention_variant(config) -> dict:
+    """What the Llama-family members change in attention: biases, q/k norm, sliding windows per layer."""
+    kind = getattr(config, "model_type", "llama")
+    bias = bool(getattr(config, "attention_bias", False))
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    if kind == "mistral":
+        windows = [window] * config.num_hidden_layers
+    else:
+        windows = [window if t == "sliding_attention" else None for t in layer_types]
+    return {
+        "qkv_bias": True if kind == "qwen2" else bias,
+        "o_bias": False if kind == "qwen2" else bias,
+        "qk_norm": kind == "qwen3",
+        "windows": windows,
+    }
 
 
 def apply_rope(x_BxLxNxH: jax.Array, cos_BxLxH: jax.Array, sin_BxLxH: jax.Array) -> jax.Array:
@@ -83,21 +117,32 @@ def _linear(din: int, dout: int, bias: bool, dtype, param_dtype, rngs: nnx.Rngs,
 
 
 class LlamaAttention(nnx.Module):
-    def __init__(self, config: LlamaConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, config: LlamaConfig, layer_idx: int, *, dtype, param_dtype, rngs: nnx.Rngs):
+        variant = attention_variant(config)
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads or config.num_attention_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        d, h, std, bias = config.hidden_size, self.head_dim, config.initializer_range, config.attention_bias
-        self.q_proj = _linear(d, self.num_heads * h, bias, dtype, param_dtype, rngs, std, ("embed", "heads"))
-        self.k_proj = _linear(d, self.num_kv_heads * h, bias, dtype, param_dtype, rngs, std, ("embed", "kv"))
-        self.v_proj = _linear(d, self.num_kv_heads * h, bias, dtype, param_dtype, rngs, std, ("embed", "kv"))
-        self.o_proj = _linear(self.num_heads * h, d, bias, dtype, param_dtype, rngs, std, ("heads", "embed"))
+        self.sliding_window = variant["windows"][layer_idx]
+        d, h, std = config.hidden_size, self.head_dim, config.initializer_range
+        qkv, o = variant["qkv_bias"], variant["o_bias"]
+        self.q_proj = _linear(d, self.num_heads * h, qkv, dtype, param_dtype, rngs, std, ("embed", "heads"))
+        self.k_proj = _linear(d, self.num_kv_heads * h, qkv, dtype, param_dtype, rngs, std, ("embed", "kv"))
+        self.v_proj = _linear(d, self.num_kv_heads * h, qkv, dtype, param_dtype, rngs, std, ("embed", "kv"))
+        self.o_proj = _linear(self.num_heads * h, d, o, dtype, param_dtype, rngs, std, ("heads", "embed"))
+        if variant["qk_norm"]:  # Qwen3: RMSNorm of each head's queries and keys, before RoPE
+            self.q_norm = RMSNorm(h, config.rms_norm_eps, param_dtype=param_dtype)
+            self.k_norm = RMSNorm(h, config.rms_norm_eps, param_dtype=param_dtype)
 
     def __call__(self, x_BxLxD, cos_BxLxH, sin_BxLxH, mask_Bx1xLxL):
         b, length, _ = x_BxLxD.shape
         q = self.q_proj(x_BxLxD).reshape(b, length, self.num_heads, self.head_dim)
         k = self.k_proj(x_BxLxD).reshape(b, length, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x_BxLxD).reshape(b, length, self.num_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.sliding_window is not None:  # HF: position i sees j when i - j < sliding_window
+            i, j = jnp.arange(length)[:, None], jnp.arange(length)[None, :]
+            mask_Bx1xLxL = mask_Bx1xLxL & (i - j < self.sliding_window)[None, None]
         q, k = apply_rope(q, cos_BxLxH, sin_BxLxH), apply_rope(k, cos_BxLxH, sin_BxLxH)
         out_BxLxNxH = jax.nn.dot_product_attention(q, k, v, mask=mask_Bx1xLxL)
         return self.o_proj(out_BxLxNxH.reshape(b, length, self.num_heads * self.head_dim))
@@ -105,7 +150,8 @@ class LlamaAttention(nnx.Module):
 
 class LlamaMLP(nnx.Module):
     def __init__(self, config: LlamaConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
-        d, f, std, bias = config.hidden_size, config.intermediate_size, config.initializer_range, config.mlp_bias
+        d, f, std = config.hidden_size, config.intermediate_size, config.initializer_range
+        bias = bool(getattr(config, "mlp_bias", False))
         if config.hidden_act != "silu":
             raise ValueError(f"LlamaConfig.hidden_act={config.hidden_act!r} is not supported; use 'silu'.")
         self.gate_proj = _linear(d, f, bias, dtype, param_dtype, rngs, std, ("embed", "mlp"))
@@ -117,8 +163,8 @@ class LlamaMLP(nnx.Module):
 
 
 class LlamaDecoderLayer(nnx.Module):
-    def __init__(self, config: LlamaConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
-        self.self_attn = LlamaAttention(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    def __init__(self, config: LlamaConfig, layer_idx: int, *, dtype, param_dtype, rngs: nnx.Rngs):
+        self.self_attn = LlamaAttention(config, layer_idx, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.mlp = LlamaMLP(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, param_dtype=param_dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, param_dtype=param_dtype)
@@ -141,13 +187,13 @@ class LlamaModel(nnx.Module):
         self.embed_tokens.embedding.set_metadata(logical_axes=("vocab", "embed"))
         self.layers = nnx.List(
             [
-                LlamaDecoderLayer(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-                for _ in range(config.num_hidden_layers)
+                LlamaDecoderLayer(config, i, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+                for i in range(config.num_hidden_layers)
             ]
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, param_dtype=param_dtype)
-        self.rope_theta = rope_theta(config)
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.inv_freq = rope_inverse_frequencies(config, head_dim)  # a static tuple: part of the graph
         self.gradient_checkpointing = False
         self.remat_policy: str | None = None
 
@@ -155,9 +201,7 @@ class LlamaModel(nnx.Module):
         b, length = input_ids_BxL.shape
         if position_ids_BxL is None:
             position_ids_BxL = jnp.broadcast_to(jnp.arange(length), (b, length))
-        freqs = position_ids_BxL[..., None].astype(jnp.float32) * rope_inverse_frequencies(
-            self.rope_theta, self.head_dim
-        )
+        freqs = position_ids_BxL[..., None].astype(jnp.float32) * jnp.asarray(self.inv_freq, jnp.float32)
         angles_BxLxH = jnp.concatenate([freqs, freqs], axis=-1)
         x = self.embed_tokens(input_ids_BxL)
         cos, sin = jnp.cos(angles_BxLxH).astype(x.dtype), jnp.sin(angles_BxLxH).astype(x.dtype)
@@ -179,6 +223,7 @@ class LlamaModel(nnx.Module):
 class LlamaForCausalLM(nnx.Module):
     """HF's `LlamaForCausalLM`: `__call__(input_ids, attention_mask, position_ids, labels, num_items_in_batch)`."""
 
+    config_class = LlamaConfig
     main_input_name = "input_ids"
     accepts_loss_kwargs = True
     loss_shifts_labels = True
@@ -259,7 +304,25 @@ class LlamaForCausalLM(nnx.Module):
     def from_pretrained(cls, directory: str, **kwargs) -> "LlamaForCausalLM":
         from jtrainer.models import hf_io
 
-        config = LlamaConfig.from_pretrained(directory)
+        config = cls.config_class.from_pretrained(directory)
         model = cls(config, rngs=nnx.Rngs(0), **kwargs)
         hf_io.load_weights(model, directory)
         return model
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """HF's `MistralForCausalLM`: Llama with a sliding attention window."""
+
+    config_class = MistralConfig
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """HF's `Qwen2ForCausalLM`: Llama with biases on the query, key and value projections."""
+
+    config_class = Qwen2Config
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """HF's `Qwen3ForCausalLM`: Llama with RMSNorm of each head's queries and keys."""
+
+    config_class = Qwen3Config

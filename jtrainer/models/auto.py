@@ -1,0 +1,46 @@
+"""Auto classes: an HF folder's `config.json` `model_type` picks the jtrainer model, as transformers' do."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flax import nnx
+from transformers import AutoConfig
+
+from jtrainer.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+
+CAUSAL_LM_MODELS: dict[str, type] = {
+    "llama": LlamaForCausalLM,
+    "mistral": MistralForCausalLM,
+    "qwen2": Qwen2ForCausalLM,
+    "qwen3": Qwen3ForCausalLM,
+}
+
+
+class _AutoModel:
+    models: dict[str, type] = {}
+    task = ""
+
+    @classmethod
+    def _model_class(cls, config) -> type:
+        kind = getattr(config, "model_type", None)
+        if kind not in cls.models:
+            raise ValueError(
+                f"{cls.__name__}: model_type {kind!r} has no jtrainer {cls.task} model; supported: "
+                f"{', '.join(sorted(cls.models))}."
+            )
+        return cls.models[kind]
+
+    @classmethod
+    def from_config(cls, config, *, seed: int = 0, **kwargs: Any) -> nnx.Module:
+        return cls._model_class(config)(config, rngs=nnx.Rngs(seed), **kwargs)
+
+    @classmethod
+    def from_pretrained(cls, directory: str, **kwargs: Any) -> nnx.Module:
+        """A local HF folder (config.json + safetensors); nothing is downloaded."""
+        return cls._model_class(AutoConfig.from_pretrained(directory)).from_pretrained(directory, **kwargs)
+
+
+class AutoModelForCausalLM(_AutoModel):
+    models = CAUSAL_LM_MODELS
+    task = "causal LM"

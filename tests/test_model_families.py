@@ -1,0 +1,64 @@
+"""Llama-family members against PyTorch transformers: logits both ways, weights with no missing keys."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from jtrainer.models.auto import AutoModelForCausalLM  # noqa: E402
+
+BASE = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64)
+
+
+def _configs():
+    import transformers
+
+    return {
+        "llama3_rope": transformers.LlamaConfig(**BASE, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
+        "llama_linear_rope": transformers.LlamaConfig(**BASE, rope_parameters={
+            "rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}),
+        "mistral": transformers.MistralConfig(**BASE, sliding_window=4, head_dim=8),
+        "qwen2": transformers.Qwen2Config(**BASE),
+        "qwen3": transformers.Qwen3Config(**BASE, head_dim=8),
+        "qwen3_sliding": transformers.Qwen3Config(**BASE, head_dim=8, sliding_window=3, use_sliding_window=True,
+                                                  max_window_layers=1,
+                                                  layer_types=["full_attention", "sliding_attention"]),
+    }
+
+
+@pytest.mark.parametrize("name", list(_configs()))
+def test_family_member_matches_pytorch(tmp_path, name):
+    import transformers
+
+    config = _configs()[name]
+    torch.manual_seed(0)
+    reference = transformers.AutoModelForCausalLM.from_config(config).eval()
+    for p in reference.parameters():  # biases and norms are zero/one at init: make them count
+        p.data.add_(torch.randn_like(p) * 0.02)
+    reference.save_pretrained(tmp_path / "torch")
+    ids = np.random.RandomState(0).randint(0, 64, (2, 12))
+    mask = np.ones_like(ids)
+    mask[1, 9:] = 0
+    with torch.no_grad():
+        expected = reference(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).logits.numpy()
+
+    ours = AutoModelForCausalLM.from_pretrained(str(tmp_path / "torch"))
+    assert type(ours).__name__ == type(reference).__name__
+    got = np.asarray(ours(jnp.asarray(ids), jnp.asarray(mask)).logits)
+    assert np.abs(got - expected)[mask.astype(bool)].max() <= 1e-4
+
+    ours.save_pretrained(str(tmp_path / "jax"))
+    reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "jax"),
+                                                                      output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+
+
+def test_unknown_model_type_is_named():
+    import transformers
+
+    with pytest.raises(ValueError, match="model_type 'gpt2' has no jtrainer causal LM model"):
+        AutoModelForCausalLM.from_config(transformers.GPT2Config())
