@@ -99,29 +99,6 @@ def token_blocks(texts: list[str], tokenizer, block_size: int) -> list[dict]:
     return [{"input_ids": b, "labels": b} for b in blocks]
 
 
-def greedy_sample(model, tokenizer, prompt: str, max_new_tokens: int, window: int) -> str:
-    """Greedy decoding over a fixed window (one compilation), recomputing the prefix each token."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from flax import nnx
-
-    ids = tokenizer(prompt)["input_ids"] or [tokenizer.eos_token_id]
-    graphdef, state = nnx.split(model)
-
-    @jax.jit
-    def next_token(state, tokens_1xW, position):
-        logits = nnx.merge(graphdef, state)(tokens_1xW).logits
-        return jnp.argmax(logits[0, position])
-
-    for _ in range(max_new_tokens):
-        context = ids[-window:]
-        tokens = np.full((1, window), tokenizer.pad_token_id, np.int32)
-        tokens[0, : len(context)] = context
-        ids.append(int(next_token(state, tokens, len(context) - 1)))
-    return tokenizer.decode(ids)
-
-
 def run_train(model_args: ModelArguments, data_args: DataArguments, training_args) -> dict:
     from transformers import LlamaConfig
 
@@ -174,10 +151,11 @@ def run_train(model_args: ModelArguments, data_args: DataArguments, training_arg
     print(f"jtrainer: train loss {losses[0]:.3f} -> {losses[-1]:.3f}" if losses else "")
     print(f"jtrainer: held-out perplexity {perplexity:.2f} (eval_loss {metrics['eval_loss']:.4f})")
     print(f"jtrainer: model and tokenizer saved in HF format to {training_args.output_dir}")
-    sample = greedy_sample(
-        trainer.model, tokenizer, data_args.sample_prompt, data_args.sample_tokens, data_args.block_size
-    )
-    print("jtrainer: sample:\n" + sample)
+    from jtrainer.generation import generate
+
+    prompt = tokenizer(data_args.sample_prompt)["input_ids"] or [tokenizer.eos_token_id]
+    ids = generate(trainer.model, [prompt], max_new_tokens=data_args.sample_tokens, do_sample=False)
+    print("jtrainer: sample:\n" + tokenizer.decode(ids[0], skip_special_tokens=True))
     return {"train_loss": result.training_loss, "perplexity": perplexity, **metrics}
 
 

@@ -7,6 +7,7 @@ Parameter paths mirror HF's module names (`model.layers.0.self_attn.q_proj.kerne
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -133,7 +134,9 @@ class LlamaAttention(nnx.Module):
             self.q_norm = RMSNorm(h, config.rms_norm_eps, param_dtype=param_dtype)
             self.k_norm = RMSNorm(h, config.rms_norm_eps, param_dtype=param_dtype)
 
-    def __call__(self, x_BxLxD, cos_BxLxH, sin_BxLxH, mask_Bx1xLxL):
+    def __call__(self, x_BxLxD, cos_BxLxH, sin_BxLxH, mask_Bx1xLxS, offsets_LxS, cache=None):
+        """Attention of L queries over S keys; with a cache ((keys, values), index), the L new keys and values
+        are written at `index` first and S is the cache length. `offsets_LxS` = query position - key position."""
         b, length, _ = x_BxLxD.shape
         q = self.q_proj(x_BxLxD).reshape(b, length, self.num_heads, self.head_dim)
         k = self.k_proj(x_BxLxD).reshape(b, length, self.num_kv_heads, self.head_dim)
@@ -141,11 +144,19 @@ class LlamaAttention(nnx.Module):
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.sliding_window is not None:  # HF: position i sees j when i - j < sliding_window
-            i, j = jnp.arange(length)[:, None], jnp.arange(length)[None, :]
-            mask_Bx1xLxL = mask_Bx1xLxL & (i - j < self.sliding_window)[None, None]
+            mask_Bx1xLxS = mask_Bx1xLxS & (offsets_LxS < self.sliding_window)[None, None]
         q, k = apply_rope(q, cos_BxLxH, sin_BxLxH), apply_rope(k, cos_BxLxH, sin_BxLxH)
-        out_BxLxNxH = jax.nn.dot_product_attention(q, k, v, mask=mask_Bx1xLxL)
-        return self.o_proj(out_BxLxNxH.reshape(b, length, self.num_heads * self.head_dim))
+        new_cache = None
+        if cache is not None:
+            (keys_BxSxKxH, values_BxSxKxH), index = cache
+            keys_BxSxKxH = jax.lax.dynamic_update_slice(keys_BxSxKxH, k.astype(keys_BxSxKxH.dtype), (0, index, 0, 0))
+            values_BxSxKxH = jax.lax.dynamic_update_slice(
+                values_BxSxKxH, v.astype(values_BxSxKxH.dtype), (0, index, 0, 0)
+            )
+            k, v, new_cache = keys_BxSxKxH, values_BxSxKxH, (keys_BxSxKxH, values_BxSxKxH)
+        out_BxLxNxH = jax.nn.dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask=mask_Bx1xLxS)
+        out = self.o_proj(out_BxLxNxH.reshape(b, length, self.num_heads * self.head_dim))
+        return out if cache is None else (out, new_cache)
 
 
 class LlamaMLP(nnx.Module):
@@ -169,9 +180,12 @@ class LlamaDecoderLayer(nnx.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, param_dtype=param_dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, param_dtype=param_dtype)
 
-    def __call__(self, x_BxLxD, cos, sin, mask):
-        x_BxLxD = x_BxLxD + self.self_attn(self.input_layernorm(x_BxLxD), cos, sin, mask)
-        return x_BxLxD + self.mlp(self.post_attention_layernorm(x_BxLxD))
+    def __call__(self, x_BxLxD, cos, sin, mask, offsets, cache=None):
+        attended = self.self_attn(self.input_layernorm(x_BxLxD), cos, sin, mask, offsets, cache)
+        attended, new_cache = attended if cache is not None else (attended, None)
+        x_BxLxD = x_BxLxD + attended
+        x_BxLxD = x_BxLxD + self.mlp(self.post_attention_layernorm(x_BxLxD))
+        return x_BxLxD if cache is None else (x_BxLxD, new_cache)
 
 
 class LlamaModel(nnx.Module):
@@ -197,27 +211,47 @@ class LlamaModel(nnx.Module):
         self.gradient_checkpointing = False
         self.remat_policy: str | None = None
 
-    def __call__(self, input_ids_BxL, attention_mask_BxL=None, position_ids_BxL=None):
+    def __call__(self, input_ids_BxL, attention_mask_BxS=None, position_ids_BxL=None, cache=None):
+        """Hidden states; with a KVCache, also the updated cache (the attention mask then covers the cache)."""
         b, length = input_ids_BxL.shape
+        start = 0 if cache is None else cache.index
         if position_ids_BxL is None:
-            position_ids_BxL = jnp.broadcast_to(jnp.arange(length), (b, length))
+            position_ids_BxL = jnp.broadcast_to(start + jnp.arange(length), (b, length))
         freqs = position_ids_BxL[..., None].astype(jnp.float32) * jnp.asarray(self.inv_freq, jnp.float32)
         angles_BxLxH = jnp.concatenate([freqs, freqs], axis=-1)
         x = self.embed_tokens(input_ids_BxL)
         cos, sin = jnp.cos(angles_BxLxH).astype(x.dtype), jnp.sin(angles_BxLxH).astype(x.dtype)
-        causal_LxL = jnp.tril(jnp.ones((length, length), dtype=bool))
-        mask = causal_LxL[None, None]
-        if attention_mask_BxL is not None:
-            mask = mask & attention_mask_BxL.astype(bool)[:, None, None, :]
+        keys = length if cache is None else cache.keys[0].shape[1]
+        offsets_LxS = (start + jnp.arange(length))[:, None] - jnp.arange(keys)[None, :]
+        mask = (offsets_LxS >= 0)[None, None]  # causal, in cache slots
+        if attention_mask_BxS is not None:
+            mask = mask & attention_mask_BxS.astype(bool)[:, None, None, :]
         x = constrain(x, ACTIVATION_AXES)
-        for layer in self.layers:
-            if self.gradient_checkpointing:
+        new_keys, new_values = [], []
+        for i, layer in enumerate(self.layers):
+            if cache is not None:
+                x, (k, v) = layer(x, cos, sin, mask, offsets_LxS, ((cache.keys[i], cache.values[i]), start))
+                new_keys.append(k)
+                new_values.append(v)
+            elif self.gradient_checkpointing:
                 policy = getattr(jax.checkpoint_policies, self.remat_policy) if self.remat_policy else None
-                x = nnx.remat(lambda lyr, *a: lyr(*a), policy=policy)(layer, x, cos, sin, mask)
+                x = nnx.remat(lambda lyr, *a: lyr(*a), policy=policy)(layer, x, cos, sin, mask, offsets_LxS)
             else:
-                x = layer(x, cos, sin, mask)
+                x = layer(x, cos, sin, mask, offsets_LxS)
             x = constrain(x, ACTIVATION_AXES)
-        return self.norm(x)
+        if cache is None:
+            return self.norm(x)
+        return self.norm(x), KVCache(new_keys, new_values, cache.index + length)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache:
+    """Keys and values of every layer, [batch, max_length, kv_heads, head_dim], and the next free slot."""
+
+    keys: list[jax.Array]
+    values: list[jax.Array]
+    index: jax.Array
 
 
 class LlamaForCausalLM(nnx.Module):
@@ -275,9 +309,12 @@ class LlamaForCausalLM(nnx.Module):
         position_ids=None,
         labels=None,
         num_items_in_batch=None,
+        cache: KVCache | None = None,
         **kwargs,
     ) -> ModelOutput:
-        hidden_BxLxD = self.model(input_ids, attention_mask, position_ids)
+        hidden_BxLxD = self.model(input_ids, attention_mask, position_ids, cache)
+        if cache is not None:
+            hidden_BxLxD, cache = hidden_BxLxD
         if self.config.tie_word_embeddings:
             logits = self.model.embed_tokens.attend(hidden_BxLxD)
         else:
@@ -289,7 +326,15 @@ class LlamaForCausalLM(nnx.Module):
             total = token_cross_entropy_sum(logits, targets)
             count = num_items_in_batch if num_items_in_batch is not None else jnp.sum(targets != -100)
             loss = total / count
-        return ModelOutput(loss=loss, logits=logits)
+        return ModelOutput(loss=loss, logits=logits, cache=cache)
+
+    def init_cache(self, batch: int, max_length: int, dtype=jnp.float32) -> KVCache:
+        """An empty KV cache for `batch` sequences of up to `max_length` tokens."""
+        attn = self.model.layers[0].self_attn
+        shape = (batch, max_length, attn.num_kv_heads, attn.head_dim)
+        n = len(self.model.layers)
+        return KVCache([jnp.zeros(shape, dtype) for _ in range(n)], [jnp.zeros(shape, dtype) for _ in range(n)],
+                       jnp.zeros((), jnp.int32))
 
     @classmethod
     def from_config(cls, config: LlamaConfig, *, seed: int = 0, **kwargs) -> "LlamaForCausalLM":

@@ -15,6 +15,7 @@ class ModelOutput:
 
     loss: jax.Array | None = None
     logits: jax.Array | None = None
+    cache: Any = None  # the updated KV cache when the model was called with one (generation)
 
     def to_tuple(self) -> tuple[Any, ...]:
         return tuple(v for v in (getattr(self, f.name) for f in dataclasses.fields(self)) if v is not None)

@@ -1,0 +1,129 @@
+"""Jitted decoding with a KV cache: greedy and sampling (temperature, top-k, top-p), fed by a GenerationConfig.
+
+The whole loop (prefill, then one token per iteration of a `fori_loop`) is one compiled function per
+(batch, prompt length, new tokens, decoding settings). Prompts are left-padded, as HF's decoder-only
+generation expects; positions come from the attention mask, as HF computes them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeSettings:
+    max_new_tokens: int
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int = 0
+
+
+def settings_from(generation_config: Any, model_config: Any, prompt_length: int, **overrides) -> DecodeSettings:
+    """HF's GenerationConfig (or the model config's defaults) plus keyword overrides -> DecodeSettings."""
+    from transformers import GenerationConfig
+
+    cfg = generation_config or GenerationConfig.from_model_config(model_config)
+    cfg = GenerationConfig(**{**cfg.to_dict(), **overrides})
+    if cfg.num_beams and cfg.num_beams > 1:
+        raise ValueError("num_beams > 1 (beam search) is not implemented yet; use greedy or sampling.")
+    new = cfg.max_new_tokens if cfg.max_new_tokens is not None else cfg.max_length - prompt_length
+    if new is None or new < 1:
+        raise ValueError(f"Nothing to generate: max_new_tokens={new} (set max_new_tokens or a larger max_length).")
+    eos = cfg.eos_token_id
+    eos = () if eos is None else (tuple(eos) if isinstance(eos, (list, tuple)) else (eos,))
+    pad = cfg.pad_token_id if cfg.pad_token_id is not None else (eos[0] if eos else 0)
+    return DecodeSettings(
+        max_new_tokens=int(new),
+        do_sample=bool(cfg.do_sample),
+        temperature=float(cfg.temperature or 1.0),
+        top_k=int(cfg.top_k or 0),
+        top_p=float(cfg.top_p if cfg.top_p is not None else 1.0),
+        eos_token_ids=eos,
+        pad_token_id=int(pad),
+    )
+
+
+def _pick(logits_BxV: jax.Array, key: jax.Array, s: DecodeSettings) -> jax.Array:
+    """The next token: argmax, or a sample after HF's temperature, top-k and top-p warpers (in that order)."""
+    if not s.do_sample:
+        return jnp.argmax(logits_BxV, axis=-1)
+    logits = logits_BxV / s.temperature
+    if s.top_k:
+        kth = jax.lax.top_k(logits, s.top_k)[0][:, -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if s.top_p < 1.0:
+        sorted_desc = jnp.sort(logits, axis=-1)[:, ::-1]
+        cumulative = jnp.cumsum(jax.nn.softmax(sorted_desc, axis=-1), axis=-1)
+        # Keep the smallest set whose probability reaches top_p (at least one token).
+        keep = (cumulative - jax.nn.softmax(sorted_desc, axis=-1)) < s.top_p
+        threshold = jnp.min(jnp.where(keep, sorted_desc, jnp.inf), axis=-1, keepdims=True)
+        logits = jnp.where(logits < threshold, -jnp.inf, logits)
+    return jax.random.categorical(key, logits, axis=-1)
+
+
+@partial(jax.jit, static_argnums=(0, 4))
+def _decode(graphdef, state, input_ids_BxP, mask_BxP, settings: DecodeSettings, key):
+    model = nnx.merge(graphdef, state)
+    b, p = input_ids_BxP.shape
+    n = settings.max_new_tokens
+    cache = model.init_cache(b, p + n, jnp.float32)
+    full_mask = jnp.zeros((b, p + n), jnp.int32).at[:, :p].set(mask_BxP)
+    positions = jnp.where(mask_BxP == 0, 1, jnp.cumsum(mask_BxP, axis=-1) - 1)  # HF's, for left padding
+    out = model(input_ids_BxP, full_mask, positions, cache=cache)
+    eos = jnp.asarray(settings.eos_token_ids or (-1,), jnp.int32)
+
+    def step(i, carry):
+        tokens, cache, logits, key, finished, next_pos, full_mask = carry
+        key, sub = jax.random.split(key)
+        token = _pick(logits, sub, settings).astype(jnp.int32)
+        token = jnp.where(finished, settings.pad_token_id, token)
+        tokens = tokens.at[:, i].set(token)
+        finished = finished | jnp.isin(token, eos)
+        full_mask = full_mask.at[:, p + i].set(1)
+        out = model(token[:, None], full_mask, next_pos[:, None], cache=cache)
+        return tokens, out.cache, out.logits[:, -1], key, finished, next_pos + 1, full_mask
+
+    carry = (
+        jnp.zeros((b, n), jnp.int32),
+        out.cache,
+        out.logits[:, -1],
+        key,
+        jnp.zeros((b,), bool),
+        positions[:, -1] + 1,
+        full_mask,
+    )
+    tokens = jax.lax.fori_loop(0, n, step, carry)[0]
+    return jnp.concatenate([input_ids_BxP.astype(jnp.int32), tokens], axis=1)
+
+
+def generate(
+    model: nnx.Module,
+    input_ids,
+    attention_mask=None,
+    generation_config=None,
+    *,
+    seed: int = 0,
+    **overrides,
+) -> np.ndarray:
+    """Prompt + generated ids, [batch, prompt + max_new_tokens]; after an EOS, rows are padded with pad_token_id.
+
+    `generation_config` is a `transformers.GenerationConfig` (default: the model config's); keyword arguments
+    override it (`max_new_tokens=20, do_sample=True, top_p=0.9`, ...).
+    """
+    input_ids = np.asarray(input_ids)
+    mask = np.ones_like(input_ids) if attention_mask is None else np.asarray(attention_mask)
+    settings = settings_from(generation_config, model.config, input_ids.shape[1], **overrides)
+    graphdef, state = nnx.split(model)
+    ids = _decode(graphdef, state, jnp.asarray(input_ids), jnp.asarray(mask, jnp.int32), settings,
+                  jax.random.key(seed))
+    return np.asarray(ids)
