@@ -23,6 +23,7 @@ def _configs():
             "rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}),
         "mistral": transformers.MistralConfig(**BASE, sliding_window=4, head_dim=8),
         "qwen2": transformers.Qwen2Config(**BASE),
+        "gpt2": transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64),
         "qwen3": transformers.Qwen3Config(**BASE, head_dim=8),
         "qwen3_sliding": transformers.Qwen3Config(**BASE, head_dim=8, sliding_window=3, use_sliding_window=True,
                                                   max_window_layers=1,
@@ -60,5 +61,19 @@ def test_family_member_matches_pytorch(tmp_path, name):
 def test_unknown_model_type_is_named():
     import transformers
 
-    with pytest.raises(ValueError, match="model_type 'gpt2' has no jtrainer causal LM model"):
-        AutoModelForCausalLM.from_config(transformers.GPT2Config())
+    with pytest.raises(ValueError, match="model_type 'bert' has no jtrainer causal LM model"):
+        AutoModelForCausalLM.from_config(transformers.BertConfig())
+
+
+@pytest.mark.parametrize("name", ["mistral", "qwen2", "qwen3", "gpt2"])
+def test_trainer_loss_falls_for_each_family(tmp_path, name):
+    from conftest import token_rows
+    from jtrainer import Trainer, TrainingArguments
+
+    model = AutoModelForCausalLM.from_config(_configs()[name])
+    args = TrainingArguments(str(tmp_path), per_device_train_batch_size=4, max_steps=8, learning_rate=1e-2,
+                             logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True)
+    trainer = Trainer(model=model, args=args, train_dataset=token_rows(8, length=12))
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert losses[-1] < losses[0] - 0.5

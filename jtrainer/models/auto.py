@@ -7,9 +7,11 @@ from typing import Any
 from flax import nnx
 from transformers import AutoConfig
 
+from jtrainer.models.gpt2 import GPT2LMHeadModel
 from jtrainer.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 
 CAUSAL_LM_MODELS: dict[str, type] = {
+    "gpt2": GPT2LMHeadModel,
     "llama": LlamaForCausalLM,
     "mistral": MistralForCausalLM,
     "qwen2": Qwen2ForCausalLM,

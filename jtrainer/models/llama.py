@@ -17,24 +17,12 @@ from flax import nnx
 from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from jtrainer.losses import shift_labels, token_cross_entropy_sum
+from jtrainer.models.base import PretrainedMixin, StaticConfig
 from jtrainer.models.outputs import ModelOutput
 from jtrainer.sharding import TENSOR, constrain
 
 # Activations between layers: rows over (data, fsdp), positions over `sequence`, features whole.
 ACTIVATION_AXES = ("batch", "length", "act_embed")
-
-
-class StaticConfig:
-    """Holds an HF config as a static, hashable attribute of an nnx module (identity hash: configs are unhashable)."""
-
-    def __init__(self, config):
-        self.config = config
-
-    def __hash__(self):
-        return id(self.config)
-
-    def __eq__(self, other):
-        return isinstance(other, StaticConfig) and other.config is self.config
 
 
 class RMSNorm(nnx.Module):
@@ -254,11 +242,10 @@ class KVCache:
     index: jax.Array
 
 
-class LlamaForCausalLM(nnx.Module):
+class LlamaForCausalLM(PretrainedMixin, nnx.Module):
     """HF's `LlamaForCausalLM`: `__call__(input_ids, attention_mask, position_ids, labels, num_items_in_batch)`."""
 
     config_class = LlamaConfig
-    main_input_name = "input_ids"
     accepts_loss_kwargs = True
     loss_shifts_labels = True
 
@@ -276,10 +263,6 @@ class LlamaForCausalLM(nnx.Module):
                 config.initializer_range,
                 ("embed", "vocab"),
             )
-
-    @property
-    def config(self) -> LlamaConfig:
-        return self._config.config
 
     def check_mesh(self, mesh) -> None:
         """Tensor parallelism splits attention heads: the `tensor` axis must divide the number of heads."""
@@ -335,24 +318,6 @@ class LlamaForCausalLM(nnx.Module):
         n = len(self.model.layers)
         return KVCache([jnp.zeros(shape, dtype) for _ in range(n)], [jnp.zeros(shape, dtype) for _ in range(n)],
                        jnp.zeros((), jnp.int32))
-
-    @classmethod
-    def from_config(cls, config: LlamaConfig, *, seed: int = 0, **kwargs) -> "LlamaForCausalLM":
-        return cls(config, rngs=nnx.Rngs(seed), **kwargs)
-
-    def save_pretrained(self, save_directory: str, **kwargs) -> None:
-        from jtrainer.models import hf_io
-
-        hf_io.save_pretrained(self, save_directory, **kwargs)
-
-    @classmethod
-    def from_pretrained(cls, directory: str, **kwargs) -> "LlamaForCausalLM":
-        from jtrainer.models import hf_io
-
-        config = cls.config_class.from_pretrained(directory)
-        model = cls(config, rngs=nnx.Rngs(0), **kwargs)
-        hf_io.load_weights(model, directory)
-        return model
 
 
 class MistralForCausalLM(LlamaForCausalLM):

@@ -1,0 +1,147 @@
+"""GPT-2 in flax.nnx, parameter for parameter HF's `GPT2LMHeadModel` (Conv1D weights keep HF's [in, out] layout)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from transformers import GPT2Config
+
+from jtrainer.losses import shift_labels, token_cross_entropy_sum
+from jtrainer.models.base import PretrainedMixin, StaticConfig
+from jtrainer.models.outputs import ModelOutput
+from jtrainer.sharding import TENSOR, constrain
+
+ACTIVATION_AXES = ("batch", "length", "act_embed")
+_ACTIVATIONS = {
+    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "relu": jax.nn.relu,
+    "silu": jax.nn.silu,
+}
+
+
+class Conv1D(nnx.Module):
+    """HF's Conv1D: y = x @ weight + bias with weight [in, out] (named `weight`, so no transpose on export)."""
+
+    def __init__(self, din: int, dout: int, std: float, axes, rngs: nnx.Rngs):
+        self.weight = nnx.Param(jax.random.normal(rngs.params(), (din, dout)) * std, logical_axes=axes)
+        self.bias = nnx.Param(jnp.zeros((dout,)), logical_axes=axes[1:])
+
+    def __call__(self, x):
+        return x @ self.weight[...] + self.bias[...]
+
+
+class LayerNorm(nnx.Module):
+    """torch LayerNorm with HF's parameter names (`weight`, `bias`)."""
+
+    def __init__(self, dim: int, eps: float):
+        self.weight = nnx.Param(jnp.ones((dim,)), logical_axes=("norm",))
+        self.bias = nnx.Param(jnp.zeros((dim,)), logical_axes=("norm",))
+        self.eps = eps
+
+    def __call__(self, x):
+        mean = jnp.mean(x, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
+        return (x - mean) * jax.lax.rsqrt(var + self.eps) * self.weight[...] + self.bias[...]
+
+
+class GPT2Attention(nnx.Module):
+    def __init__(self, config: GPT2Config, layer_idx: int, rngs: nnx.Rngs):
+        d, std = config.n_embd, config.initializer_range
+        self.num_heads, self.head_dim = config.n_head, config.n_embd // config.n_head
+        self.c_attn = Conv1D(d, 3 * d, std, ("embed", "heads"), rngs)
+        self.c_proj = Conv1D(d, d, std, ("heads", "embed"), rngs)
+        scale = self.head_dim**-0.5 if config.scale_attn_weights else 1.0
+        if config.scale_attn_by_inverse_layer_idx:
+            scale /= float(layer_idx + 1)
+        self.scale = scale
+
+    def __call__(self, x_BxLxD, mask_Bx1xLxL):
+        b, length, d = x_BxLxD.shape
+        q, k, v = jnp.split(self.c_attn(x_BxLxD), 3, axis=-1)
+        shape = (b, length, self.num_heads, self.head_dim)
+        out = jax.nn.dot_product_attention(
+            q.reshape(shape), k.reshape(shape), v.reshape(shape), mask=mask_Bx1xLxL, scale=self.scale
+        )
+        return self.c_proj(out.reshape(b, length, d))
+
+
+class GPT2MLP(nnx.Module):
+    def __init__(self, config: GPT2Config, rngs: nnx.Rngs):
+        inner = config.n_inner or 4 * config.n_embd
+        if config.activation_function not in _ACTIVATIONS:
+            raise ValueError(f"GPT2Config.activation_function={config.activation_function!r} is not supported.")
+        self.act = config.activation_function
+        self.c_fc = Conv1D(config.n_embd, inner, config.initializer_range, ("embed", "mlp"), rngs)
+        self.c_proj = Conv1D(inner, config.n_embd, config.initializer_range, ("mlp", "embed"), rngs)
+
+    def __call__(self, x):
+        return self.c_proj(_ACTIVATIONS[self.act](self.c_fc(x)))
+
+
+class GPT2Block(nnx.Module):
+    def __init__(self, config: GPT2Config, layer_idx: int, rngs: nnx.Rngs):
+        self.ln_1 = LayerNorm(config.n_embd, config.layer_norm_epsilon)
+        self.attn = GPT2Attention(config, layer_idx, rngs)
+        self.ln_2 = LayerNorm(config.n_embd, config.layer_norm_epsilon)
+        self.mlp = GPT2MLP(config, rngs)
+
+    def __call__(self, x, mask):
+        x = x + self.attn(self.ln_1(x), mask)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT2Model(nnx.Module):
+    def __init__(self, config: GPT2Config, rngs: nnx.Rngs):
+        std = config.initializer_range
+        self.wte = nnx.Embed(config.vocab_size, config.n_embd, embedding_init=nnx.initializers.normal(std), rngs=rngs)
+        self.wpe = nnx.Embed(config.n_positions, config.n_embd, embedding_init=nnx.initializers.normal(std), rngs=rngs)
+        self.wte.embedding.set_metadata(logical_axes=("vocab", "embed"))
+        self.wpe.embedding.set_metadata(logical_axes=(None, "embed"))
+        self.h = nnx.List([GPT2Block(config, i, rngs) for i in range(config.n_layer)])
+        self.ln_f = LayerNorm(config.n_embd, config.layer_norm_epsilon)
+
+    def __call__(self, input_ids_BxL, attention_mask_BxL=None, position_ids_BxL=None):
+        b, length = input_ids_BxL.shape
+        if position_ids_BxL is None:
+            position_ids_BxL = jnp.broadcast_to(jnp.arange(length), (b, length))
+        x = self.wte(input_ids_BxL) + self.wpe(position_ids_BxL)
+        mask = jnp.tril(jnp.ones((length, length), dtype=bool))[None, None]
+        if attention_mask_BxL is not None:
+            mask = mask & attention_mask_BxL.astype(bool)[:, None, None, :]
+        x = constrain(x, ACTIVATION_AXES)
+        for block in self.h:
+            x = constrain(block(x, mask), ACTIVATION_AXES)
+        return self.ln_f(x)
+
+
+class GPT2LMHeadModel(PretrainedMixin, nnx.Module):
+    """HF's `GPT2LMHeadModel` (the LM head is tied to `wte`, as in every GPT-2 checkpoint)."""
+
+    config_class = GPT2Config
+    accepts_loss_kwargs = True
+    loss_shifts_labels = True
+
+    def __init__(self, config: GPT2Config, *, rngs: nnx.Rngs, **_):
+        if not getattr(config, "tie_word_embeddings", True):
+            raise ValueError("GPT2LMHeadModel with untied embeddings is not supported (GPT-2 ties lm_head to wte).")
+        self._config = StaticConfig(config)
+        self.transformer = GPT2Model(config, rngs)
+
+    def check_mesh(self, mesh) -> None:
+        n, heads = mesh.shape[TENSOR], self.config.n_head
+        if heads % n:
+            raise ValueError(f"Tensor parallel size {n} does not divide n_head={heads}: change mesh_shape.")
+
+    def __call__(self, input_ids, attention_mask=None, position_ids=None, labels=None, num_items_in_batch=None,
+                 **kwargs) -> ModelOutput:
+        hidden = self.transformer(input_ids, attention_mask, position_ids)
+        logits = self.transformer.wte.attend(hidden).astype(jnp.float32)
+        loss = None
+        if labels is not None:
+            targets = shift_labels(labels)
+            count = num_items_in_batch if num_items_in_batch is not None else jnp.sum(targets != -100)
+            loss = token_cross_entropy_sum(logits, targets) / count
+        return ModelOutput(loss=loss, logits=logits)
