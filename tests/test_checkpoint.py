@@ -256,3 +256,36 @@ def test_asynchronous_saves_commit_before_the_next_one(tmp_path, asynchronous):
     assert sorted(n for n in os.listdir(tmp_path) if n.startswith("checkpoint")) == ["checkpoint-2", "checkpoint-4"]
     for name in ("checkpoint-2", "checkpoint-4"):
         checkpoint.verify_checkpoint(str(tmp_path / name))
+
+
+def test_save_only_model_and_callback_states(tmp_path):
+    only_model = make_trainer(str(tmp_path / "only"), 2, 2, False)
+    only_model.args.save_only_model = True
+    only_model.train()
+    folder = tmp_path / "only" / "checkpoint-2"
+    assert (folder / "model.safetensors").exists() and not (folder / checkpoint.TRAIN_STATE_DIR).exists()
+    with pytest.raises(ValueError, match="no train state"):
+        make_trainer(str(tmp_path / "only"), 4, 0, False).train(resume_from_checkpoint=str(folder))
+
+    from jtrainer import TrainerCallback
+    from jtrainer.state import ExportableState
+
+    class StepCounter(TrainerCallback, ExportableState):
+        def __init__(self):
+            self.count = 0
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.count += 1
+
+        def state(self):
+            return {"args": {}, "attributes": {"count": self.count}}
+
+    run = make_trainer(str(tmp_path / "cb"), 2, 2, False)
+    run.add_callback(StepCounter())
+    run.train()
+    counter = StepCounter()
+    resumed = make_trainer(str(tmp_path / "cb"), 3, 0, False)
+    resumed.add_callback(counter)
+    resumed.args.restore_callback_states_from_checkpoint = True
+    resumed.train(resume_from_checkpoint=True)
+    assert counter.count == 3  # 2 restored from the checkpoint, then one more step
