@@ -1,7 +1,26 @@
-"""HF-compatible flax.nnx models: the Llama family (Llama 2/3, Mistral, Qwen2, Qwen3), GPT-2, and auto classes."""
+"""HF-compatible flax.nnx models: the Llama family (Llama 2/3, Mistral, Qwen2, Qwen3), GPT-2, BERT, auto classes."""
 
-from jtrainer.models.auto import AutoModelForCausalLM
+from jtrainer.models.auto import (
+    AutoModelForCausalLM,
+    AutoModelForMaskedLM,
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+)
+from jtrainer.models.bert import BertForMaskedLM, BertForSequenceClassification, BertForTokenClassification
 from jtrainer.models.gpt2 import GPT2LMHeadModel
 from jtrainer.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 
-__all__ = ["AutoModelForCausalLM", "GPT2LMHeadModel", "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
+__all__ = [
+    "AutoModelForCausalLM",
+    "AutoModelForMaskedLM",
+    "AutoModelForSequenceClassification",
+    "AutoModelForTokenClassification",
+    "BertForMaskedLM",
+    "BertForSequenceClassification",
+    "BertForTokenClassification",
+    "GPT2LMHeadModel",
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+]

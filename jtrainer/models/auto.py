@@ -7,6 +7,7 @@ from typing import Any
 from flax import nnx
 from transformers import AutoConfig
 
+from jtrainer.models.bert import BertForMaskedLM, BertForSequenceClassification, BertForTokenClassification
 from jtrainer.models.gpt2 import GPT2LMHeadModel
 from jtrainer.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 
@@ -46,3 +47,18 @@ class _AutoModel:
 class AutoModelForCausalLM(_AutoModel):
     models = CAUSAL_LM_MODELS
     task = "causal LM"
+
+
+class AutoModelForMaskedLM(_AutoModel):
+    models = {"bert": BertForMaskedLM}
+    task = "masked LM"
+
+
+class AutoModelForSequenceClassification(_AutoModel):
+    models = {"bert": BertForSequenceClassification}
+    task = "sequence classification"
+
+
+class AutoModelForTokenClassification(_AutoModel):
+    models = {"bert": BertForTokenClassification}
+    task = "token classification"

@@ -109,7 +109,9 @@ def load_weights(model: nnx.Module, directory: str) -> None:
                 f"{'.'.join(map(str, path))} has shape {tuple(var[...].shape)}."
             )
         var[...] = np.asarray(value, dtype=var[...].dtype)
-    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
+    tied = set(getattr(model, "tied_hf_weights", ()))
+    if getattr(model.config, "tie_word_embeddings", False):
+        tied.add("lm_head.weight")
     unexpected = set(tensors) - expected - tied
     if unexpected:
         raise KeyError(f"Unexpected weights in {directory}: {sorted(unexpected)}")
