@@ -159,6 +159,17 @@ def _logical_axes(var: nnx.Variable) -> tuple | None:
     return None
 
 
+def flatten_specs(tree: dict, prefix: tuple = ()) -> dict[tuple, P]:
+    """A nested dict of PartitionSpecs (as param_specs returns) -> {path: spec}."""
+    flat: dict[tuple, P] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(flatten_specs(value, prefix + (key,)))
+        else:
+            flat[prefix + (key,)] = value
+    return flat
+
+
 def _unflatten(flat: dict[tuple, Any]) -> dict:
     out: dict = {}
     for path, value in flat.items():
@@ -173,7 +184,7 @@ def param_specs(model: nnx.Module, mesh: Mesh, rules: dict[str, Any]) -> dict:
     """PartitionSpecs of the model's parameters, as a pure dict shaped like nnx.to_pure_dict(params)."""
     flat = {}
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        shape = var[...].shape
+        shape = tuple(var.shape)
         logical = _logical_axes(var)
         name = ".".join(map(str, path))
         if logical is None:

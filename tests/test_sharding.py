@@ -114,3 +114,30 @@ def test_trainer_rejects_a_mesh_of_the_wrong_size():
     model = LlamaForCausalLM.from_config(tiny_llama_config())
     with pytest.raises(ValueError, match="needs 4 devices but there are 1"):
         Trainer(model, TrainingArguments("o", mesh_shape={"data": 2, "tensor": 2}, report_to="none"))
+
+
+def test_from_pretrained_places_weights_on_their_shardings(tmp_path):
+    """On 8 devices: each parameter arrives split by the rules; logits equal the unsharded model's."""
+    script = """
+import sys, numpy as np, jax, jax.numpy as jnp
+sys.path.insert(0, sys.argv[2])
+from conftest import tiny_llama_config
+from jtrainer import sharding
+from jtrainer.models import AutoModelForCausalLM, LlamaForCausalLM
+LlamaForCausalLM.from_config(tiny_llama_config()).save_pretrained(sys.argv[1])
+mesh = sharding.make_mesh(sharding.resolve_mesh_shape(type("A", (), {"mesh_shape": {"fsdp": 4, "tensor": 2}})(), 8))
+sharded = AutoModelForCausalLM.from_pretrained(sys.argv[1], mesh=mesh, dtype=jnp.bfloat16)
+plain = AutoModelForCausalLM.from_pretrained(sys.argv[1])
+q = sharded.model.layers[0].self_attn.q_proj.kernel[...]
+assert q.dtype == jnp.bfloat16 and q.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor"), q.sharding
+assert len({s.data.shape for s in q.addressable_shards}) == 1 and q.addressable_shards[0].data.shape == (8, 16)
+ids = jnp.arange(12)[None]
+a = np.asarray(sharded(ids).logits, np.float32)
+b = np.asarray(plain(ids).logits)
+assert np.abs(a - b).max() < 0.1, np.abs(a - b).max()
+print("ok")
+"""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", script, str(tmp_path), HERE], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]

@@ -40,7 +40,7 @@ class _AutoModel:
 
     @classmethod
     def from_pretrained(cls, directory: str, **kwargs: Any) -> nnx.Module:
-        """A local HF folder (config.json + safetensors); nothing is downloaded."""
+        """A local HF folder (config.json + safetensors); nothing is downloaded. Takes dtype= and mesh=."""
         return cls._model_class(AutoConfig.from_pretrained(directory)).from_pretrained(directory, **kwargs)
 
 

@@ -38,10 +38,17 @@ class PretrainedMixin:
         hf_io.save_pretrained(self, save_directory, **kwargs)
 
     @classmethod
-    def from_pretrained(cls, directory: str, **kwargs):
-        """A local folder of config.json + safetensors (as PyTorch transformers writes it)."""
+    def from_pretrained(cls, directory: str, *, dtype=None, mesh=None, logical_axis_rules=None, **kwargs):
+        """A local folder of config.json + safetensors (as PyTorch transformers writes it).
+
+        The model is built abstractly (no random weights are allocated), then every parameter is read from
+        disk; with `mesh`, straight onto its sharding, slice by slice. `dtype` (e.g. jnp.bfloat16) casts them.
+        """
+        from jtrainer import sharding
         from jtrainer.models import hf_io
 
-        model = cls(cls.config_class.from_pretrained(directory), rngs=nnx.Rngs(0), **kwargs)
-        hf_io.load_weights(model, directory)
+        config = cls.config_class.from_pretrained(directory)
+        model = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0), **kwargs))
+        rules = sharding.merged_rules(logical_axis_rules) if mesh is not None else None
+        hf_io.load_weights(model, directory, mesh=mesh, rules=rules, dtype=dtype)
         return model

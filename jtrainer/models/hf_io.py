@@ -12,7 +12,8 @@ import os
 import jax
 import numpy as np
 from flax import nnx
-from safetensors.numpy import load_file, save_file
+from safetensors import safe_open
+from safetensors.numpy import save_file
 
 WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
@@ -76,43 +77,78 @@ def write_hf_folder(config, tensors: dict[str, np.ndarray], save_directory: str,
         json.dump(index, f, indent=2, sort_keys=True)
 
 
-def read_hf_tensors(directory: str) -> dict[str, np.ndarray]:
-    single = os.path.join(directory, WEIGHTS_NAME)
-    if os.path.exists(single):
-        return load_file(single)
-    index_path = os.path.join(directory, WEIGHTS_INDEX_NAME)
-    if not os.path.exists(index_path):
-        raise FileNotFoundError(f"No {WEIGHTS_NAME} or {WEIGHTS_INDEX_NAME} in {directory}.")
-    with open(index_path) as f:
-        files = sorted(set(json.load(f)["weight_map"].values()))
-    tensors: dict[str, np.ndarray] = {}
-    for filename in files:
-        tensors.update(load_file(os.path.join(directory, filename)))
-    return tensors
+class TensorFiles:
+    """The tensors of an HF folder (single or sharded safetensors), read lazily, slice by slice."""
+
+    def __init__(self, directory: str):
+        single = os.path.join(directory, WEIGHTS_NAME)
+        index_path = os.path.join(directory, WEIGHTS_INDEX_NAME)
+        if os.path.exists(single):
+            with safe_open(single, framework="np") as f:
+                self.files = dict.fromkeys(f.keys(), single)
+        elif os.path.exists(index_path):
+            with open(index_path) as f:
+                weight_map = json.load(f)["weight_map"]
+            self.files = {name: os.path.join(directory, file) for name, file in weight_map.items()}
+        else:
+            raise FileNotFoundError(f"No {WEIGHTS_NAME} or {WEIGHTS_INDEX_NAME} in {directory}.")
+        self.directory = directory
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        with safe_open(self.files[name], framework="np") as f:
+            return tuple(f.get_slice(name).get_shape())
+
+    def read(self, name: str, index: tuple = (), transposed: bool = False) -> np.ndarray:
+        """The tensor (or the part `index` of its nnx layout) as numpy; only that part is read from disk."""
+        index = tuple(index)
+        stored = tuple(reversed(index)) if transposed else index
+        with safe_open(self.files[name], framework="np") as f:
+            part = f.get_slice(name)[stored] if stored else f.get_tensor(name)
+        return part.T if transposed else part
 
 
-def load_weights(model: nnx.Module, directory: str) -> None:
-    """Fill a model's parameters from HF weight files, checking names and shapes."""
-    tensors = read_hf_tensors(directory)
+def load_weights(model: nnx.Module, directory: str, *, mesh=None, rules=None, dtype=None) -> None:
+    """Fill a model's parameters from HF weight files, checking names and shapes.
+
+    With a mesh, each parameter is created directly on its sharding (logical rules as in training) from the
+    slices each device needs: the whole model is never gathered on one device. `dtype` casts the weights.
+    """
+    from jtrainer import sharding
+
+    files = TensorFiles(directory)
     params = nnx.state(model, nnx.Param)
     flat = dict(nnx.to_flat_state(params))
+    specs = {}
+    if mesh is not None:
+        specs = sharding.flatten_specs(sharding.param_specs(model, mesh, rules or sharding.merged_rules()))
     expected = set()
     for path, var in flat.items():
         name, transposed = _hf_name(path)
         expected.add(name)
-        if name not in tensors:
-            raise KeyError(f"Weight {name!r} (parameter {'.'.join(map(str, path))}) is missing from {directory}.")
-        value = tensors[name].T if transposed else tensors[name]
-        if value.shape != var[...].shape:
+        label = ".".join(map(str, path))
+        if name not in files.files:
+            raise KeyError(f"Weight {name!r} (parameter {label}) is missing from {directory}.")
+        shape = files.shape(name)
+        shape = tuple(reversed(shape)) if transposed else shape
+        if shape != tuple(var.shape):
             raise ValueError(
-                f"Weight {name!r} has shape {tuple(value.shape)} in {directory}, but the model's parameter "
-                f"{'.'.join(map(str, path))} has shape {tuple(var[...].shape)}."
+                f"Weight {name!r} has shape {shape} in {directory}, but the model's parameter {label} has shape "
+                f"{tuple(var.shape)}."
             )
-        var[...] = np.asarray(value, dtype=var[...].dtype)
+        target = np.dtype(dtype or var.dtype)
+        if mesh is None:
+            var.set_value(jax.numpy.asarray(files.read(name, (), transposed).astype(target)))
+        else:
+            placement = jax.sharding.NamedSharding(mesh, specs[path])
+            var.set_value(
+                jax.make_array_from_callback(
+                    shape, placement, lambda idx, n=name, t=transposed: files.read(n, idx, t).astype(target)
+                )
+            )
     tied = set(getattr(model, "tied_hf_weights", ()))
     if getattr(model.config, "tie_word_embeddings", False):
         tied.add("lm_head.weight")
-    unexpected = set(tensors) - expected - tied
+    unexpected = set(files.files) - expected - tied
     if unexpected:
         raise KeyError(f"Unexpected weights in {directory}: {sorted(unexpected)}")
     nnx.update(model, params)
