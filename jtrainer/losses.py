@@ -30,6 +30,13 @@ def token_cross_entropy_sum(logits: jax.Array, labels: jax.Array, label_smoothin
     return jnp.sum(jnp.where(valid, nll, 0.0))
 
 
+def token_loss(logits: jax.Array, labels: jax.Array, num_items_in_batch=None, *, causal: bool = False) -> jax.Array:
+    """HF's model loss for token labels: sum of token losses / num_items_in_batch (the mean when not given)."""
+    targets = shift_labels(labels) if causal else labels
+    count = num_items_in_batch if num_items_in_batch is not None else jnp.sum(targets != IGNORE_INDEX)
+    return token_cross_entropy_sum(logits, targets) / count
+
+
 def count_label_tokens(labels: jax.Array, causal: bool) -> jax.Array:
     """HF's `num_items_in_batch`: label tokens that are not -100, after the causal shift for causal LMs.
 

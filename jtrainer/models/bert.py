@@ -9,7 +9,7 @@ import optax
 from flax import nnx
 from transformers import BertConfig
 
-from jtrainer.losses import IGNORE_INDEX, token_cross_entropy_sum
+from jtrainer.losses import IGNORE_INDEX, token_cross_entropy_sum, token_loss
 from jtrainer.models.base import PretrainedMixin, StaticConfig
 from jtrainer.models.gpt2 import LayerNorm
 from jtrainer.models.outputs import ModelOutput
@@ -164,8 +164,7 @@ class BertForMaskedLM(_BertHead):
         logits = self.cls(hidden, self.bert.embeddings.word_embeddings).astype(jnp.float32)
         loss = None
         if labels is not None:
-            count = num_items_in_batch if num_items_in_batch is not None else jnp.sum(labels != IGNORE_INDEX)
-            loss = token_cross_entropy_sum(logits, labels) / count
+            loss = token_loss(logits, labels, num_items_in_batch)
         return ModelOutput(loss=loss, logits=logits)
 
 
@@ -196,6 +195,10 @@ class _MLMPredictions(nnx.Module):
         return word_embeddings.attend(self.transform(hidden)) + self.bias[...]
 
 
+def _classifier(config: BertConfig, rngs: nnx.Rngs) -> nnx.Linear:
+    return _dense(config.hidden_size, config.num_labels, config.initializer_range, ("embed", None), rngs)
+
+
 def classification_loss(logits, labels, problem_type: str | None, num_labels: int):
     """HF's rule: regression for one label, single-label CE for integer labels, else multi-label BCE."""
     if problem_type is None:
@@ -222,8 +225,7 @@ class BertForSequenceClassification(_BertHead):
     def __init__(self, config: BertConfig, *, rngs: nnx.Rngs, **_):
         self._config = StaticConfig(config)
         self.bert = BertModel(config, rngs, add_pooling_layer=True)
-        self.classifier = _dense(config.hidden_size, config.num_labels, config.initializer_range, ("embed", None),
-                                 rngs)
+        self.classifier = _classifier(config, rngs)
 
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, labels=None,
                  **kwargs) -> ModelOutput:
@@ -243,8 +245,7 @@ class BertForTokenClassification(_BertHead):
     def __init__(self, config: BertConfig, *, rngs: nnx.Rngs, **_):
         self._config = StaticConfig(config)
         self.bert = BertModel(config, rngs, add_pooling_layer=False)
-        self.classifier = _dense(config.hidden_size, config.num_labels, config.initializer_range, ("embed", None),
-                                 rngs)
+        self.classifier = _classifier(config, rngs)
 
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, labels=None,
                  num_items_in_batch=None, **kwargs) -> ModelOutput:
@@ -253,6 +254,5 @@ class BertForTokenClassification(_BertHead):
         )
         loss = None
         if labels is not None:
-            count = num_items_in_batch if num_items_in_batch is not None else jnp.sum(labels != IGNORE_INDEX)
-            loss = token_cross_entropy_sum(logits, labels) / count
+            loss = token_loss(logits, labels, num_items_in_batch)
         return ModelOutput(loss=loss, logits=logits)

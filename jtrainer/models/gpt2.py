@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 from transformers import GPT2Config
 
-from jtrainer.losses import shift_labels, token_cross_entropy_sum
+from jtrainer.losses import token_loss
 from jtrainer.models.base import PretrainedMixin, StaticConfig
 from jtrainer.models.outputs import ModelOutput
 from jtrainer.sharding import TENSOR, constrain
@@ -141,7 +141,5 @@ class GPT2LMHeadModel(PretrainedMixin, nnx.Module):
         logits = self.transformer.wte.attend(hidden).astype(jnp.float32)
         loss = None
         if labels is not None:
-            targets = shift_labels(labels)
-            count = num_items_in_batch if num_items_in_batch is not None else jnp.sum(targets != -100)
-            loss = token_cross_entropy_sum(logits, targets) / count
+            loss = token_loss(logits, labels, num_items_in_batch, causal=True)
         return ModelOutput(loss=loss, logits=logits)

@@ -16,7 +16,7 @@ import numpy as np
 from flax import nnx
 from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-from jtrainer.losses import shift_labels, token_cross_entropy_sum
+from jtrainer.losses import token_loss
 from jtrainer.models.base import PretrainedMixin, StaticConfig
 from jtrainer.models.outputs import ModelOutput
 from jtrainer.sharding import TENSOR, constrain
@@ -305,10 +305,7 @@ class LlamaForCausalLM(PretrainedMixin, nnx.Module):
         logits = logits.astype(jnp.float32)
         loss = None
         if labels is not None:
-            targets = shift_labels(labels)
-            total = token_cross_entropy_sum(logits, targets)
-            count = num_items_in_batch if num_items_in_batch is not None else jnp.sum(targets != -100)
-            loss = total / count
+            loss = token_loss(logits, labels, num_items_in_batch, causal=True)
         return ModelOutput(loss=loss, logits=logits, cache=cache)
 
     def init_cache(self, batch: int, max_length: int, dtype=jnp.float32) -> KVCache:
