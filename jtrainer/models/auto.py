@@ -9,6 +9,7 @@ from transformers import AutoConfig
 
 from jtrainer.models.bert import BertForMaskedLM, BertForSequenceClassification, BertForTokenClassification
 from jtrainer.models.gpt2 import GPT2LMHeadModel
+from jtrainer.models.t5 import T5ForConditionalGeneration
 from jtrainer.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 
 CAUSAL_LM_MODELS: dict[str, type] = {
@@ -62,3 +63,8 @@ class AutoModelForSequenceClassification(_AutoModel):
 class AutoModelForTokenClassification(_AutoModel):
     models = {"bert": BertForTokenClassification}
     task = "token classification"
+
+
+class AutoModelForSeq2SeqLM(_AutoModel):
+    models = {"t5": T5ForConditionalGeneration}
+    task = "sequence-to-sequence LM"

@@ -1,0 +1,205 @@
+"""T5 in flax.nnx, parameter for parameter HF's `T5ForConditionalGeneration` (relative position buckets, unscaled
+attention, RMS layer norms, relu or gated-gelu feed-forward, LM head tied to `shared` with d_model**-0.5)."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from transformers import T5Config
+
+from jtrainer.losses import IGNORE_INDEX, token_loss
+from jtrainer.models.base import PretrainedMixin, StaticConfig
+from jtrainer.models.bert import _ACTIVATIONS, _embed
+from jtrainer.models.llama import RMSNorm
+from jtrainer.models.outputs import ModelOutput
+from jtrainer.sharding import TENSOR, constrain
+
+ACTIVATION_AXES = ("batch", "length", "act_embed")
+
+
+def _linear(din: int, dout: int, std: float, axes, rngs: nnx.Rngs) -> nnx.Linear:
+    layer = nnx.Linear(din, dout, use_bias=False, kernel_init=nnx.initializers.normal(std), rngs=rngs)
+    layer.kernel.set_metadata(logical_axes=axes)
+    return layer
+
+
+def relative_position_bucket(relative_position, bidirectional: bool, num_buckets: int, max_distance: int):
+    """HF's (Mesh TensorFlow's) bucketing of key position - query position."""
+    buckets = jnp.zeros_like(relative_position)
+    if bidirectional:
+        num_buckets //= 2
+        buckets = buckets + (relative_position > 0) * num_buckets
+        relative_position = jnp.abs(relative_position)
+    else:
+        relative_position = -jnp.minimum(relative_position, 0)
+    max_exact = num_buckets // 2
+    is_small = relative_position < max_exact
+    large = max_exact + (
+        jnp.log(jnp.maximum(relative_position, 1).astype(jnp.float32) / max_exact)
+        / math.log(max_distance / max_exact)
+        * (num_buckets - max_exact)
+    ).astype(relative_position.dtype)
+    large = jnp.minimum(large, num_buckets - 1)
+    return buckets + jnp.where(is_small, relative_position, large)
+
+
+class T5Attention(nnx.Module):
+    def __init__(self, config: T5Config, has_relative_bias: bool, is_decoder: bool, rngs: nnx.Rngs):
+        d, inner, std = config.d_model, config.num_heads * config.d_kv, config.initializer_factor
+        self.num_heads, self.head_dim, self.is_decoder = config.num_heads, config.d_kv, is_decoder
+        self.q = _linear(d, inner, std * (d * config.d_kv) ** -0.5, ("embed", "heads"), rngs)
+        self.k = _linear(d, inner, std * d**-0.5, ("embed", "heads"), rngs)
+        self.v = _linear(d, inner, std * d**-0.5, ("embed", "heads"), rngs)
+        self.o = _linear(inner, d, std * inner**-0.5, ("heads", "embed"), rngs)
+        self.buckets, self.max_distance = config.relative_attention_num_buckets, config.relative_attention_max_distance
+        if has_relative_bias:
+            self.relative_attention_bias = _embed(self.buckets, self.num_heads, std * d**-0.5, (None, "heads"), rngs)
+
+    def position_bias(self, query_length: int, key_length: int) -> jax.Array:
+        relative = jnp.arange(key_length)[None, :] - jnp.arange(query_length)[:, None]
+        bucket = relative_position_bucket(relative, not self.is_decoder, self.buckets, self.max_distance)
+        return jnp.transpose(self.relative_attention_bias(bucket), (2, 0, 1))[None]  # [1, N, Lq, Lk]
+
+    def __call__(self, x_BxLxD, kv_BxSxD, bias_1xNxLxS, mask_Bx1xLxS):
+        b, length, _ = x_BxLxD.shape
+        keys = kv_BxSxD.shape[1]
+        q = self.q(x_BxLxD).reshape(b, length, self.num_heads, self.head_dim)
+        k = self.k(kv_BxSxD).reshape(b, keys, self.num_heads, self.head_dim)
+        v = self.v(kv_BxSxD).reshape(b, keys, self.num_heads, self.head_dim)
+        bias = jnp.broadcast_to(bias_1xNxLxS, (b, self.num_heads, length, keys)).astype(q.dtype)
+        out = jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask_Bx1xLxS, scale=1.0)
+        return self.o(out.reshape(b, length, self.num_heads * self.head_dim))
+
+
+class T5DenseActDense(nnx.Module):
+    def __init__(self, config: T5Config, rngs: nnx.Rngs):
+        d, f, std = config.d_model, config.d_ff, config.initializer_factor
+        if config.is_gated_act:
+            self.wi_0 = _linear(d, f, std * d**-0.5, ("embed", "mlp"), rngs)
+            self.wi_1 = _linear(d, f, std * d**-0.5, ("embed", "mlp"), rngs)
+        else:
+            self.wi = _linear(d, f, std * d**-0.5, ("embed", "mlp"), rngs)
+        self.wo = _linear(f, d, std * f**-0.5, ("mlp", "embed"), rngs)
+        if config.dense_act_fn not in _ACTIVATIONS:
+            raise ValueError(f"T5Config.feed_forward_proj={config.feed_forward_proj!r} is not supported.")
+        self.act = config.dense_act_fn
+
+    def __call__(self, x):
+        act = _ACTIVATIONS[self.act]
+        hidden = act(self.wi_0(x)) * self.wi_1(x) if hasattr(self, "wi_0") else act(self.wi(x))
+        return self.wo(hidden)
+
+
+class _AttentionLayer(nnx.Module):
+    """`layer.N` of a T5 block with attention: pre-norm, attention, residual (HF's names per kind)."""
+
+    def __init__(self, config: T5Config, name: str, has_relative_bias: bool, is_decoder: bool, rngs: nnx.Rngs):
+        self.name = name
+        setattr(self, name, T5Attention(config, has_relative_bias, is_decoder, rngs))
+        self.layer_norm = RMSNorm(config.d_model, config.layer_norm_epsilon)
+
+    def __call__(self, x, kv, bias, mask):
+        normed = self.layer_norm(x)
+        return x + getattr(self, self.name)(normed, normed if kv is None else kv, bias, mask)
+
+
+class _FeedForwardLayer(nnx.Module):
+    def __init__(self, config: T5Config, rngs: nnx.Rngs):
+        self.DenseReluDense = T5DenseActDense(config, rngs)
+        self.layer_norm = RMSNorm(config.d_model, config.layer_norm_epsilon)
+
+    def __call__(self, x):
+        return x + self.DenseReluDense(self.layer_norm(x))
+
+
+class T5Block(nnx.Module):
+    def __init__(self, config: T5Config, first: bool, is_decoder: bool, rngs: nnx.Rngs):
+        layers = [_AttentionLayer(config, "SelfAttention", first, is_decoder, rngs)]
+        if is_decoder:
+            layers.append(_AttentionLayer(config, "EncDecAttention", False, True, rngs))
+        layers.append(_FeedForwardLayer(config, rngs))
+        self.layer = nnx.List(layers)
+
+    def __call__(self, x, self_bias, self_mask, encoder=None, cross_mask=None):
+        x = self.layer[0](x, None, self_bias, self_mask)
+        if encoder is not None:
+            x = self.layer[1](x, encoder, jnp.zeros((1, 1, 1, 1), x.dtype), cross_mask)
+        return self.layer[-1](x)
+
+
+class T5Stack(nnx.Module):
+    def __init__(self, config: T5Config, is_decoder: bool, rngs: nnx.Rngs):
+        self.is_decoder = is_decoder
+        n = config.num_decoder_layers if is_decoder else config.num_layers
+        self.block = nnx.List([T5Block(config, i == 0, is_decoder, rngs) for i in range(n)])
+        self.final_layer_norm = RMSNorm(config.d_model, config.layer_norm_epsilon)
+
+    def __call__(self, x_BxLxD, mask_BxL, encoder_BxSxD=None, encoder_mask_BxS=None):
+        length = x_BxLxD.shape[1]
+        bias = self.block[0].layer[0].SelfAttention.position_bias(length, length)
+        self_mask = jnp.ones((1, 1, length, length), bool)
+        if self.is_decoder:
+            self_mask = jnp.tril(self_mask)
+        if mask_BxL is not None:
+            self_mask = self_mask & mask_BxL.astype(bool)[:, None, None, :]
+        cross_mask = None if encoder_mask_BxS is None else encoder_mask_BxS.astype(bool)[:, None, None, :]
+        for block in self.block:
+            x_BxLxD = constrain(block(x_BxLxD, bias, self_mask, encoder_BxSxD, cross_mask), ACTIVATION_AXES)
+        return self.final_layer_norm(x_BxLxD)
+
+
+def shift_right(labels, decoder_start_token_id: int, pad_token_id: int):
+    """HF's _shift_right: decoder inputs are the labels moved right after a start token; -100 becomes pad."""
+    shifted = jnp.concatenate([jnp.full_like(labels[:, :1], decoder_start_token_id), labels[:, :-1]], axis=1)
+    return jnp.where(shifted == IGNORE_INDEX, pad_token_id, shifted)
+
+
+class T5ForConditionalGeneration(PretrainedMixin, nnx.Module):
+    """HF's `T5ForConditionalGeneration`: `__call__(input_ids, attention_mask, decoder_input_ids, labels, ...)`."""
+
+    config_class = T5Config
+    accepts_loss_kwargs = True
+    tied_hf_weights = ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight")
+
+    def __init__(self, config: T5Config, *, rngs: nnx.Rngs, **_):
+        if getattr(config, "decoder_start_token_id", None) is None:
+            raise ValueError("T5Config.decoder_start_token_id must be set (T5 uses the pad token id, 0).")
+        self._config = StaticConfig(config)
+        self.shared = _embed(config.vocab_size, config.d_model, config.initializer_factor, ("vocab", "embed"), rngs)
+        self.encoder = T5Stack(config, False, rngs)
+        self.decoder = T5Stack(config, True, rngs)
+        if not config.tie_word_embeddings:
+            self.lm_head = _linear(config.d_model, config.vocab_size, config.initializer_factor, ("embed", "vocab"),
+                                   rngs)
+
+    def check_mesh(self, mesh) -> None:
+        n, heads = mesh.shape[TENSOR], self.config.num_heads
+        if heads % n:
+            raise ValueError(f"Tensor parallel size {n} does not divide num_heads={heads}.")
+
+    def encode(self, input_ids, attention_mask=None):
+        return self.encoder(self.shared(input_ids), attention_mask)
+
+    def decode(self, decoder_input_ids, encoder_hidden, attention_mask=None, decoder_attention_mask=None):
+        hidden = self.decoder(self.shared(decoder_input_ids), decoder_attention_mask, encoder_hidden, attention_mask)
+        # Original T5 scales the decoder output by d_model**-0.5; T5 v1.1 (saved with tie_word_embeddings=False)
+        # does not. transformers 5 records this as `scale_decoder_outputs` and always ties the head to `shared`.
+        if getattr(self.config, "scale_decoder_outputs", self.config.tie_word_embeddings):
+            hidden = hidden * self.config.d_model**-0.5
+        head = self.shared.attend if self.config.tie_word_embeddings else self.lm_head
+        return head(hidden).astype(jnp.float32)
+
+    def __call__(self, input_ids, attention_mask=None, decoder_input_ids=None, decoder_attention_mask=None,
+                 labels=None, num_items_in_batch=None, **kwargs) -> ModelOutput:
+        config = self.config
+        if decoder_input_ids is None:
+            if labels is None:
+                raise ValueError("T5 needs decoder_input_ids or labels.")
+            decoder_input_ids = shift_right(labels, config.decoder_start_token_id, config.pad_token_id)
+        logits = self.decode(decoder_input_ids, self.encode(input_ids, attention_mask), attention_mask,
+                             decoder_attention_mask)
+        loss = None if labels is None else token_loss(logits, labels, num_items_in_batch)
+        return ModelOutput(loss=loss, logits=logits)
