@@ -1,4 +1,5 @@
-"""Jitted decoding with a KV cache: greedy and sampling (temperature, top-k, top-p), fed by a GenerationConfig.
+"""Jitted decoding: greedy and sampling (temperature, top-k, top-p), fed by a GenerationConfig; decoder-only
+models with a KV cache, encoder-decoder models (T5) by encoding once and decoding into a fixed buffer.
 
 The whole loop (prefill, then one token per iteration of a `fori_loop`) is one compiled function per
 (batch, prompt length, new tokens, decoding settings). Prompts are left-padded, as HF's decoder-only
@@ -106,6 +107,27 @@ def _decode(graphdef, state, input_ids_BxP, mask_BxP, settings: DecodeSettings, 
     return jnp.concatenate([input_ids_BxP.astype(jnp.int32), tokens], axis=1)
 
 
+@partial(jax.jit, static_argnums=(0, 4))
+def _decode_seq2seq(graphdef, state, input_ids_BxP, mask_BxP, settings: DecodeSettings, key):
+    """Encoder-decoder models: encode once, then decode into a fixed buffer (causal, so position i only
+    sees the tokens before it): one compiled loop, without a cache for the decoder."""
+    model = nnx.merge(graphdef, state)
+    b, n = input_ids_BxP.shape[0], settings.max_new_tokens
+    encoded = model.encode(input_ids_BxP, mask_BxP)
+    start = model.config.decoder_start_token_id
+    eos = jnp.asarray(settings.eos_token_ids or (-1,), jnp.int32)
+
+    def step(i, carry):
+        tokens, key, finished = carry
+        logits = model.decode(tokens, encoded, mask_BxP)[:, i]
+        key, sub = jax.random.split(key)
+        token = jnp.where(finished, settings.pad_token_id, _pick(logits, sub, settings).astype(jnp.int32))
+        return tokens.at[:, i + 1].set(token), key, finished | jnp.isin(token, eos)
+
+    tokens = jnp.full((b, n + 1), settings.pad_token_id, jnp.int32).at[:, 0].set(start)
+    return jax.lax.fori_loop(0, n, step, (tokens, key, jnp.zeros((b,), bool)))[0]
+
+
 def generate(
     model: nnx.Module,
     input_ids,
@@ -115,7 +137,8 @@ def generate(
     seed: int = 0,
     **overrides,
 ) -> np.ndarray:
-    """Prompt + generated ids, [batch, prompt + max_new_tokens]; after an EOS, rows are padded with pad_token_id.
+    """Prompt + generated ids, [batch, prompt + max_new_tokens] (encoder-decoder models: the decoder's
+    start token + generated ids, as HF returns them); after an EOS, rows are padded with pad_token_id.
 
     `generation_config` is a `transformers.GenerationConfig` (default: the model config's); keyword arguments
     override it (`max_new_tokens=20, do_sample=True, top_p=0.9`, ...).
@@ -124,6 +147,7 @@ def generate(
     mask = np.ones_like(input_ids) if attention_mask is None else np.asarray(attention_mask)
     settings = settings_from(generation_config, model.config, input_ids.shape[1], **overrides)
     graphdef, state = nnx.split(model)
-    ids = _decode(graphdef, state, jnp.asarray(input_ids), jnp.asarray(mask, jnp.int32), settings,
-                  jax.random.key(seed))
+    decode = _decode_seq2seq if hasattr(model, "encode") else _decode
+    ids = decode(graphdef, state, jnp.asarray(input_ids), jnp.asarray(mask, jnp.int32), settings,
+                 jax.random.key(seed))
     return np.asarray(ids)

@@ -62,3 +62,22 @@ def test_t5_trains(tmp_path):
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert losses[-1] < losses[0] - 0.5
+
+
+def test_t5_greedy_matches_pytorch_generate(tmp_path):
+    import transformers
+
+    from jtrainer.generation import generate
+
+    torch.manual_seed(0)
+    reference = transformers.T5ForConditionalGeneration(_config()).eval()
+    reference.save_pretrained(tmp_path)
+    ids = np.random.RandomState(1).randint(2, 64, (2, 9))
+    mask = np.ones_like(ids)
+    mask[1, 6:] = 0
+    with torch.no_grad():
+        expected = reference.generate(torch.tensor(ids), attention_mask=torch.tensor(mask), max_new_tokens=8,
+                                      do_sample=False, eos_token_id=None).numpy()
+    ours = AutoModelForSeq2SeqLM.from_pretrained(str(tmp_path))
+    got = generate(ours, ids, mask, max_new_tokens=8, eos_token_id=None)
+    np.testing.assert_array_equal(got, expected)
