@@ -27,6 +27,8 @@ class DecodeSettings:
     top_p: float = 1.0
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int = 0
+    num_beams: int = 1
+    length_penalty: float = 1.0
 
 
 def settings_from(generation_config: Any, model_config: Any, prompt_length: int, **overrides) -> DecodeSettings:
@@ -35,8 +37,8 @@ def settings_from(generation_config: Any, model_config: Any, prompt_length: int,
 
     cfg = generation_config or GenerationConfig.from_model_config(model_config)
     cfg = GenerationConfig(**{**cfg.to_dict(), **overrides})
-    if cfg.num_beams and cfg.num_beams > 1:
-        raise ValueError("num_beams > 1 (beam search) is not implemented yet; use greedy or sampling.")
+    if cfg.num_beams and cfg.num_beams > 1 and cfg.do_sample:
+        raise ValueError("Beam search with do_sample=True is not implemented; use do_sample=False with num_beams.")
     new = cfg.max_new_tokens if cfg.max_new_tokens is not None else cfg.max_length - prompt_length
     if new is None or new < 1:
         raise ValueError(f"Nothing to generate: max_new_tokens={new} (set max_new_tokens or a larger max_length).")
@@ -51,6 +53,8 @@ def settings_from(generation_config: Any, model_config: Any, prompt_length: int,
         top_p=float(cfg.top_p if cfg.top_p is not None else 1.0),
         eos_token_ids=eos,
         pad_token_id=int(pad),
+        num_beams=int(cfg.num_beams or 1),
+        length_penalty=float(cfg.length_penalty if cfg.length_penalty is not None else 1.0),
     )
 
 
@@ -108,6 +112,62 @@ def _decode(graphdef, state, input_ids_BxP, mask_BxP, settings: DecodeSettings, 
 
 
 @partial(jax.jit, static_argnums=(0, 4))
+def _beam_search(graphdef, state, input_ids_BxP, mask_BxP, settings: DecodeSettings, key):
+    """Beam search for decoder-only models: the cache holds batch x beams rows, reordered after each step.
+
+    A beam that emitted EOS keeps its score and continues with padding; the best beam per row wins by
+    sum of log-probabilities / generated length ** length_penalty, as HF scores finished hypotheses.
+    """
+    del key
+    model = nnx.merge(graphdef, state)
+    b, p = input_ids_BxP.shape
+    k, n = settings.num_beams, settings.max_new_tokens
+    ids = jnp.repeat(input_ids_BxP, k, axis=0)
+    mask = jnp.repeat(mask_BxP, k, axis=0)
+    cache = model.init_cache(b * k, p + n, jnp.float32)
+    full_mask = jnp.zeros((b * k, p + n), jnp.int32).at[:, :p].set(mask)
+    positions = jnp.where(mask == 0, 1, jnp.cumsum(mask, axis=-1) - 1)
+    out = model(ids, full_mask, positions, cache=cache)
+    eos = jnp.asarray(settings.eos_token_ids or (-1,), jnp.int32)
+    scores = jnp.tile(jnp.asarray([0.0] + [-jnp.inf] * (k - 1)), (b, 1))  # every beam starts as beam 0
+    rows = (jnp.arange(b)[:, None] * k)  # first flat row of each batch entry
+
+    def step(i, carry):
+        tokens, cache, logits, scores, finished, lengths, next_pos, full_mask = carry
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1).reshape(b, k, -1)
+        vocab = logp.shape[-1]
+        # A finished beam may only continue with padding, at no cost.
+        pad_only = jnp.full((vocab,), -jnp.inf).at[settings.pad_token_id].set(0.0)
+        logp = jnp.where(finished.reshape(b, k, 1), pad_only, logp)
+        top_scores, top = jax.lax.top_k((scores[..., None] + logp).reshape(b, k * vocab), k)
+        beam, token = top // vocab, (top % vocab).astype(jnp.int32)
+        flat = (rows + beam).reshape(-1)
+        tokens = tokens[flat].at[:, i].set(token.reshape(-1))
+        was_finished = finished[flat]
+        finished = was_finished | jnp.isin(token.reshape(-1), eos)
+        lengths = jnp.where(was_finished, lengths[flat], i + 1)
+        cache = jax.tree.map(lambda c: c[flat] if c.ndim and c.shape[0] == b * k else c, cache)
+        full_mask = full_mask[flat].at[:, p + i].set(1)
+        out = model(token.reshape(-1, 1), full_mask, next_pos[flat][:, None], cache=cache)
+        return tokens, out.cache, out.logits[:, -1], top_scores, finished, lengths, next_pos[flat] + 1, full_mask
+
+    carry = (
+        jnp.full((b * k, n), settings.pad_token_id, jnp.int32),
+        out.cache,
+        out.logits[:, -1],
+        scores,
+        jnp.zeros((b * k,), bool),
+        jnp.zeros((b * k,), jnp.int32),
+        positions[:, -1] + 1,
+        full_mask,
+    )
+    tokens, _, _, scores, _, lengths, _, _ = jax.lax.fori_loop(0, n, step, carry)
+    normalised = scores / (jnp.maximum(lengths.reshape(b, k), 1) ** settings.length_penalty)
+    best = (rows[:, 0] + jnp.argmax(normalised, axis=-1))
+    return jnp.concatenate([input_ids_BxP.astype(jnp.int32), tokens[best]], axis=1)
+
+
+@partial(jax.jit, static_argnums=(0, 4))
 def _decode_seq2seq(graphdef, state, input_ids_BxP, mask_BxP, settings: DecodeSettings, key):
     """Encoder-decoder models: encode once, then decode into a fixed buffer (causal, so position i only
     sees the tokens before it): one compiled loop, without a cache for the decoder."""
@@ -147,7 +207,12 @@ def generate(
     mask = np.ones_like(input_ids) if attention_mask is None else np.asarray(attention_mask)
     settings = settings_from(generation_config, model.config, input_ids.shape[1], **overrides)
     graphdef, state = nnx.split(model)
-    decode = _decode_seq2seq if hasattr(model, "encode") else _decode
+    if hasattr(model, "encode"):
+        if settings.num_beams > 1:
+            raise ValueError("Beam search for encoder-decoder models is not implemented yet; use num_beams=1.")
+        decode = _decode_seq2seq
+    else:
+        decode = _beam_search if settings.num_beams > 1 else _decode
     ids = decode(graphdef, state, jnp.asarray(input_ids), jnp.asarray(mask, jnp.int32), settings,
                  jax.random.key(seed))
     return np.asarray(ids)

@@ -51,5 +51,24 @@ def test_sampling_eos_padding_and_one_compile():
     stopped = generate(model, prompts, max_new_tokens=10, eos_token_id=eos, pad_token_id=63)
     first = int(np.argmax(stopped[0, 3:] == eos))
     assert (stopped[0, 3 + first + 1:] == 63).all()
-    with pytest.raises(ValueError, match="beam search"):
-        generate(model, prompts, max_new_tokens=4, num_beams=2)
+    with pytest.raises(ValueError, match="do_sample=False with num_beams"):
+        generate(model, prompts, max_new_tokens=4, num_beams=2, do_sample=True)
+
+
+def test_beam_search_matches_pytorch_generate(tmp_path):
+    import transformers
+
+    config = tiny_llama_config()
+    config.eos_token_id = None
+    config.pad_token_id = 0
+    torch.manual_seed(0)
+    reference = transformers.LlamaForCausalLM(config).eval()
+    reference.save_pretrained(tmp_path)
+    prompts = np.array([[5, 9, 17, 3], [11, 12, 13, 14]])
+    with torch.no_grad():
+        expected = reference.generate(torch.tensor(prompts), max_new_tokens=8, num_beams=3, do_sample=False,
+                                      pad_token_id=0).numpy()
+    ours = AutoModelForCausalLM.from_pretrained(str(tmp_path))
+    got = generate(ours, prompts, max_new_tokens=8, num_beams=3, eos_token_id=None, pad_token_id=0)
+    np.testing.assert_array_equal(got, expected)
+    assert not np.array_equal(got, generate(ours, prompts, max_new_tokens=8))  # beams found another sequence
