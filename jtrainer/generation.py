@@ -168,6 +168,43 @@ def _beam_search(graphdef, state, input_ids_BxP, mask_BxP, settings: DecodeSetti
 
 
 @partial(jax.jit, static_argnums=(0, 4))
+def _beam_search_seq2seq(graphdef, state, input_ids_BxP, mask_BxP, settings: DecodeSettings, key):
+    """Beam search for encoder-decoder models: beams are rows of the decoder buffer, reordered each step."""
+    del key
+    model = nnx.merge(graphdef, state)
+    b, k, n = input_ids_BxP.shape[0], settings.num_beams, settings.max_new_tokens
+    mask = jnp.repeat(mask_BxP, k, axis=0)
+    encoded = model.encode(jnp.repeat(input_ids_BxP, k, axis=0), mask)
+    eos = jnp.asarray(settings.eos_token_ids or (-1,), jnp.int32)
+    rows = jnp.arange(b)[:, None] * k
+
+    def step(i, carry):
+        tokens, scores, finished, lengths = carry
+        logp = jax.nn.log_softmax(model.decode(tokens, encoded, mask)[:, i], axis=-1).reshape(b, k, -1)
+        vocab = logp.shape[-1]
+        pad_only = jnp.full((vocab,), -jnp.inf).at[settings.pad_token_id].set(0.0)
+        logp = jnp.where(finished.reshape(b, k, 1), pad_only, logp)
+        top_scores, top = jax.lax.top_k((scores[..., None] + logp).reshape(b, k * vocab), k)
+        flat = (rows + top // vocab).reshape(-1)
+        token = (top % vocab).astype(jnp.int32).reshape(-1)
+        was_finished = finished[flat]
+        return (
+            tokens[flat].at[:, i + 1].set(token),
+            top_scores,
+            was_finished | jnp.isin(token, eos),
+            jnp.where(was_finished, lengths[flat], i + 1),
+        )
+
+    tokens = jnp.full((b * k, n + 1), settings.pad_token_id, jnp.int32)
+    tokens = tokens.at[:, 0].set(model.config.decoder_start_token_id)
+    scores = jnp.tile(jnp.asarray([0.0] + [-jnp.inf] * (k - 1)), (b, 1))
+    carry = (tokens, scores, jnp.zeros((b * k,), bool), jnp.zeros((b * k,), jnp.int32))
+    tokens, scores, _, lengths = jax.lax.fori_loop(0, n, step, carry)
+    normalised = scores / (jnp.maximum(lengths.reshape(b, k), 1) ** settings.length_penalty)
+    return tokens[rows[:, 0] + jnp.argmax(normalised, axis=-1)]
+
+
+@partial(jax.jit, static_argnums=(0, 4))
 def _decode_seq2seq(graphdef, state, input_ids_BxP, mask_BxP, settings: DecodeSettings, key):
     """Encoder-decoder models: encode once, then decode into a fixed buffer (causal, so position i only
     sees the tokens before it): one compiled loop, without a cache for the decoder."""
@@ -208,9 +245,7 @@ def generate(
     settings = settings_from(generation_config, model.config, input_ids.shape[1], **overrides)
     graphdef, state = nnx.split(model)
     if hasattr(model, "encode"):
-        if settings.num_beams > 1:
-            raise ValueError("Beam search for encoder-decoder models is not implemented yet; use num_beams=1.")
-        decode = _decode_seq2seq
+        decode = _beam_search_seq2seq if settings.num_beams > 1 else _decode_seq2seq
     else:
         decode = _beam_search if settings.num_beams > 1 else _decode
     ids = decode(graphdef, state, jnp.asarray(input_ids), jnp.asarray(mask, jnp.int32), settings,

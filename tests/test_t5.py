@@ -81,3 +81,19 @@ def test_t5_greedy_matches_pytorch_generate(tmp_path):
     ours = AutoModelForSeq2SeqLM.from_pretrained(str(tmp_path))
     got = generate(ours, ids, mask, max_new_tokens=8, eos_token_id=None)
     np.testing.assert_array_equal(got, expected)
+
+
+def test_t5_beam_search_matches_pytorch_generate(tmp_path):
+    import transformers
+
+    from jtrainer.generation import generate
+
+    torch.manual_seed(0)
+    reference = transformers.T5ForConditionalGeneration(_config()).eval()
+    reference.save_pretrained(tmp_path)
+    ids = np.random.RandomState(1).randint(2, 64, (2, 9))
+    with torch.no_grad():
+        expected = reference.generate(torch.tensor(ids), max_new_tokens=6, num_beams=3, do_sample=False,
+                                      eos_token_id=None).numpy()
+    ours = AutoModelForSeq2SeqLM.from_pretrained(str(tmp_path))
+    np.testing.assert_array_equal(generate(ours, ids, max_new_tokens=6, num_beams=3, eos_token_id=None), expected)
