@@ -77,3 +77,40 @@ def test_trainer_loss_falls_for_each_family(tmp_path, name):
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert losses[-1] < losses[0] - 0.5
+
+
+@pytest.mark.parametrize("family", ["gpt2", "bert", "t5", "llama3_rope"])
+def test_gradient_checkpointing_changes_memory_not_results(tmp_path, family):
+    import transformers
+
+    from conftest import token_rows
+    from jtrainer import Trainer, TrainingArguments
+    from jtrainer.models import AutoModelForMaskedLM, AutoModelForSeq2SeqLM
+
+    if family == "bert":
+        config = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                         intermediate_size=64, max_position_embeddings=32)
+        make = lambda: AutoModelForMaskedLM.from_config(config)  # noqa: E731
+    elif family == "t5":
+        config = transformers.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                                       decoder_start_token_id=0, pad_token_id=0)
+        make = lambda: AutoModelForSeq2SeqLM.from_config(config)  # noqa: E731
+    else:
+        make = lambda: AutoModelForCausalLM.from_config(_configs()[family])  # noqa: E731
+
+    def losses(remat):
+        args = TrainingArguments(str(tmp_path), per_device_train_batch_size=4, max_steps=3, learning_rate=1e-2,
+                                 logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
+                                 activation_checkpointing=remat,
+                                 activation_checkpointing_kwargs={"policy": "dots_saveable"} if remat else None)
+        trainer = Trainer(model=make(), args=args, train_dataset=token_rows(8, length=12))
+        trainer.train()
+        return [h["loss"] for h in trainer.state.log_history if "loss" in h], trainer.model
+
+    plain, _ = losses(False)
+    rematted, model = losses(True)
+    assert rematted == pytest.approx(plain, rel=1e-5)
+    from flax import nnx
+
+    flags = [n.remat_policy for _, n in nnx.iter_graph(model) if hasattr(n, "gradient_checkpointing")]
+    assert flags and all(f == "dots_saveable" for f in flags)

@@ -1,18 +1,21 @@
-"""HF-compatible flax.nnx models: the Llama family (Llama 2/3, Mistral, Qwen2, Qwen3), GPT-2, BERT, auto classes."""
+"""HF-compatible flax.nnx models: the Llama family (Llama 2/3, Mistral, Qwen2, Qwen3), GPT-2, BERT, T5, auto classes."""
 
 from jtrainer.models.auto import (
     AutoModelForCausalLM,
     AutoModelForMaskedLM,
+    AutoModelForSeq2SeqLM,
     AutoModelForSequenceClassification,
     AutoModelForTokenClassification,
 )
 from jtrainer.models.bert import BertForMaskedLM, BertForSequenceClassification, BertForTokenClassification
 from jtrainer.models.gpt2 import GPT2LMHeadModel
 from jtrainer.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from jtrainer.models.t5 import T5ForConditionalGeneration
 
 __all__ = [
     "AutoModelForCausalLM",
     "AutoModelForMaskedLM",
+    "AutoModelForSeq2SeqLM",
     "AutoModelForSequenceClassification",
     "AutoModelForTokenClassification",
     "BertForMaskedLM",
@@ -23,4 +26,5 @@ __all__ = [
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "T5ForConditionalGeneration",
 ]

@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
+import jax
 from flax import nnx
+
+
+def call_block(owner, block, *args):
+    """Run one block; under `owner.gradient_checkpointing`, rematerialised with `owner.remat_policy`."""
+    if not getattr(owner, "gradient_checkpointing", False):
+        return block(*args)
+    policy = getattr(jax.checkpoint_policies, owner.remat_policy) if owner.remat_policy else None
+    return nnx.remat(lambda b, *a: b(*a), policy=policy)(block, *args)
 
 
 class StaticConfig:
@@ -27,6 +36,18 @@ class PretrainedMixin:
     @property
     def config(self):
         return self._config.config
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None) -> None:
+        """Remat each block; `{"policy": NAME}` picks a `jax.checkpoint_policies` policy (default: save nothing)."""
+        policy = (gradient_checkpointing_kwargs or {}).get("policy")
+        if policy is not None and not hasattr(jax.checkpoint_policies, policy):
+            raise ValueError(
+                f"activation_checkpointing_kwargs policy={policy!r} is not a jax.checkpoint_policies name, e.g. "
+                "'dots_saveable', 'nothing_saveable', 'dots_with_no_batch_dims_saveable'."
+            )
+        for _, node in nnx.iter_graph(self):
+            if isinstance(node, nnx.Module) and hasattr(node, "gradient_checkpointing"):
+                node.gradient_checkpointing, node.remat_policy = True, policy
 
     @classmethod
     def from_config(cls, config, *, seed: int = 0, **kwargs):

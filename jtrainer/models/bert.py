@@ -10,7 +10,7 @@ from flax import nnx
 from transformers import BertConfig
 
 from jtrainer.losses import IGNORE_INDEX, token_cross_entropy_sum, token_loss
-from jtrainer.models.base import PretrainedMixin, StaticConfig
+from jtrainer.models.base import PretrainedMixin, StaticConfig, call_block
 from jtrainer.models.gpt2 import LayerNorm
 from jtrainer.models.outputs import ModelOutput
 from jtrainer.sharding import TENSOR, constrain
@@ -103,10 +103,11 @@ class BertLayer(nnx.Module):
 class BertEncoder(nnx.Module):
     def __init__(self, config: BertConfig, rngs: nnx.Rngs):
         self.layer = nnx.List([BertLayer(config, rngs) for _ in range(config.num_hidden_layers)])
+        self.gradient_checkpointing, self.remat_policy = False, None
 
     def __call__(self, x, mask):
         for layer in self.layer:
-            x = constrain(layer(x, mask), ACTIVATION_AXES)
+            x = constrain(call_block(self, layer, x, mask), ACTIVATION_AXES)
         return x
 
 

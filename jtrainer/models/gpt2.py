@@ -8,7 +8,7 @@ from flax import nnx
 from transformers import GPT2Config
 
 from jtrainer.losses import token_loss
-from jtrainer.models.base import PretrainedMixin, StaticConfig
+from jtrainer.models.base import PretrainedMixin, StaticConfig, call_block
 from jtrainer.models.outputs import ModelOutput
 from jtrainer.sharding import TENSOR, constrain
 
@@ -102,6 +102,7 @@ class GPT2Model(nnx.Module):
         self.wpe.embedding.set_metadata(logical_axes=(None, "embed"))
         self.h = nnx.List([GPT2Block(config, i, rngs) for i in range(config.n_layer)])
         self.ln_f = LayerNorm(config.n_embd, config.layer_norm_epsilon)
+        self.gradient_checkpointing, self.remat_policy = False, None
 
     def __call__(self, input_ids_BxL, attention_mask_BxL=None, position_ids_BxL=None):
         b, length = input_ids_BxL.shape
@@ -113,7 +114,7 @@ class GPT2Model(nnx.Module):
             mask = mask & attention_mask_BxL.astype(bool)[:, None, None, :]
         x = constrain(x, ACTIVATION_AXES)
         for block in self.h:
-            x = constrain(block(x, mask), ACTIVATION_AXES)
+            x = constrain(call_block(self, block, x, mask), ACTIVATION_AXES)
         return self.ln_f(x)
 
 

@@ -17,7 +17,7 @@ from flax import nnx
 from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from jtrainer.losses import token_loss
-from jtrainer.models.base import PretrainedMixin, StaticConfig
+from jtrainer.models.base import PretrainedMixin, StaticConfig, call_block
 from jtrainer.models.outputs import ModelOutput
 from jtrainer.sharding import TENSOR, constrain
 
@@ -221,11 +221,8 @@ class LlamaModel(nnx.Module):
                 x, (k, v) = layer(x, cos, sin, mask, offsets_LxS, ((cache.keys[i], cache.values[i]), start))
                 new_keys.append(k)
                 new_values.append(v)
-            elif self.gradient_checkpointing:
-                policy = getattr(jax.checkpoint_policies, self.remat_policy) if self.remat_policy else None
-                x = nnx.remat(lambda lyr, *a: lyr(*a), policy=policy)(layer, x, cos, sin, mask, offsets_LxS)
             else:
-                x = layer(x, cos, sin, mask, offsets_LxS)
+                x = call_block(self, layer, x, cos, sin, mask, offsets_LxS)
             x = constrain(x, ACTIVATION_AXES)
         if cache is None:
             return self.norm(x)
@@ -272,18 +269,6 @@ class LlamaForCausalLM(PretrainedMixin, nnx.Module):
                 f"Tensor parallel size {n} does not divide num_attention_heads={heads}: use a `tensor` mesh axis "
                 f"of at most {heads} that divides it (mesh_shape)."
             )
-
-    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None) -> None:
-        """Remat each decoder layer; `{"policy": NAME}` picks a `jax.checkpoint_policies` policy (default:
-        save nothing, recompute everything)."""
-        policy = (gradient_checkpointing_kwargs or {}).get("policy")
-        if policy is not None and not hasattr(jax.checkpoint_policies, policy):
-            raise ValueError(
-                f"activation_checkpointing_kwargs policy={policy!r} is not a jax.checkpoint_policies name, e.g. "
-                "'dots_saveable', 'nothing_saveable', 'dots_with_no_batch_dims_saveable'."
-            )
-        self.model.gradient_checkpointing = True
-        self.model.remat_policy = policy
 
     def __call__(
         self,

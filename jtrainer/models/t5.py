@@ -11,7 +11,7 @@ from flax import nnx
 from transformers import T5Config
 
 from jtrainer.losses import IGNORE_INDEX, token_loss
-from jtrainer.models.base import PretrainedMixin, StaticConfig
+from jtrainer.models.base import PretrainedMixin, StaticConfig, call_block
 from jtrainer.models.bert import _ACTIVATIONS, _embed
 from jtrainer.models.llama import RMSNorm
 from jtrainer.models.outputs import ModelOutput
@@ -136,6 +136,7 @@ class T5Stack(nnx.Module):
         n = config.num_decoder_layers if is_decoder else config.num_layers
         self.block = nnx.List([T5Block(config, i == 0, is_decoder, rngs) for i in range(n)])
         self.final_layer_norm = RMSNorm(config.d_model, config.layer_norm_epsilon)
+        self.gradient_checkpointing, self.remat_policy = False, None
 
     def __call__(self, x_BxLxD, mask_BxL, encoder_BxSxD=None, encoder_mask_BxS=None):
         length = x_BxLxD.shape[1]
@@ -147,7 +148,8 @@ class T5Stack(nnx.Module):
             self_mask = self_mask & mask_BxL.astype(bool)[:, None, None, :]
         cross_mask = None if encoder_mask_BxS is None else encoder_mask_BxS.astype(bool)[:, None, None, :]
         for block in self.block:
-            x_BxLxD = constrain(block(x_BxLxD, bias, self_mask, encoder_BxSxD, cross_mask), ACTIVATION_AXES)
+            x_BxLxD = call_block(self, block, x_BxLxD, bias, self_mask, encoder_BxSxD, cross_mask)
+            x_BxLxD = constrain(x_BxLxD, ACTIVATION_AXES)
         return self.final_layer_norm(x_BxLxD)
 
 
