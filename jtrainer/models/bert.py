@@ -154,7 +154,7 @@ class BertForMaskedLM(_BertHead):
     accepts_loss_kwargs = True
     tied_hf_weights = ("cls.predictions.decoder.weight", "cls.predictions.decoder.bias")
 
-    def __init__(self, config: BertConfig, *, rngs: nnx.Rngs, **_):
+    def __init__(self, config: BertConfig, *, rngs: nnx.Rngs):
         self._config = StaticConfig(config)
         self.bert = BertModel(config, rngs, add_pooling_layer=False)
         self.cls = _MLMHead(config, rngs)
@@ -223,7 +223,7 @@ def classification_loss(logits, labels, problem_type: str | None, num_labels: in
 class BertForSequenceClassification(_BertHead):
     """HF's `BertForSequenceClassification`: pooled [CLS] -> classifier; loss by `problem_type`."""
 
-    def __init__(self, config: BertConfig, *, rngs: nnx.Rngs, **_):
+    def __init__(self, config: BertConfig, *, rngs: nnx.Rngs):
         self._config = StaticConfig(config)
         self.bert = BertModel(config, rngs, add_pooling_layer=True)
         self.classifier = _classifier(config, rngs)
@@ -243,7 +243,7 @@ class BertForTokenClassification(_BertHead):
 
     accepts_loss_kwargs = True
 
-    def __init__(self, config: BertConfig, *, rngs: nnx.Rngs, **_):
+    def __init__(self, config: BertConfig, *, rngs: nnx.Rngs):
         self._config = StaticConfig(config)
         self.bert = BertModel(config, rngs, add_pooling_layer=False)
         self.classifier = _classifier(config, rngs)

@@ -125,7 +125,7 @@ class GPT2LMHeadModel(PretrainedMixin, nnx.Module):
     accepts_loss_kwargs = True
     loss_shifts_labels = True
 
-    def __init__(self, config: GPT2Config, *, rngs: nnx.Rngs, **_):
+    def __init__(self, config: GPT2Config, *, rngs: nnx.Rngs):
         if not getattr(config, "tie_word_embeddings", True):
             raise ValueError("GPT2LMHeadModel with untied embeddings is not supported (GPT-2 ties lm_head to wte).")
         self._config = StaticConfig(config)

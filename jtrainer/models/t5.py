@@ -166,7 +166,7 @@ class T5ForConditionalGeneration(PretrainedMixin, nnx.Module):
     accepts_loss_kwargs = True
     tied_hf_weights = ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight")
 
-    def __init__(self, config: T5Config, *, rngs: nnx.Rngs, **_):
+    def __init__(self, config: T5Config, *, rngs: nnx.Rngs):
         if getattr(config, "decoder_start_token_id", None) is None:
             raise ValueError("T5Config.decoder_start_token_id must be set (T5 uses the pad token id, 0).")
         self._config = StaticConfig(config)
