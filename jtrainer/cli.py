@@ -99,6 +99,14 @@ def token_blocks(texts: list[str], tokenizer, block_size: int) -> list[dict]:
     return [{"input_ids": b, "labels": b} for b in blocks]
 
 
+def say(message: str) -> None:
+    """Print on the first process only (every process of a multi-host run executes the same job)."""
+    import jax
+
+    if jax.process_index() == 0:
+        print(message)
+
+
 def run_train(model_args: ModelArguments, data_args: DataArguments, training_args) -> dict:
     from transformers import LlamaConfig
 
@@ -134,7 +142,7 @@ def run_train(model_args: ModelArguments, data_args: DataArguments, training_arg
         model = LlamaForCausalLM.from_config(config, seed=training_args.seed)
     train_rows = token_blocks(texts[:-n_eval], tokenizer, data_args.block_size)
     eval_rows = token_blocks(texts[-n_eval:], tokenizer, data_args.block_size)
-    print(f"jtrainer: {len(train_rows)} training rows, {len(eval_rows)} held-out rows of {data_args.block_size} tokens")
+    say(f"jtrainer: {len(train_rows)} training rows, {len(eval_rows)} held-out rows of {data_args.block_size} tokens")
 
     trainer = Trainer(
         model=model,
@@ -148,14 +156,14 @@ def run_train(model_args: ModelArguments, data_args: DataArguments, training_arg
     perplexity = math.exp(metrics["eval_loss"])
     trainer.save_model(training_args.output_dir)
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    print(f"jtrainer: train loss {losses[0]:.3f} -> {losses[-1]:.3f}" if losses else "")
-    print(f"jtrainer: held-out perplexity {perplexity:.2f} (eval_loss {metrics['eval_loss']:.4f})")
-    print(f"jtrainer: model and tokenizer saved in HF format to {training_args.output_dir}")
+    say(f"jtrainer: train loss {losses[0]:.3f} -> {losses[-1]:.3f}" if losses else "")
+    say(f"jtrainer: held-out perplexity {perplexity:.2f} (eval_loss {metrics['eval_loss']:.4f})")
+    say(f"jtrainer: model and tokenizer saved in HF format to {training_args.output_dir}")
     from jtrainer.generation import generate
 
     prompt = tokenizer(data_args.sample_prompt)["input_ids"] or [tokenizer.eos_token_id]
     ids = generate(trainer.model, [prompt], max_new_tokens=data_args.sample_tokens, do_sample=False)
-    print("jtrainer: sample:\n" + tokenizer.decode(ids[0], skip_special_tokens=True))
+    say("jtrainer: sample:\n" + tokenizer.decode(ids[0], skip_special_tokens=True))
     return {"train_loss": result.training_loss, "perplexity": perplexity, **metrics}
 
 
