@@ -1,0 +1,217 @@
+"""Evaluation and prediction for the Trainer: HF's evaluate / predict / evaluation_loop over a jitted eval step.
+
+Batches are padded to static shapes and split over the mesh like training batches; predictions and labels are
+gathered from every process, padded rows are dropped, and batches of different lengths are joined with -100
+padding, as HF's nested concatenation does.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from transformers.trainer_utils import (
+    EvalLoopOutput,
+    EvalPrediction,
+    PredictionOutput,
+    denumpify_detensorize,
+    speed_metrics,
+)
+
+from jtrainer import data, distributed, optim, sharding
+from jtrainer.losses import IGNORE_INDEX
+from jtrainer.step import EvalOutputs, LossSpec, make_eval_step
+
+
+def concat_padded(arrays: list[np.ndarray], pad: int = IGNORE_INDEX) -> np.ndarray:
+    """Concatenate along rows, padding dimension 1 with `pad` where batches differ (HF's nested_concat)."""
+    if not arrays:
+        return np.zeros((0,))
+    if arrays[0].ndim < 2 or all(a.shape[1:] == arrays[0].shape[1:] for a in arrays):
+        return np.concatenate(arrays, axis=0)
+    width = max(a.shape[1] for a in arrays)
+    padded = [np.pad(a, [(0, 0), (0, width - a.shape[1])] + [(0, 0)] * (a.ndim - 2), constant_values=pad) for a in arrays]
+    return np.concatenate(padded, axis=0)
+
+
+def _gather_tree(trees: list[Any]) -> Any:
+    if not trees:
+        return None
+    if isinstance(trees[0], (tuple, list)):
+        return type(trees[0])(_gather_tree([t[i] for t in trees]) for i in range(len(trees[0])))
+    if isinstance(trees[0], dict):
+        return {k: _gather_tree([t[k] for t in trees]) for k in trees[0]}
+    return concat_padded([np.asarray(t) for t in trees])
+
+
+def _slice_tree(tree: Any, rows: int, length: int | None) -> Any:
+    """Drop padded rows (and padded positions past the collated length) of a host pytree of arrays."""
+
+    def cut(x):
+        x = np.asarray(x)[:rows]
+        return x[:, :length] if (length is not None and x.ndim >= 2) else x
+
+    return jax.tree.map(cut, tree)
+
+
+class EvaluationMixin:
+    """The Trainer's evaluate / predict methods (they use the Trainer's mesh, model, callbacks and state)."""
+
+    def _evaluate(self, trial, ignore_keys_for_eval, skip_scheduler: bool = False) -> dict[str, float]:
+        metrics = self.evaluate(ignore_keys=ignore_keys_for_eval)
+        if self._plateau is not None and not skip_scheduler:
+            name = self.args.metric_for_best_model
+            key = name if name.startswith("eval_") else f"eval_{name}"
+            if key not in metrics:
+                raise KeyError(
+                    f"The lr scheduler reduce_lr_on_plateau needs metric {key!r}, which evaluation did not return; "
+                    f"it returned {sorted(metrics)}. Set --metric_for_best_model."
+                )
+            self._step_plateau(float(metrics[key]))
+        return metrics
+
+    def _step_plateau(self, metric: float) -> None:
+        opt_state = self._train_state.opt_state
+        current = optim.current_learning_rate(opt_state)
+        lr = float(current)
+        new_lr = self._plateau.step(metric, lr)
+        if new_lr != lr:
+            value = jax.device_put(jnp.asarray(new_lr, current.dtype), current.sharding)
+            opt_state = optim.replace_hyperparam(opt_state, "learning_rate", value)
+            self._train_state = self._train_state.replace(opt_state=opt_state)
+
+    def _current_params(self):
+        if self._train_state is not None:
+            return self._train_state.params, self._train_state.model_state
+        _, params, rest = nnx.split(self.model, nnx.Param, ...)
+        return (
+            jax.device_put(nnx.to_pure_dict(params), sharding.named(self.mesh, self._param_specs)),
+            jax.device_put(rest, sharding.replicated(self.mesh)),
+        )
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        override = eval_dataset is not None
+        eval_dataset = eval_dataset if override else self.eval_dataset
+        if isinstance(eval_dataset, dict):
+            metrics = {}
+            for name, dataset in eval_dataset.items():
+                metrics.update(
+                    self.evaluate(dataset if override else name, ignore_keys, f"{metric_key_prefix}_{name}")
+                )
+            return metrics
+        output = self._timed_loop(self.get_eval_dataloader(eval_dataset), "Evaluation", ignore_keys, metric_key_prefix)
+        self.log(output.metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, output.metrics)
+        return output.metrics
+
+    def predict(self, test_dataset, ignore_keys=None, metric_key_prefix: str = "test") -> PredictionOutput:
+        output = self._timed_loop(self.get_test_dataloader(test_dataset), "Prediction", ignore_keys, metric_key_prefix)
+        self.control = self.callback_handler.on_predict(self.args, self.state, self.control, output.metrics)
+        return PredictionOutput(predictions=output.predictions, label_ids=output.label_ids, metrics=output.metrics)
+
+    def _timed_loop(self, loader, description, ignore_keys, prefix) -> EvalLoopOutput:
+        """evaluation_loop plus HF's speed metrics (runtime, samples/s, steps/s) under the prefix."""
+        start_time = time.time()
+        output = self.evaluation_loop(loader, description, None, ignore_keys, prefix)
+        total_batch = self.args.eval_batch_size * self.args.world_size
+        output.metrics.update(
+            speed_metrics(
+                prefix,
+                start_time,
+                num_samples=output.num_samples,
+                num_steps=math.ceil(output.num_samples / total_batch),
+            )
+        )
+        return output
+
+    def _eval_step(self, spec: LossSpec, want_logits: bool):
+        key = (spec, want_logits)
+        if key not in self._compiled:
+            self.model.eval()
+            graphdef = nnx.split(self.model, nnx.Param, ...)[0]
+            self.model.train()
+            self._compiled[key] = jax.jit(
+                make_eval_step(graphdef, spec, want_logits, self.preprocess_logits_for_metrics)
+            )
+        return self._compiled[key]
+
+    def evaluation_loop(
+        self, dataloader, description, prediction_loss_only=None, ignore_keys=None, metric_key_prefix="eval"
+    ) -> EvalLoopOutput:
+        args = self.args
+        loss_only = prediction_loss_only if prediction_loss_only is not None else args.prediction_loss_only
+        want_logits = not loss_only
+        self.callback_handler.eval_dataloader = dataloader
+        params, model_state = self._current_params()
+        pad_id = getattr(self.processing_class, "pad_token_id", None) or 0
+        shapes = data.ShapeKeeper(dataloader.local_rows, pad_id, agree=distributed.agree_max)
+        spec, step = None, None
+        losses, preds, labels, inputs_seen = [], [], [], []
+        num_samples = 0
+        include = set(args.include_for_metrics or [])
+        label_name = self.label_names[0]
+        for batch, rows in dataloader:
+            length = shapes.sequence_length([batch])
+            sharding.check_length_divisible(length, self.mesh)
+            padded = shapes.pad(batch, length)
+            if spec is None:
+                spec = self._loss_spec(padded, training=False)
+                step = self._eval_step(spec, want_logits)
+            inputs = sharding.put_global(padded, self.mesh, row_dim=0, global_rows=dataloader.batch_size)
+            with self._mesh_context():
+                out: EvalOutputs = step(params, model_state, inputs)
+            collated_len = distributed.agree_max(max((v.shape[1] for v in batch.values() if v.ndim >= 2), default=0))
+            collated_len = collated_len or None
+            if out.loss is not None:
+                losses.append(np.full(rows, float(out.loss), np.float64))
+            batch_labels = padded.get(label_name)
+            if batch_labels is not None:
+                batch_labels = _slice_tree(distributed.gather_rows(batch_labels), rows, collated_len)
+            if want_logits and out.logits is not None:
+                logits = _slice_tree(jax.tree.map(distributed.gather_rows, out.logits), rows, collated_len)
+                if ignore_keys and isinstance(logits, dict):
+                    logits = {k: v for k, v in logits.items() if k not in ignore_keys}
+                if isinstance(logits, (tuple, list)) and len(logits) == 1:
+                    logits = logits[0]
+                if args.batch_eval_metrics and self.compute_metrics is not None:
+                    self._batch_metrics = self.compute_metrics(
+                        EvalPrediction(predictions=logits, label_ids=batch_labels), compute_result=False
+                    )
+                else:
+                    preds.append(logits)
+            if batch_labels is not None:
+                labels.append(batch_labels)
+            if "inputs" in include:
+                main = padded[getattr(self.model, "main_input_name", "input_ids")]
+                inputs_seen.append(_slice_tree(distributed.gather_rows(main), rows, collated_len))
+            num_samples += rows
+            self.control = self.callback_handler.on_prediction_step(args, self.state, self.control)
+
+        all_losses = np.concatenate(losses) if losses else None
+        all_preds = _gather_tree(preds) if preds else None
+        all_labels = _gather_tree(labels) if labels else None
+        metrics: dict[str, Any] = {}
+        if self.compute_metrics is not None and (all_preds is not None or args.batch_eval_metrics):
+            extra = {}
+            if "inputs" in include:
+                extra["inputs"] = _gather_tree(inputs_seen)
+            if "loss" in include:
+                extra["losses"] = all_losses
+            if args.batch_eval_metrics:
+                metrics = self.compute_metrics(
+                    EvalPrediction(predictions=None, label_ids=None, **extra), compute_result=True
+                )
+            elif all_labels is not None:
+                metrics = self.compute_metrics(EvalPrediction(predictions=all_preds, label_ids=all_labels, **extra))
+        metrics = denumpify_detensorize(metrics or {})
+        if all_losses is not None:
+            metrics[f"{metric_key_prefix}_loss"] = float(np.mean(all_losses))
+        for key in list(metrics):
+            if not key.startswith(f"{metric_key_prefix}_"):
+                metrics[f"{metric_key_prefix}_{key}"] = metrics.pop(key)
+        return EvalLoopOutput(predictions=all_preds, label_ids=all_labels, metrics=metrics, num_samples=num_samples)

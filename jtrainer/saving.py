@@ -1,0 +1,208 @@
+"""Checkpoints and exports for the Trainer: when and what to save, resume, best model, HF-format export.
+
+The storage itself (atomic commit, manifest, orbax, rotation) lives in `jtrainer.checkpoint`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from transformers.trainer_callback import ExportableState, TrainerState
+from transformers.trainer_utils import SaveStrategy
+
+from jtrainer import checkpoint
+from jtrainer.state import TrainState
+
+logger = logging.getLogger(__name__)
+
+
+class SavingMixin:
+    """The Trainer's checkpoint, resume and save_model methods (they use the Trainer's state and arguments)."""
+
+    def _get_output_dir(self, trial) -> str:
+        if trial is not None and self.hp_search_backend is not None:
+            return os.path.join(self.args.output_dir, f"run-{getattr(trial, 'number', trial)}")
+        return self.args.output_dir
+
+    def _determine_best_metric(self, metrics: dict[str, float]) -> bool:
+        name = self.args.metric_for_best_model
+        if name is None:
+            return False
+        key = name if name.startswith("eval_") else f"eval_{name}"
+        if key not in metrics:
+            raise KeyError(
+                f"The `metric_for_best_model` training argument is set to '{key}', which is not found in the "
+                f"evaluation metrics. The available evaluation metrics are: {list(metrics.keys())}. Consider "
+                "changing the `metric_for_best_model` via the TrainingArguments."
+            )
+        value = metrics[key]
+        better = np.greater if self.args.greater_is_better else np.less
+        if self.state.best_metric is None:
+            self.state.best_metric = float("-inf") if self.args.greater_is_better else float("inf")
+        if better(value, self.state.best_metric):
+            self.state.best_metric = value
+            if self.args.save_strategy in (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST):
+                self.state.best_global_step = self.state.global_step
+            return True
+        return False
+
+    def _commit_pending_checkpoint(self) -> None:
+        """Wait for the checkpoint being written in the background, then commit (and rotate)."""
+        if self._pending_checkpoint is not None:
+            pending, self._pending_checkpoint = self._pending_checkpoint, None
+            pending.commit()
+
+    def _save_checkpoint(self, trial) -> None:
+        self._commit_pending_checkpoint()
+        run_dir = self._get_output_dir(trial)
+        folder = checkpoint.checkpoint_folder(run_dir, self.state.global_step)
+        self.store_flos()
+        if not self._params_finite():
+            logger.error(
+                "Parameters are not finite at step %d: not writing %s (earlier checkpoints are kept).",
+                self.state.global_step,
+                folder,
+            )
+            return
+        tensors = self._hf_tensors()  # on many hosts a collective: every process takes part
+        if self.state.best_global_step:
+            best = checkpoint.checkpoint_folder(run_dir, self.state.best_global_step)
+            if best == folder or os.path.exists(best):  # saves are committed in order: an earlier one exists
+                self.state.best_model_checkpoint = best
+        for cb in [c for c in self.callback_handler.callbacks + [self.control] if isinstance(c, ExportableState)]:
+            name, cb_state = cb.__class__.__name__, cb.state()
+            if isinstance(self.state.stateful_callbacks.get(name), list):
+                self.state.stateful_callbacks[name].append(cb_state)
+            else:
+                self.state.stateful_callbacks[name] = cb_state
+
+        def write_files(tmp: str) -> None:
+            self._write_model(tmp, tensors)
+            self.state.save_to_json(os.path.join(tmp, checkpoint.TRAINER_STATE_NAME))
+
+        def rotate() -> None:
+            if self.args.should_save:
+                checkpoint.rotate_checkpoints(
+                    run_dir, self.args.save_total_limit, best_model_checkpoint=self.state.best_model_checkpoint
+                )
+
+        train_state = None if self.args.save_only_model else self._train_state
+        self._pending_checkpoint = checkpoint.save_checkpoint(
+            folder,
+            train_state,
+            write_files,
+            self.args.should_save,
+            self.state.global_step,
+            asynchronous=self.args.async_checkpointing,
+            on_commit=rotate,
+        )
+
+    def _params_finite(self) -> bool:
+        if self._train_state is None:
+            return True
+        leaves = jax.tree.leaves(self._train_state.params)
+        return bool(jax.jit(lambda xs: jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs])))(leaves))
+
+    def _resume(self, folder: str, train_state: TrainState, updates_per_epoch: int):
+        if not os.path.isdir(os.path.join(folder, checkpoint.TRAIN_STATE_DIR)):
+            raise ValueError(
+                f"Can't find a valid checkpoint at {folder}: it has no train state (saved with save_only_model?)."
+            )
+        train_state = checkpoint.restore_train_state(folder, train_state)
+        self.state = TrainerState.load_from_json(os.path.join(folder, checkpoint.TRAINER_STATE_NAME))
+        if self.state.best_model_checkpoint is not None and not os.path.isdir(self.state.best_model_checkpoint):
+            logger.warning(
+                f"The best checkpoint {self.state.best_model_checkpoint} recorded in the resumed state does not "
+                "exist anymore. Ignoring it for this run."
+            )
+            self.state.best_model_checkpoint = None
+        self._warn_changed_args(folder)
+        if self.args.restore_callback_states_from_checkpoint:
+            self._load_callback_state()
+        epochs_trained = self.state.global_step // updates_per_epoch
+        skip = 0
+        if not self.args.ignore_data_skip:
+            skip = (self.state.global_step % updates_per_epoch) * self.args.gradient_accumulation_steps
+        return train_state, epochs_trained, skip
+
+    def _warn_changed_args(self, folder: str) -> None:
+        """HF's compare_trainer_and_checkpoint_args: warn when batch-shaping arguments changed."""
+        for name in ("logging_steps", "eval_steps", "save_steps"):
+            saved, now = getattr(self.state, name, None), getattr(self.args, name)
+            if saved is not None and now is not None and saved != now and now >= 1:
+                logger.warning(
+                    f"You are resuming training from a checkpoint trained with {name}={saved} but your current "
+                    f"args have {name}={now}. Using {now}."
+                )
+        if self.state.train_batch_size is not None:
+            now = self.get_train_dataloader().batch_size // self.args.world_size
+            if now != self.state.train_batch_size:
+                logger.warning(
+                    f"You are resuming training from a checkpoint trained with a batch size of "
+                    f"{self.state.train_batch_size}, but your current batch size is {now}. Using {now}."
+                )
+
+    def _load_callback_state(self) -> None:
+        """HF's restore_callback_states_from_checkpoint: restore ExportableState callbacks by class name."""
+        saved = self.state.stateful_callbacks or {}
+        for cb in self.callback_handler.callbacks + [self.control]:
+            if not isinstance(cb, ExportableState):
+                continue
+            entry = saved.get(cb.__class__.__name__)
+            entry = entry[-1] if isinstance(entry, list) and entry else entry
+            if isinstance(entry, dict):
+                for key, value in entry.get("args", {}).items():
+                    setattr(cb, key, value)
+                for key, value in entry.get("attributes", {}).items():
+                    setattr(cb, key, value)
+
+    def _load_best_model(self) -> None:
+        best = self.state.best_model_checkpoint
+        if self._train_state is not None and os.path.isdir(os.path.join(best, checkpoint.TRAIN_STATE_DIR)):
+            self._train_state = checkpoint.restore_train_state(best, self._train_state)
+            self._sync_model()
+        else:
+            from jtrainer.models import hf_io
+
+            hf_io.load_weights(self.model, best)
+
+    def _hf_tensors(self) -> dict[str, np.ndarray] | None:
+        """The model's weights as HF-named host arrays (gathered from every process), if the model is ours."""
+        self._sync_model()
+        if getattr(self.model, "save_pretrained", None) is not None and not hasattr(self.model, "config"):
+            return None
+        from jtrainer.models import hf_io
+
+        return hf_io.to_hf_state_dict(self.model)
+
+    def _write_model(self, output_dir: str, tensors) -> None:
+        from jtrainer.models import hf_io
+
+        os.makedirs(output_dir, exist_ok=True)
+        if tensors is None:
+            self.model.save_pretrained(output_dir)
+        elif hasattr(self.model, "config"):
+            hf_io.write_hf_folder(self.model.config, tensors, output_dir)
+        else:
+            from safetensors.numpy import save_file
+
+            save_file(tensors, os.path.join(output_dir, hf_io.WEIGHTS_NAME), metadata={"format": "pt"})
+        if self.processing_class is not None and hasattr(self.processing_class, "save_pretrained"):
+            self.processing_class.save_pretrained(output_dir)
+        with open(os.path.join(output_dir, checkpoint.TRAINING_ARGS_NAME), "w") as f:
+            f.write(self.args.to_json_string())
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """The model in HF format (config.json + safetensors) and the tokenizer, as PyTorch transformers loads it."""
+        tensors = self._hf_tensors()
+        if self.args.should_save:
+            self._write_model(output_dir or self.args.output_dir, tensors)
+
+    def save_state(self) -> None:
+        if self.args.should_save:
+            os.makedirs(self.args.output_dir, exist_ok=True)
+            self.state.save_to_json(os.path.join(self.args.output_dir, checkpoint.TRAINER_STATE_NAME))
