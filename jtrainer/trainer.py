@@ -134,7 +134,6 @@ class Trainer(EvaluationMixin, SavingMixin):
         self._last_step_batch: StepBatch | None = None
         self._pending_checkpoint: checkpoint.PendingCheckpoint | None = None
         self._plateau: optim.PlateauScheduler | None = None
-        self._compiled: dict[Any, Callable] = {}
         self.current_flos = 0.0
 
         default_callbacks = [DefaultFlowCallback, PrinterCallback if args.disable_tqdm else ProgressCallback]
@@ -156,6 +155,7 @@ class Trainer(EvaluationMixin, SavingMixin):
         if hasattr(self.model, "check_mesh"):
             self.model.check_mesh(self.mesh)
         self._param_specs = sharding.param_specs(self.model, self.mesh, self.axis_rules)
+        self._compiled: dict[Any, Callable] = {}  # eval steps compiled for this model's graph
 
     def _mesh_context(self):
         """The mesh and logical rules under which model code traces (activation constraints read them)."""
@@ -383,8 +383,9 @@ class Trainer(EvaluationMixin, SavingMixin):
             rng=replicated,
         )
 
-    def _initial_train_state(self, tx: optax.GradientTransformation) -> TrainState:
-        """The state placed on its shardings (so the second step does not recompile), built by one jit."""
+    def _initial_train_state(self, tx: optax.GradientTransformation) -> tuple[TrainState, TrainState]:
+        """The state placed on its shardings (so the second step does not recompile), built by one jit, and
+        those shardings (the step's output shardings)."""
         _, params, rest = nnx.split(self.model, nnx.Param, ...)
         params = nnx.to_pure_dict(params)
         shardings = self._state_shardings(tx, params)
@@ -402,7 +403,7 @@ class Trainer(EvaluationMixin, SavingMixin):
                 rng=jax.random.key_data(jax.random.key(seed)),
             )
 
-        return jax.jit(init, out_shardings=shardings)(params, rest)
+        return jax.jit(init, out_shardings=shardings)(params, rest), shardings
 
     def _sync_model(self) -> None:
         """Write (copies of) the trained parameters into `self.model`, in place, as HF trains the model given."""
@@ -521,7 +522,7 @@ class Trainer(EvaluationMixin, SavingMixin):
         self.create_optimizer_and_scheduler(max_steps)
         self.callback_handler.optimizer, self.callback_handler.lr_scheduler = self.optimizer, self.lr_scheduler
         tx = optim.skip_non_finite(self.optimizer) if args.nan_inf_policy == "skip" else self.optimizer
-        train_state = self._initial_train_state(tx)
+        train_state, state_shardings = self._initial_train_state(tx)
         epochs_trained, micro_steps_to_skip = 0, 0
         if resume_from_checkpoint is not None:
             train_state, epochs_trained, micro_steps_to_skip = self._resume(
@@ -531,7 +532,7 @@ class Trainer(EvaluationMixin, SavingMixin):
         graphdef = nnx.split(self.model, nnx.Param, ...)[0]
         train_step = jax.jit(
             make_train_step(graphdef, tx, spec, args.max_grad_norm),
-            out_shardings=(self._state_shardings(tx, train_state.params), sharding.replicated(self.mesh)),
+            out_shardings=(state_shardings, sharding.replicated(self.mesh)),
             donate_argnums=(0,),
         )
         self._train_step = train_step
@@ -553,7 +554,7 @@ class Trainer(EvaluationMixin, SavingMixin):
             self.control = self.callback_handler.on_epoch_begin(args, self.state, self.control)
             loader.set_epoch(epoch)
             skip = micro_steps_to_skip if epoch == epochs_trained else 0
-            windows = self._windows(loader, updates_per_epoch, steps_in_epoch, skip, shapes, spec)
+            windows = self._windows(loader, updates_per_epoch, steps_in_epoch, skip)
             # With many processes, agreeing on shapes is a collective: it must run on the main thread, in step
             # order with the train steps. On one process the background thread also pads and places batches.
             in_background = jax.process_count() == 1
@@ -600,7 +601,7 @@ class Trainer(EvaluationMixin, SavingMixin):
                 break
         return self._finalize_training(trial, num_train_samples, start_time)
 
-    def _windows(self, loader, updates_per_epoch, steps_in_epoch, skip, shapes, spec):
+    def _windows(self, loader, updates_per_epoch, steps_in_epoch, skip):
         """Yield each optimizer step's micro-batches (this process's rows) for one epoch: HF's get_batch_samples."""
         ga = self.args.gradient_accumulation_steps
         iterator = iter(loader)
