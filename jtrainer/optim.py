@@ -23,71 +23,78 @@ from transformers.training_args import OptimizerNames
 Schedule = Callable[[jax.Array], jax.Array]
 
 # ---------------------------------------------------------------------------------------------------------------
-# Schedules: multipliers of the base rate at scheduler step s (HF's `lr_lambda`s), written with jnp.where.
+# Schedules: multipliers of the base rate at scheduler step s (HF's `lr_lambda`s), written with jnp so that the
+# warmup, the total and the base rate may be traced values: a hyperparameter search changes them without a
+# recompile.
+
+
+def _at_least_1(x):
+    return jnp.maximum(1.0, x)
 
 
 def _warmup(s, warmup):
-    return s / max(1, warmup)
+    return s / _at_least_1(warmup)
 
 
-def _linear(s, *, warmup, total):
-    decay = jnp.maximum(0.0, (total - s) / max(1, total - warmup))
+def _linear(s, *, warmup, total, base_lr):
+    decay = jnp.maximum(0.0, (total - s) / _at_least_1(total - warmup))
     return jnp.where(s < warmup, _warmup(s, warmup), decay)
 
 
-def _cosine(s, *, warmup, total, num_cycles=0.5, min_lr_rate=0.0):
-    progress = (s - warmup) / max(1, total - warmup)
+def _cosine(s, *, warmup, total, base_lr, num_cycles=0.5, min_lr_rate=0.0, min_lr=None):
+    if min_lr is not None:
+        min_lr_rate = min_lr / base_lr
+    progress = (s - warmup) / _at_least_1(total - warmup)
     factor = 0.5 * (1.0 + jnp.cos(math.pi * num_cycles * 2.0 * progress))
     factor = jnp.maximum(0.0, factor * (1 - min_lr_rate) + min_lr_rate)
     return jnp.where(s < warmup, _warmup(s, warmup), factor)
 
 
-def _cosine_with_restarts(s, *, warmup, total, num_cycles=1):
-    progress = (s - warmup) / max(1, total - warmup)
+def _cosine_with_restarts(s, *, warmup, total, base_lr, num_cycles=1):
+    progress = (s - warmup) / _at_least_1(total - warmup)
     factor = jnp.maximum(0.0, 0.5 * (1.0 + jnp.cos(math.pi * jnp.mod(num_cycles * progress, 1.0))))
     factor = jnp.where(progress >= 1.0, 0.0, factor)
     return jnp.where(s < warmup, _warmup(s, warmup), factor)
 
 
-def _polynomial(s, *, warmup, total, lr_init, lr_end=1e-7, power=1.0):
-    if not lr_init > lr_end:
-        raise ValueError(f"lr_end ({lr_end}) must be smaller than initial lr ({lr_init})")
-    pct_remaining = 1 - (s - warmup) / max(1, total - warmup)
-    decay = ((lr_init - lr_end) * jnp.maximum(pct_remaining, 0.0) ** power + lr_end) / lr_init
-    decay = jnp.where(s > total, lr_end / lr_init, decay)
+def _polynomial(s, *, warmup, total, base_lr, lr_end=1e-7, power=1.0):
+    pct_remaining = 1 - (s - warmup) / _at_least_1(total - warmup)
+    decay = ((base_lr - lr_end) * jnp.maximum(pct_remaining, 0.0) ** power + lr_end) / base_lr
+    decay = jnp.where(s > total, lr_end / base_lr, decay)
     return jnp.where(s < warmup, _warmup(s, warmup), decay)
 
 
-def _constant(s):
+def _constant(s, **_):
     return jnp.ones_like(s)
 
 
-def _constant_with_warmup(s, *, warmup):
+def _constant_with_warmup(s, *, warmup, **_):
     return jnp.where(s < warmup, _warmup(s, warmup), 1.0)
 
 
-def _inverse_sqrt(s, *, warmup, timescale=None):
-    timescale = timescale or warmup or 10_000
+def _inverse_sqrt(s, *, warmup, timescale=None, **_):
+    if timescale is None:
+        timescale = jnp.where(warmup > 0, warmup, 10_000.0)
     decay = 1.0 / jnp.sqrt((s + timescale - warmup) / timescale)
     return jnp.where(s < warmup, _warmup(s, warmup), decay)
 
 
-def _cosine_warmup_with_min_lr(s, *, warmup, total, min_lr_rate, num_cycles=0.5, warmup_lr_rate=None):
+def _cosine_warmup_with_min_lr(
+    s, *, warmup, total, base_lr, min_lr_rate=None, min_lr=None, num_cycles=0.5, warmup_lr_rate=None
+):
+    if min_lr is not None:
+        min_lr_rate = min_lr / base_lr
     if warmup_lr_rate is None:
-        warm = (s + 1.0) / max(1.0, warmup)
+        warm = (s + 1.0) / _at_least_1(warmup)
     else:
-        warm = warmup_lr_rate + (1.0 - warmup_lr_rate) * s / max(1, warmup - 1)
-    progress = (s - warmup + 1.0) / max(1.0, total - warmup)
+        warm = warmup_lr_rate + (1.0 - warmup_lr_rate) * s / _at_least_1(warmup - 1)
+    progress = (s - warmup + 1.0) / _at_least_1(total - warmup)
     factor = 0.5 * (1.0 + jnp.cos(math.pi * num_cycles * 2.0 * progress))
     factor = jnp.maximum(0.0, factor * (1 - min_lr_rate) + min_lr_rate)
     return jnp.where(s < warmup, warm, factor)
 
 
-_SHAPES = {
-    "linear": lambda p: 1.0 - p,
-    "cosine": None,  # depends on num_cycles, see _wsd
-    "1-sqrt": lambda p: 1.0 - jnp.sqrt(jnp.clip(p, 0.0, 1.0)),
-}
+_SHAPES = ("linear", "cosine", "1-sqrt")
 
 
 def _wsd(
@@ -96,18 +103,16 @@ def _wsd(
     warmup,
     num_decay_steps,
     total=None,
+    base_lr=None,
     num_stable_steps=None,
     warmup_type="linear",
     decay_type="cosine",
     min_lr_ratio=0.0,
     num_cycles=0.5,
 ):
-    for name, kind in (("warmup_type", warmup_type), ("decay_type", decay_type)):
-        if kind not in _SHAPES:
-            raise ValueError(f"lr_scheduler_kwargs {name}={kind!r}: use one of 'linear', 'cosine', '1-sqrt'.")
     if num_stable_steps is None:
         num_stable_steps = total - warmup - num_decay_steps
-    p_warm = s / max(1, warmup)
+    p_warm = s / _at_least_1(warmup)
     if warmup_type == "cosine":
         up = 0.5 * (1.0 - jnp.cos(math.pi * p_warm))
     elif warmup_type == "1-sqrt":
@@ -117,14 +122,61 @@ def _wsd(
     p_decay = (s - warmup - num_stable_steps) / max(1, num_decay_steps)
     if decay_type == "cosine":
         down = 0.5 * (1.0 + jnp.cos(math.pi * num_cycles * 2.0 * p_decay))
+    elif decay_type == "1-sqrt":
+        down = 1.0 - jnp.sqrt(jnp.clip(p_decay, 0.0, 1.0))
     else:
-        down = _SHAPES[decay_type](p_decay)
+        down = 1.0 - p_decay
     scale = lambda f: jnp.maximum(0.0, f * (1.0 - min_lr_ratio) + min_lr_ratio)  # noqa: E731
     stable_end = warmup + num_stable_steps
     return jnp.select(
         [s < warmup, s < stable_end, s < stable_end + num_decay_steps],
         [scale(up), jnp.ones_like(s), scale(down)],
         min_lr_ratio * jnp.ones_like(s),
+    )
+
+
+_MULTIPLIERS = {
+    "linear": _linear,
+    "cosine": _cosine,
+    "cosine_with_restarts": _cosine_with_restarts,
+    "polynomial": _polynomial,
+    "constant": _constant,
+    "constant_with_warmup": _constant_with_warmup,
+    "inverse_sqrt": _inverse_sqrt,
+    "warmup_stable_decay": _wsd,
+    "cosine_with_min_lr": _cosine,
+    "cosine_warmup_with_min_lr": _cosine_warmup_with_min_lr,
+    # These step once per evaluation on the host (see PlateauScheduler); the traced part is constant.
+    "reduce_lr_on_plateau": _constant,
+    "greedy": _constant,
+}
+
+Multiplier = Callable[..., jax.Array]  # (step, warmup=, total=, base_lr=) -> multiplier of the base rate
+
+
+def schedule_multiplier(
+    name: str | SchedulerType, base_lr: float, kwargs: dict[str, Any] | None = None
+) -> Multiplier:
+    """HF's `lr_lambda` for scheduler `name`, after HF's checks of `lr_scheduler_kwargs` (raised here, before
+    anything compiles). The static kwargs are bound; warmup, total and the base rate stay arguments."""
+    name = SchedulerType(name).value
+    kw = dict(kwargs or {})
+    if name == "warmup_stable_decay":
+        if "num_decay_steps" not in kw:
+            raise ValueError("lr_scheduler_type warmup_stable_decay needs lr_scheduler_kwargs={'num_decay_steps': N}.")
+        for key in ("warmup_type", "decay_type"):
+            if kw.get(key, "linear") not in _SHAPES:
+                raise ValueError(f"lr_scheduler_kwargs {key}={kw[key]!r}: use one of 'linear', 'cosine', '1-sqrt'.")
+    if name in ("cosine_with_min_lr", "cosine_warmup_with_min_lr"):
+        if "min_lr" in kw and "min_lr_rate" in kw:
+            raise ValueError("Only one of min_lr or min_lr_rate should be set")
+        if "min_lr" not in kw and "min_lr_rate" not in kw:
+            raise ValueError("One of min_lr or min_lr_rate should be set through the `lr_scheduler_kwargs`")
+    if name == "polynomial" and not base_lr > kw.get("lr_end", 1e-7):
+        raise ValueError(f"lr_end ({kw.get('lr_end', 1e-7)}) must be smaller than initial lr ({base_lr})")
+    fn = _MULTIPLIERS[name]
+    return lambda s, *, warmup, total, base_lr: fn(  # noqa: E731
+        jnp.asarray(s, jnp.float32), warmup=warmup, total=total, base_lr=base_lr, **kw
     )
 
 
@@ -136,45 +188,10 @@ def make_schedule(
     kwargs: dict[str, Any] | None = None,
 ) -> Schedule:
     """HF's `get_scheduler(name, ...)` as a jnp function of the scheduler step: the rate, not the multiplier."""
-    name = SchedulerType(name).value
-    kw = dict(kwargs or {})
-    w, t = num_warmup_steps, num_training_steps
-    if name == "constant":
-        multiplier = _constant
-    elif name in ("reduce_lr_on_plateau", "greedy"):
-        # These step once per evaluation on the host (see PlateauScheduler); the traced part is constant.
-        multiplier = _constant
-    elif name == "constant_with_warmup":
-        multiplier = lambda s: _constant_with_warmup(s, warmup=w)  # noqa: E731
-    elif name == "inverse_sqrt":
-        multiplier = lambda s: _inverse_sqrt(s, warmup=w, **kw)  # noqa: E731
-    elif name == "warmup_stable_decay":
-        if "num_decay_steps" not in kw:
-            raise ValueError("lr_scheduler_type warmup_stable_decay needs lr_scheduler_kwargs={'num_decay_steps': N}.")
-        if "num_stable_steps" in kw:
-            t = None
-        multiplier = lambda s: _wsd(s, warmup=w, total=t, **kw)  # noqa: E731
-    elif name in ("cosine_with_min_lr", "cosine_warmup_with_min_lr"):
-        min_lr, min_lr_rate = kw.pop("min_lr", None), kw.pop("min_lr_rate", None)
-        if min_lr is not None and min_lr_rate is not None:
-            raise ValueError("Only one of min_lr or min_lr_rate should be set")
-        if min_lr is None and min_lr_rate is None:
-            raise ValueError("One of min_lr or min_lr_rate should be set through the `lr_scheduler_kwargs`")
-        rate = min_lr / base_lr if min_lr is not None else min_lr_rate
-        fn = _cosine if name == "cosine_with_min_lr" else _cosine_warmup_with_min_lr
-        multiplier = lambda s: fn(s, warmup=w, total=t, min_lr_rate=rate, **kw)  # noqa: E731
-    else:
-        fns = {
-            "linear": _linear,
-            "cosine": _cosine,
-            "cosine_with_restarts": _cosine_with_restarts,
-            "polynomial": lambda s, **k: _polynomial(s, lr_init=base_lr, **k),
-        }
-        fn = fns[name]
-        multiplier = lambda s: fn(s, warmup=w, total=t, **kw)  # noqa: E731
+    multiplier = schedule_multiplier(name, base_lr, kwargs)
 
     def schedule(step):
-        return base_lr * multiplier(jnp.asarray(step, jnp.float32))
+        return base_lr * multiplier(step, warmup=num_warmup_steps, total=num_training_steps, base_lr=base_lr)
 
     return schedule
 
@@ -273,9 +290,8 @@ def _sgd(learning_rate, weight_decay, mask, momentum=0.0, nesterov=False, dampen
     )
 
 
-def _base_optimizer(name: str, args, learning_rate, mask) -> optax.GradientTransformation:
-    wd, b1, b2, eps = args.weight_decay, args.adam_beta1, args.adam_beta2, args.adam_epsilon
-    extra = parse_optim_args(args.optim_args)
+def _base_optimizer(name: str, extra: dict[str, Any], mask, *, learning_rate, weight_decay, b1, b2, eps):
+    wd = weight_decay
     if name in _ADAMW_NAMES:
         return optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=wd, mask=mask)
     if name in _LION_NAMES:
@@ -299,7 +315,7 @@ def _base_optimizer(name: str, args, learning_rate, mask) -> optax.GradientTrans
             decay_rate=0.8,
             multiply_by_parameter_scale=False,
             clipping_threshold=1.0,
-            weight_decay_rate=wd or None,
+            weight_decay_rate=wd,
             weight_decay_mask=mask,
             eps=1e-30,
         )
@@ -343,11 +359,73 @@ def check_optimizer_name(name: Any) -> str:
     return name
 
 
-def make_optimizer(args, schedule: Schedule | float, mask) -> optax.GradientTransformation:
-    """HF's `optim` name -> an optax transformation whose state carries the learning rate it used."""
+def make_optimizer(
+    args,
+    mask,
+    *,
+    multiplier: Multiplier | None = None,
+    warmup_steps: int = 0,
+    total_steps: int = 0,
+    learning_rate: Schedule | float | None = None,
+) -> optax.GradientTransformation:
+    """HF's `optim` name -> an optax transformation whose state carries its hyperparameters.
+
+    Every number (weight decay, betas, epsilon, the schedule's base rate, warmup and length, max_grad_norm) enters
+    the optimizer state through `optax.inject_hyperparams`: it is data, so trials of a hyperparameter search that
+    change only numbers reuse one compiled step. With `multiplier` (HF's schedule), each update's rate is
+    `base_learning_rate * multiplier(count)` computed from that state; otherwise `learning_rate` is a user's
+    schedule or a constant the host may change (reduce_lr_on_plateau). The state's `learning_rate` is the rate
+    the last update used (what HF logs).
+    """
     name = check_optimizer_name(args.optim)
-    factory = lambda learning_rate: _base_optimizer(name, args, learning_rate, mask)  # noqa: E731
-    return optax.inject_hyperparams(factory)(learning_rate=schedule)
+    extra = parse_optim_args(args.optim_args)
+
+    # Named one by one: inject_hyperparams only injects named numeric arguments.
+    def factory(learning_rate, weight_decay, b1, b2, eps, base_learning_rate, warmup_steps, total_steps, max_grad_norm):
+        del base_learning_rate, warmup_steps, total_steps, max_grad_norm  # read by `scheduled` and the step
+        return _base_optimizer(
+            name, extra, mask, learning_rate=learning_rate, weight_decay=weight_decay, b1=b1, b2=b2, eps=eps
+        )
+
+    base_lr = float(args.learning_rate)
+    tx = optax.inject_hyperparams(factory)(
+        learning_rate=base_lr if learning_rate is None else learning_rate,
+        weight_decay=float(args.weight_decay),
+        b1=float(args.adam_beta1),
+        b2=float(args.adam_beta2),
+        eps=float(args.adam_epsilon),
+        base_learning_rate=base_lr,
+        warmup_steps=float(warmup_steps),
+        total_steps=float(total_steps),
+        max_grad_norm=float(args.max_grad_norm or 0.0),
+    )
+    return tx if multiplier is None else scheduled(tx, multiplier)
+
+
+def scheduled(tx: optax.GradientTransformation, multiplier: Multiplier) -> optax.GradientTransformation:
+    """Sets inject_hyperparams' `learning_rate` before each update from the schedule values in its state."""
+
+    def with_rate(state):
+        hyper = state.hyperparams
+        base = hyper["base_learning_rate"]
+        rate = base * multiplier(
+            state.count, warmup=hyper["warmup_steps"], total=hyper["total_steps"], base_lr=base
+        )
+        return state._replace(hyperparams={**hyper, "learning_rate": rate.astype(hyper["learning_rate"].dtype)})
+
+    def init(params):
+        return with_rate(tx.init(params))
+
+    def update(updates, state, params=None):
+        return tx.update(updates, with_rate(state), params)
+
+    return optax.GradientTransformation(init, update)
+
+
+def hyperparameter(opt_state, name: str) -> jax.Array | None:
+    """One injected hyperparameter's current value (None when the optimizer has no such entry)."""
+    hyper = find_hyperparams(opt_state)
+    return None if hyper is None else hyper.get(name)
 
 
 def find_hyperparams(opt_state) -> dict | None:
@@ -369,8 +447,7 @@ def replace_hyperparam(opt_state, name: str, value):
 
 def current_learning_rate(opt_state) -> jax.Array | None:
     """The rate that the last update used (inject_hyperparams keeps it in the state)."""
-    hyper = find_hyperparams(opt_state)
-    return None if hyper is None else hyper.get("learning_rate")
+    return hyperparameter(opt_state, "learning_rate")
 
 
 def skip_non_finite(tx: optax.GradientTransformation) -> optax.GradientTransformation:

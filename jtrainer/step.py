@@ -18,7 +18,7 @@ import optax
 from flax import nnx
 
 from jtrainer.losses import IGNORE_INDEX, count_label_tokens, shift_labels, token_cross_entropy_sum
-from jtrainer.optim import current_learning_rate
+from jtrainer.optim import current_learning_rate, hyperparameter
 from jtrainer.state import TrainState
 
 
@@ -123,17 +123,23 @@ def window_label_count(inputs: dict[str, jax.Array], spec: LossSpec) -> jax.Arra
     return jnp.sum(per_micro)
 
 
-def clip_by_global_norm(grads, max_norm: float):
-    """torch's clip_grad_norm_: scale by max_norm / (norm + 1e-6) when that is below 1; returns (grads, norm)."""
+def clip_by_global_norm(grads, max_norm):
+    """torch's clip_grad_norm_: scale by max_norm / (norm + 1e-6) when that is below 1; returns (grads, norm).
+
+    `max_norm` may be traced; a Python number <= 0 turns clipping off (the norm is still returned)."""
     norm = optax.tree.norm(grads)
-    if max_norm <= 0:
+    if isinstance(max_norm, (int, float)) and max_norm <= 0:
         return grads, norm
     coef = jnp.minimum(1.0, max_norm / (norm + 1e-6))
     return jax.tree.map(lambda g: g * coef.astype(g.dtype), grads), norm
 
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, spec: LossSpec, max_grad_norm: float):
-    """A pure train step: scan over micro-batches summing loss shares and gradients, clip, update."""
+    """A pure train step: scan over micro-batches summing loss shares and gradients, clip, update.
+
+    `max_grad_norm` > 0 turns clipping on; the norm used is the optimizer state's `max_grad_norm`
+    hyperparameter when it has one (data, so it can change without a recompile), else this number.
+    """
 
     def train_step(state: TrainState, batch: StepBatch) -> tuple[TrainState, dict[str, jax.Array]]:
         num_items = jnp.maximum(window_label_count(batch.inputs, spec), 1).astype(jnp.float32)
@@ -167,7 +173,11 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, spec: LossSpec, 
         carry = (zeros, jnp.zeros((), jnp.float32), state.model_state)
         xs = (batch.inputs, batch.micro_weight, micro_keys)
         (grads, loss, model_state), _ = jax.lax.scan(accumulate, carry, xs)
-        grads, grad_norm = clip_by_global_norm(grads, max_grad_norm)
+        if max_grad_norm > 0:
+            injected = hyperparameter(state.opt_state, "max_grad_norm")
+            grads, grad_norm = clip_by_global_norm(grads, max_grad_norm if injected is None else injected)
+        else:
+            grads, grad_norm = clip_by_global_norm(grads, 0.0)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = {"loss": loss, "grad_norm": grad_norm}

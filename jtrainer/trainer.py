@@ -70,6 +70,10 @@ def _takes_labels(model: Any, label_names: list[str]) -> bool:
     return label_names[0] in params or any(p.kind == p.VAR_KEYWORD for p in params.values())
 
 
+# Train steps shared by every Trainer of this process, keyed by structure (see `_compiled_train_step`).
+_SHARED_TRAIN_STEPS: dict[Any, Callable] = {}
+
+
 class Trainer(EvaluationMixin, SavingMixin):
     """HF's `transformers.Trainer`, with one jit-compiled train step over a sharding mesh instead of torch."""
 
@@ -134,6 +138,8 @@ class Trainer(EvaluationMixin, SavingMixin):
         self._last_step_batch: StepBatch | None = None
         self._pending_checkpoint: checkpoint.PendingCheckpoint | None = None
         self._plateau: optim.PlateauScheduler | None = None
+        self._created_lr_scheduler = False
+        self._optimizer_recipe: tuple | None = None  # what the built optimizer depends on besides numbers
         self.current_flos = 0.0
 
         default_callbacks = [DefaultFlowCallback, PrinterCallback if args.disable_tqdm else ProgressCallback]
@@ -262,12 +268,9 @@ class Trainer(EvaluationMixin, SavingMixin):
         """HF's scheduler, as a step -> rate function (or the user's schedule from `optimizers`)."""
         if self.lr_scheduler is None:
             args = self.args
+            self._schedule_values = (args.get_warmup_steps(num_training_steps), num_training_steps)
             self.lr_scheduler = optim.make_schedule(
-                args.lr_scheduler_type,
-                args.learning_rate,
-                args.get_warmup_steps(num_training_steps),
-                num_training_steps,
-                args.lr_scheduler_kwargs,
+                args.lr_scheduler_type, args.learning_rate, *self._schedule_values, args.lr_scheduler_kwargs
             )
             self._created_lr_scheduler = True
         return self.lr_scheduler
@@ -282,12 +285,28 @@ class Trainer(EvaluationMixin, SavingMixin):
             factory = lambda learning_rate: cls(learning_rate=learning_rate, **kwargs)  # noqa: E731
             self.optimizer = optax.inject_hyperparams(factory)(learning_rate=self.lr_scheduler)
             return self.optimizer
-        plateau = self.args.lr_scheduler_type == SchedulerType.REDUCE_ON_PLATEAU
-        rate = self.args.learning_rate if plateau else self.lr_scheduler
-        self.optimizer = optim.make_optimizer(self.args, rate, mask)
+        args = self.args
+        plateau = args.lr_scheduler_type == SchedulerType.REDUCE_ON_PLATEAU
+        if self._created_lr_scheduler and not plateau:
+            # HF's schedule from the state's numbers: trials that change them reuse the compiled step.
+            warmup, total = self._schedule_values
+            multiplier = optim.schedule_multiplier(args.lr_scheduler_type, args.learning_rate, args.lr_scheduler_kwargs)
+            self.optimizer = optim.make_optimizer(
+                args, mask, multiplier=multiplier, warmup_steps=warmup, total_steps=total
+            )
+            self._optimizer_recipe = (
+                optim.check_optimizer_name(args.optim),
+                args.optim_args,
+                SchedulerType(args.lr_scheduler_type).value,
+                json.dumps(args.lr_scheduler_kwargs or {}, sort_keys=True, default=str),
+                tuple(jax.tree.leaves(mask)),
+                jax.tree.structure(mask),
+            )
+        else:
+            self.optimizer = optim.make_optimizer(args, mask, learning_rate=None if plateau else self.lr_scheduler)
         if plateau:
             self._plateau = optim.PlateauScheduler(
-                mode="max" if self.args.greater_is_better else "min", **(self.args.lr_scheduler_kwargs or {})
+                mode="max" if args.greater_is_better else "min", **(args.lr_scheduler_kwargs or {})
             )
         return self.optimizer
 
@@ -405,6 +424,28 @@ class Trainer(EvaluationMixin, SavingMixin):
 
         return jax.jit(init, out_shardings=shardings)(params, rest), shardings
 
+    def _compiled_train_step(self, tx: optax.GradientTransformation, spec: LossSpec, state_shardings: TrainState):
+        """The jitted train step. When the Trainer built the optimizer, the step depends only on structure (the
+        model's graph, the loss spec, the optimizer recipe, the layout), so it is shared process-wide: later
+        trials of a hyperparameter search, whose numbers live in the state, reuse the compiled executable."""
+        graphdef = nnx.split(self.model, nnx.Param, ...)[0]
+        clip = bool(self.args.max_grad_norm and self.args.max_grad_norm > 0)
+        key = None
+        if self._optimizer_recipe is not None and self.optimizer is not None:
+            leaves, treedef = jax.tree.flatten(state_shardings)
+            key = (graphdef, spec, self._optimizer_recipe, self.args.nan_inf_policy, clip, tuple(leaves), treedef)
+            if key in _SHARED_TRAIN_STEPS:
+                return _SHARED_TRAIN_STEPS[key]
+        max_grad_norm = self.args.max_grad_norm if clip else 0.0
+        train_step = jax.jit(
+            make_train_step(graphdef, tx, spec, max_grad_norm),
+            out_shardings=(state_shardings, sharding.replicated(self.mesh)),
+            donate_argnums=(0,),
+        )
+        if key is not None:
+            _SHARED_TRAIN_STEPS[key] = train_step
+        return train_step
+
     def _sync_model(self) -> None:
         """Write (copies of) the trained parameters into `self.model`, in place, as HF trains the model given."""
         if self._train_state is not None:
@@ -422,6 +463,7 @@ class Trainer(EvaluationMixin, SavingMixin):
             self.model = self.call_model_init(trial)
             self.callback_handler.model = self.model
             self.optimizer = self.lr_scheduler = None
+            self._created_lr_scheduler, self._optimizer_recipe = False, None
             self._train_state = None
             self._check_layout()
         if args.activation_checkpointing and hasattr(self.model, "gradient_checkpointing_enable"):
@@ -529,12 +571,7 @@ class Trainer(EvaluationMixin, SavingMixin):
                 resume_from_checkpoint, train_state, updates_per_epoch
             )
         self._train_state = train_state
-        graphdef = nnx.split(self.model, nnx.Param, ...)[0]
-        train_step = jax.jit(
-            make_train_step(graphdef, tx, spec, args.max_grad_norm),
-            out_shardings=(state_shardings, sharding.replicated(self.mesh)),
-            donate_argnums=(0,),
-        )
+        train_step = self._compiled_train_step(tx, spec, state_shardings)
         self._train_step = train_step
 
         self.callback_handler.train_dataloader = loader

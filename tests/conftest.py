@@ -1,5 +1,7 @@
 """Shared fixtures: tiny models and datasets built locally (nothing is downloaded)."""
 
+import contextlib
+import logging
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -10,6 +12,26 @@ import pytest  # noqa: E402
 
 # Tests do not measure speed: compile fast.
 jax.config.update("jax_disable_most_optimizations", True)
+
+
+@contextlib.contextmanager
+def count_compiles(name: str = "train_step"):
+    """Counts XLA compilations of jitted functions called `name` in the block (JAX's own compile log)."""
+    compiles: list[str] = []
+
+    class Counter(logging.Handler):
+        def emit(self, record):
+            message = record.getMessage()
+            if message.startswith(f"Finished XLA compilation of jit({name})"):
+                compiles.append(message)
+
+    logger, handler = logging.getLogger("jax._src.dispatch"), Counter()
+    logger.addHandler(handler)
+    try:
+        with jax.log_compiles(True):
+            yield compiles
+    finally:
+        logger.removeHandler(handler)
 
 
 def tiny_llama_config(**overrides):

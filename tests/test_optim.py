@@ -1,5 +1,6 @@
 """Schedules equal HF's lr lambdas step by step; every supported optimizer name builds and trains."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -10,9 +11,11 @@ from jtrainer.optim import (
     SUPPORTED_OPTIMIZERS,
     PlateauScheduler,
     decay_mask,
+    find_hyperparams,
     make_optimizer,
     make_schedule,
     parse_optim_args,
+    schedule_multiplier,
 )
 
 SCHEDULES = [
@@ -76,22 +79,36 @@ def test_optim_args_parsing():
 def test_every_optimizer_builds_and_descends(name):
     args = TrainingArguments("o", optim=name, learning_rate=0.05, optim_args="momentum=0.9", report_to="none")
     params = {"w": jnp.ones((4, 4)), "b": jnp.ones((4,))}
-    tx = make_optimizer(args, make_schedule("constant", 0.05, 0, 10), {"w": True, "b": False})
+    multiplier = schedule_multiplier("constant", 0.05)
+    tx = make_optimizer(args, {"w": True, "b": False}, multiplier=multiplier, warmup_steps=0, total_steps=10)
     state = tx.init(params)
     loss = lambda p: jnp.sum((p["w"] @ jnp.ones(4) + p["b"]) ** 2)  # noqa: E731
     start = loss(params)
+
+    @jax.jit  # the schedule's numbers are traced from the state
+    def update(params, state):
+        updates, state = tx.update(jax.grad(loss)(params), state, params)
+        return optax.apply_updates(params, updates), state
+
     for _ in range(5):
-        grads = jax_grad(loss)(params)
-        updates, state = tx.update(grads, state, params)
-        params = optax.apply_updates(params, updates)
+        params, state = update(params, state)
     assert loss(params) < start
-    assert float(state.hyperparams["learning_rate"]) == pytest.approx(0.05)
+    assert float(find_hyperparams(state)["learning_rate"]) == pytest.approx(0.05)
 
 
-def jax_grad(f):
-    import jax
-
-    return jax.grad(f)
+@pytest.mark.parametrize("name,kwargs", SCHEDULES)
+def test_schedule_numbers_are_data(name, kwargs):
+    """The rate each update used is HF's schedule at that step, computed under jit from the state's numbers."""
+    args = TrainingArguments("o", learning_rate=0.05, report_to="none")
+    tx = make_optimizer(args, None, multiplier=schedule_multiplier(name, 0.05, kwargs), warmup_steps=3,
+                        total_steps=12)
+    params = {"w": jnp.ones(3)}
+    update = jax.jit(lambda g, s: tx.update(g, s, params)[1])
+    state = tx.init(params)
+    expected = make_schedule(name, 0.05, 3, 12, dict(kwargs))
+    for step in range(12):
+        state = update(params, state)
+        assert float(find_hyperparams(state)["learning_rate"]) == pytest.approx(float(expected(step)), rel=1e-5)
 
 
 def test_unknown_optimizer_lists_supported():
@@ -100,4 +117,4 @@ def test_unknown_optimizer_lists_supported():
     args = TrainingArguments("o", optim="galore_adamw", report_to="none")
     assert OptimizerNames("galore_adamw")
     with pytest.raises(ValueError, match="adamw_torch"):
-        make_optimizer(args, 0.1, None)
+        make_optimizer(args, None)

@@ -15,16 +15,22 @@ def call_block(owner, block, *args):
 
 
 class StaticConfig:
-    """Holds an HF config as a static, hashable attribute of an nnx module (identity hash: configs are unhashable)."""
+    """Holds an HF config as a static, hashable attribute of an nnx module.
+
+    Equal by content (the config's JSON when the model was built), so two models built from equal configs have
+    equal graph definitions and share compiled steps (a hyperparameter search's model_init builds a new one each
+    trial).
+    """
 
     def __init__(self, config):
         self.config = config
+        self._key = config.to_json_string(use_diff=False) if hasattr(config, "to_json_string") else id(config)
 
     def __hash__(self):
-        return id(self.config)
+        return hash(self._key)
 
     def __eq__(self, other):
-        return isinstance(other, StaticConfig) and other.config is self.config
+        return isinstance(other, StaticConfig) and other._key == self._key
 
 
 class PretrainedMixin:
