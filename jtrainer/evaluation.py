@@ -59,6 +59,10 @@ def _slice_tree(tree: Any, rows: int, length: int | None) -> Any:
     return jax.tree.map(cut, tree)
 
 
+# Eval steps shared by every Trainer of this process, keyed by structure.
+_SHARED_EVAL_STEPS: dict[Any, Any] = {}
+
+
 class EvaluationMixin:
     """The Trainer's evaluate / predict methods (they use the Trainer's mesh, model, callbacks and state)."""
 
@@ -73,6 +77,7 @@ class EvaluationMixin:
                     f"it returned {sorted(metrics)}. Set --metric_for_best_model."
                 )
             self._step_plateau(float(metrics[key]))
+        self._report_to_hp_search(trial, self.state.global_step, metrics)
         return metrics
 
     def _step_plateau(self, metric: float) -> None:
@@ -130,15 +135,16 @@ class EvaluationMixin:
         return output
 
     def _eval_step(self, spec: LossSpec, want_logits: bool):
-        key = (spec, want_logits)
-        if key not in self._compiled:
-            self.model.eval()
-            graphdef = nnx.split(self.model, nnx.Param, ...)[0]
-            self.model.train()
-            self._compiled[key] = jax.jit(
+        """The jitted eval step, shared by structure like the train step (trials of a search reuse it)."""
+        self.model.eval()
+        graphdef = nnx.split(self.model, nnx.Param, ...)[0]
+        self.model.train()
+        key = (graphdef, spec, want_logits, self.preprocess_logits_for_metrics)
+        if key not in _SHARED_EVAL_STEPS:
+            _SHARED_EVAL_STEPS[key] = jax.jit(
                 make_eval_step(graphdef, spec, want_logits, self.preprocess_logits_for_metrics)
             )
-        return self._compiled[key]
+        return _SHARED_EVAL_STEPS[key]
 
     def evaluation_loop(
         self, dataloader, description, prediction_loss_only=None, ignore_keys=None, metric_key_prefix="eval"

@@ -25,7 +25,8 @@ class SavingMixin:
 
     def _get_output_dir(self, trial) -> str:
         if trial is not None and self.hp_search_backend is not None:
-            return os.path.join(self.args.output_dir, f"run-{getattr(trial, 'number', trial)}")
+            name = self.hp_name(trial) if self.hp_name is not None else f"run-{getattr(trial, 'number', trial)}"
+            return os.path.join(self.args.output_dir, name)
         return self.args.output_dir
 
     def _determine_best_metric(self, metrics: dict[str, float]) -> bool:

@@ -41,6 +41,7 @@ from transformers.trainer_utils import IntervalStrategy, SaveStrategy, Scheduler
 from jtrainer import checkpoint, data, distributed, optim, sharding
 from jtrainer.args import TrainingArguments
 from jtrainer.evaluation import EvaluationMixin
+from jtrainer.hpsearch import HyperparameterSearchMixin
 from jtrainer.saving import SavingMixin
 from jtrainer.state import TrainState
 from jtrainer.step import LossMode, LossSpec, StepBatch, apply_model, make_train_step, split_outputs
@@ -74,7 +75,7 @@ def _takes_labels(model: Any, label_names: list[str]) -> bool:
 _SHARED_TRAIN_STEPS: dict[Any, Callable] = {}
 
 
-class Trainer(EvaluationMixin, SavingMixin):
+class Trainer(EvaluationMixin, SavingMixin, HyperparameterSearchMixin):
     """HF's `transformers.Trainer`, with one jit-compiled train step over a sharding mesh instead of torch."""
 
     def __init__(
@@ -161,7 +162,6 @@ class Trainer(EvaluationMixin, SavingMixin):
         if hasattr(self.model, "check_mesh"):
             self.model.check_mesh(self.mesh)
         self._param_specs = sharding.param_specs(self.model, self.mesh, self.axis_rules)
-        self._compiled: dict[Any, Callable] = {}  # eval steps compiled for this model's graph
 
     def _mesh_context(self):
         """The mesh and logical rules under which model code traces (activation constraints read them)."""
@@ -457,6 +457,7 @@ class Trainer(EvaluationMixin, SavingMixin):
     def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None, **kwargs):
         if kwargs:
             raise TypeError(f"train() got unexpected keyword arguments: {', '.join(kwargs)}.")
+        self._hp_search_setup(trial)
         args = self.args
         if self.model_init is not None:
             np.random.seed(args.seed)  # HF seeds before model_init; nnx models take their seed from nnx.Rngs
