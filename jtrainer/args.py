@@ -178,7 +178,9 @@ class TrainingArguments(transformers.TrainingArguments):
         if self.greater_is_better is None and self.metric_for_best_model is not None:
             self.greater_is_better = not self.metric_for_best_model.endswith("loss")
         if self.report_to in ("all", ["all"]):
-            self.report_to = []  # no reporting integration is implemented yet; see README
+            from transformers.integrations import get_available_reporting_integrations
+
+            self.report_to = get_available_reporting_integrations()
         elif self.report_to in ("none", ["none"]):
             self.report_to = []
         elif not isinstance(self.report_to, list):

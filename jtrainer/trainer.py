@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from transformers.integrations import get_reporting_integration_callbacks
 from transformers.trainer_callback import (
     CallbackHandler,
     DefaultFlowCallback,
@@ -143,10 +144,12 @@ class Trainer(EvaluationMixin, SavingMixin, HyperparameterSearchMixin):
         self._optimizer_recipe: tuple | None = None  # what the built optimizer depends on besides numbers
         self.current_flos = 0.0
 
-        default_callbacks = [DefaultFlowCallback, PrinterCallback if args.disable_tqdm else ProgressCallback]
+        # HF's own integration callbacks (tensorboard, wandb, mlflow, ...): they only read logs, args and config.
+        default_callbacks = [DefaultFlowCallback] + get_reporting_integration_callbacks(args.report_to)
         self.callback_handler = CallbackHandler(
             default_callbacks + list(callbacks or []), self.model, processing_class, self.optimizer, self.lr_scheduler
         )
+        self.add_callback(PrinterCallback if args.disable_tqdm else ProgressCallback)
         self.state = TrainerState(
             is_local_process_zero=self.is_local_process_zero(),
             is_world_process_zero=self.is_world_process_zero(),

@@ -43,6 +43,14 @@ class PretrainedMixin:
     def config(self):
         return self._config.config
 
+    def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
+        """HF's count of parameters (every nnx.Param is trainable)."""
+        total = 0
+        for path, var in nnx.to_flat_state(nnx.state(self, nnx.Param)):
+            if not (exclude_embeddings and path[-1] == "embedding"):
+                total += int(var[...].size)
+        return total
+
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None) -> None:
         """Remat each block; `{"policy": NAME}` picks a `jax.checkpoint_policies` policy (default: save nothing)."""
         policy = (gradient_checkpointing_kwargs or {}).get("policy")
