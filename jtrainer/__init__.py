@@ -19,6 +19,7 @@ from jtrainer.callbacks import (
     TrainerState,
 )
 from jtrainer.trainer import Trainer
+from jtrainer.seq2seq import Seq2SeqTrainer, Seq2SeqTrainingArguments  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -29,6 +30,8 @@ __all__ = [
     "EvalPrediction",
     "PredictionOutput",
     "PrinterCallback",
+    "Seq2SeqTrainer",
+    "Seq2SeqTrainingArguments",
     "ProgressCallback",
     "TrainOutput",
     "Trainer",

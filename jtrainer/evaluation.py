@@ -90,6 +90,10 @@ class EvaluationMixin:
             opt_state = optim.replace_hyperparam(opt_state, "learning_rate", value)
             self._train_state = self._train_state.replace(opt_state=opt_state)
 
+    def _generates(self) -> bool:
+        """Whether predictions are generated ids rather than logits (overridden by Seq2SeqTrainer)."""
+        return False
+
     def _current_params(self):
         if self._train_state is not None:
             return self._train_state.params, self._train_state.model_state
@@ -151,7 +155,10 @@ class EvaluationMixin:
     ) -> EvalLoopOutput:
         args = self.args
         loss_only = prediction_loss_only if prediction_loss_only is not None else args.prediction_loss_only
-        want_logits = not loss_only
+        generating = not loss_only and self._generates()  # predictions are generated ids (Seq2SeqTrainer)
+        want_logits = not loss_only and not generating
+        if generating:
+            self._sync_model()  # generation reads the model: give it the trained parameters
         self.callback_handler.eval_dataloader = dataloader
         params, model_state = self._current_params()
         pad_id = getattr(self.processing_class, "pad_token_id", None) or 0
@@ -178,6 +185,10 @@ class EvaluationMixin:
             batch_labels = padded.get(label_name)
             if batch_labels is not None:
                 batch_labels = _slice_tree(distributed.gather_rows(batch_labels), rows, collated_len)
+            if generating:
+                preds.append(self._generate_batch(padded, rows))
+                if batch_labels is not None:  # the collated labels' own width, then HF's padding
+                    batch_labels = self._prediction_labels(batch_labels[:, : np.shape(batch[label_name])[-1]])
             if want_logits and out.logits is not None:
                 logits = _slice_tree(jax.tree.map(distributed.gather_rows, out.logits), rows, collated_len)
                 if ignore_keys and isinstance(logits, dict):

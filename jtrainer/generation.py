@@ -242,9 +242,12 @@ def generate(
     """
     input_ids = np.asarray(input_ids)
     mask = np.ones_like(input_ids) if attention_mask is None else np.asarray(attention_mask)
-    settings = settings_from(generation_config, model.config, input_ids.shape[1], **overrides)
+    encoder_decoder = hasattr(model, "encode")
+    # HF's max_length counts the decoder's tokens (from its start token) for encoder-decoder models.
+    prompt_length = 1 if encoder_decoder else input_ids.shape[1]
+    settings = settings_from(generation_config, model.config, prompt_length, **overrides)
     graphdef, state = nnx.split(model)
-    if hasattr(model, "encode"):
+    if encoder_decoder:
         decode = _beam_search_seq2seq if settings.num_beams > 1 else _decode_seq2seq
     else:
         decode = _beam_search if settings.num_beams > 1 else _decode
