@@ -55,8 +55,6 @@ IGNORED_FIELDS: dict[str, str] = {
     "fsdp_config": "torch FSDP options; with fsdp set, parameters are split over the mesh's fsdp axis",
     "deepspeed": "there is no DeepSpeed: one jit-compiled step over a mesh",
     "debug": "torch debug options have no XLA counterpart",
-    "auto_find_batch_size": "not implemented yet",
-    "neftune_noise_alpha": "not implemented yet",
     "optim_target_modules": "GaLore/APOLLO target modules are torch-only",
     "torch_compile_backend": "the step is always compiled by XLA",
     "torch_compile_mode": "the step is always compiled by XLA",

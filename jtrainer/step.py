@@ -84,7 +84,12 @@ def apply_model(graphdef, params, model_state, inputs: dict[str, jax.Array], com
     if rng is not None:
         model_state = reseed_streams(model_state, rng)
     model = nnx.merge(graphdef, _cast_floats(params, compute_dtype), model_state)
+    noisy = [] if rng is None else [m for _, m in nnx.iter_graph(model) if getattr(m, "neftune_noise_alpha", None)]
+    for i, module in enumerate(noisy):  # NEFTune: the step's key, handed over for this call only
+        object.__setattr__(module, "_neftune_key", jax.random.fold_in(rng, i))
     outputs = model(**inputs)
+    for module in noisy:
+        object.__delattr__(module, "_neftune_key")
     _, _, new_state = nnx.split(model, nnx.Param, ...)
     return outputs, new_state
 

@@ -39,10 +39,11 @@ from transformers.trainer_callback import (
 )
 from transformers.trainer_utils import IntervalStrategy, SaveStrategy, SchedulerType, TrainOutput, speed_metrics
 
-from jtrainer import checkpoint, data, distributed, optim, sharding
+from jtrainer import batch_size, checkpoint, data, distributed, optim, sharding
 from jtrainer.args import TrainingArguments
 from jtrainer.evaluation import EvaluationMixin
 from jtrainer.hpsearch import HyperparameterSearchMixin
+from jtrainer.models.base import set_neftune
 from jtrainer.saving import SavingMixin
 from jtrainer.state import TrainState
 from jtrainer.step import LossMode, LossSpec, StepBatch, apply_model, make_train_step, split_outputs
@@ -366,6 +367,12 @@ class Trainer(EvaluationMixin, SavingMixin, HyperparameterSearchMixin):
         if has_labels and self.compute_loss_func is not None:
             return LossSpec(LossMode.CUSTOM, compute_loss_func=self.compute_loss_func, **common)
         if has_labels and smoothing > 0:
+            labels = sample[self.label_names[0]]
+            if not np.issubdtype(labels.dtype, np.integer):
+                raise ValueError(
+                    f"label_smoothing_factor={smoothing} smooths class labels, but the {self.label_names[0]!r} column "
+                    f"holds {labels.dtype} values (regression or multi-label targets). Set label_smoothing_factor=0."
+                )
             return LossSpec(LossMode.TRAINER, label_smoothing=smoothing, **common)
         if has_labels and not _takes_labels(self.model, self.label_names):
             return LossSpec(LossMode.TRAINER, **common)
@@ -485,8 +492,40 @@ class Trainer(EvaluationMixin, SavingMixin, HyperparameterSearchMixin):
                 logger.warning("Removed %s, a checkpoint that was never committed.", path)
         if args.jax_compilation_cache_dir:
             jax.config.update("jax_compilation_cache_dir", args.jax_compilation_cache_dir)
-        with self._preemption_handler():
-            return self._inner_training_loop(resume_from_checkpoint or None, trial, ignore_keys_for_eval)
+        self.neftune_noise_alpha = args.neftune_noise_alpha
+        if self.neftune_noise_alpha is not None:
+            set_neftune(self.model, self.neftune_noise_alpha)
+        try:
+            with self._preemption_handler():
+                if args.auto_find_batch_size:
+                    return self._train_with_batch_size_search(resume_from_checkpoint or None, trial, ignore_keys_for_eval)
+                return self._inner_training_loop(resume_from_checkpoint or None, trial, ignore_keys_for_eval)
+        finally:
+            if self.neftune_noise_alpha is not None:  # as HF, the noise is for training only
+                set_neftune(self.model, None)
+
+    def _train_with_batch_size_search(self, resume_from_checkpoint, trial, ignore_keys_for_eval) -> TrainOutput:
+        """auto_find_batch_size: on out of memory, retry with a smaller per-device batch and more accumulation
+        (the effective batch stays the same; see batch_size.py)."""
+        args = self.args
+        effective = args.per_device_train_batch_size * args.gradient_accumulation_steps
+        while True:
+            try:
+                return self._inner_training_loop(resume_from_checkpoint, trial, ignore_keys_for_eval)
+            except Exception as error:
+                if not batch_size.is_out_of_memory(error):
+                    raise
+                smaller = batch_size.next_batch_size(args.per_device_train_batch_size, effective)
+                if smaller == 0:
+                    raise RuntimeError("No executable batch size found, reached zero.") from error
+                logger.warning(
+                    "auto_find_batch_size: out of memory with per_device_train_batch_size=%d (%s); retrying with "
+                    "per_device_train_batch_size=%d and gradient_accumulation_steps=%d.",
+                    args.per_device_train_batch_size, str(error).splitlines()[0][:200], smaller, effective // smaller,
+                )
+                args.per_device_train_batch_size = smaller
+                args.gradient_accumulation_steps = effective // smaller
+                self._train_state = None
 
     @contextlib.contextmanager
     def _preemption_handler(self):
@@ -615,6 +654,9 @@ class Trainer(EvaluationMixin, SavingMixin, HyperparameterSearchMixin):
                         if i < len(batches) - 1:
                             self.control = self.callback_handler.on_substep_end(args, self.state, self.control)
                     with self._mesh_context():
+                        if args.auto_find_batch_size and self.state.global_step == self._initial_global_step:
+                            compiled = train_step.lower(self._train_state, step_batch).compile()
+                            batch_size.check_fits(compiled, args.per_device_train_batch_size)
                         self._train_state, metrics = train_step(self._train_state, step_batch)
                     self._last_step_batch = step_batch
                     self._pending_losses.append(metrics["loss"])

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 
@@ -12,6 +15,40 @@ def call_block(owner, block, *args):
         return block(*args)
     policy = getattr(jax.checkpoint_policies, owner.remat_policy) if owner.remat_policy else None
     return nnx.remat(lambda b, *a: b(*a), policy=policy)(block, *args)
+
+
+class Embed(nnx.Embed):
+    """nnx.Embed that adds HF's NEFTune noise to its output in training steps, once `neftune_noise_alpha` is set
+    (the Trainer sets it from `TrainingArguments.neftune_noise_alpha`): uniform noise in [-m, m] with
+    m = alpha / sqrt(length * features), as HF's `neftune_post_forward_hook`.
+
+    The noise key is the train step's (see `step.apply_model`), so evaluation and generation, which pass none,
+    are noise-free, and the noise is a function of (seed, step, micro-batch) like every other randomness.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.neftune_noise_alpha: float | None = None
+
+    def __call__(self, inputs):
+        out = super().__call__(inputs)
+        key = getattr(self, "_neftune_key", None)
+        if self.neftune_noise_alpha is None or key is None:
+            return out
+        magnitude = self.neftune_noise_alpha / math.sqrt(out.shape[1] * out.shape[2])
+        noise = jax.random.uniform(key, out.shape, jnp.float32, -magnitude, magnitude)
+        return out + noise.astype(out.dtype)
+
+
+def set_neftune(model, alpha: float | None) -> None:
+    """Turn NEFTune noise on (alpha) or off (None) on the model's input embeddings."""
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if not isinstance(embed, Embed):
+        raise ValueError(
+            "neftune_noise_alpha needs a model whose get_input_embeddings() returns a jtrainer.models.base.Embed "
+            f"(every jtrainer model does); {type(model).__name__} does not."
+        )
+    embed.neftune_noise_alpha = None if alpha is None else float(alpha)
 
 
 class StaticConfig:

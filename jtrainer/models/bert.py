@@ -10,7 +10,7 @@ from flax import nnx
 from transformers import BertConfig
 
 from jtrainer.losses import IGNORE_INDEX, token_cross_entropy_sum, token_loss
-from jtrainer.models.base import PretrainedMixin, StaticConfig, call_block
+from jtrainer.models.base import Embed, PretrainedMixin, StaticConfig, call_block
 from jtrainer.models.gpt2 import LayerNorm
 from jtrainer.models.outputs import ModelOutput
 from jtrainer.sharding import TENSOR, constrain
@@ -28,7 +28,7 @@ def _dense(din: int, dout: int, std: float, axes, rngs: nnx.Rngs) -> nnx.Linear:
 
 
 def _embed(n: int, d: int, std: float, axes, rngs: nnx.Rngs) -> nnx.Embed:
-    embed = nnx.Embed(n, d, embedding_init=nnx.initializers.normal(std), rngs=rngs)
+    embed = Embed(n, d, embedding_init=nnx.initializers.normal(std), rngs=rngs)
     embed.embedding.set_metadata(logical_axes=axes)
     return embed
 
@@ -141,6 +141,9 @@ class BertModel(nnx.Module):
 
 class _BertHead(PretrainedMixin, nnx.Module):
     config_class = BertConfig
+
+    def get_input_embeddings(self) -> Embed:
+        return self.bert.embeddings.word_embeddings
 
     def check_mesh(self, mesh) -> None:
         n, heads = mesh.shape[TENSOR], self.config.num_attention_heads

@@ -8,7 +8,7 @@ from flax import nnx
 from transformers import GPT2Config
 
 from jtrainer.losses import token_loss
-from jtrainer.models.base import PretrainedMixin, StaticConfig, call_block
+from jtrainer.models.base import Embed, PretrainedMixin, StaticConfig, call_block
 from jtrainer.models.outputs import ModelOutput
 from jtrainer.sharding import TENSOR, constrain
 
@@ -96,8 +96,8 @@ class GPT2Block(nnx.Module):
 class GPT2Model(nnx.Module):
     def __init__(self, config: GPT2Config, rngs: nnx.Rngs):
         std = config.initializer_range
-        self.wte = nnx.Embed(config.vocab_size, config.n_embd, embedding_init=nnx.initializers.normal(std), rngs=rngs)
-        self.wpe = nnx.Embed(config.n_positions, config.n_embd, embedding_init=nnx.initializers.normal(std), rngs=rngs)
+        self.wte = Embed(config.vocab_size, config.n_embd, embedding_init=nnx.initializers.normal(std), rngs=rngs)
+        self.wpe = Embed(config.n_positions, config.n_embd, embedding_init=nnx.initializers.normal(std), rngs=rngs)
         self.wte.embedding.set_metadata(logical_axes=("vocab", "embed"))
         self.wpe.embedding.set_metadata(logical_axes=(None, "embed"))
         self.h = nnx.List([GPT2Block(config, i, rngs) for i in range(config.n_layer)])
@@ -124,6 +124,9 @@ class GPT2LMHeadModel(PretrainedMixin, nnx.Module):
     config_class = GPT2Config
     accepts_loss_kwargs = True
     loss_shifts_labels = True
+
+    def get_input_embeddings(self) -> Embed:
+        return self.transformer.wte
 
     def __init__(self, config: GPT2Config, *, rngs: nnx.Rngs):
         if not getattr(config, "tie_word_embeddings", True):

@@ -17,7 +17,7 @@ from flax import nnx
 from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from jtrainer.losses import token_loss
-from jtrainer.models.base import PretrainedMixin, StaticConfig, call_block
+from jtrainer.models.base import Embed, PretrainedMixin, StaticConfig, call_block
 from jtrainer.models.outputs import ModelOutput
 from jtrainer.sharding import TENSOR, constrain
 
@@ -178,7 +178,7 @@ class LlamaDecoderLayer(nnx.Module):
 
 class LlamaModel(nnx.Module):
     def __init__(self, config: LlamaConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
-        self.embed_tokens = nnx.Embed(
+        self.embed_tokens = Embed(
             config.vocab_size,
             config.hidden_size,
             dtype=dtype,
@@ -245,6 +245,9 @@ class LlamaForCausalLM(PretrainedMixin, nnx.Module):
     config_class = LlamaConfig
     accepts_loss_kwargs = True
     loss_shifts_labels = True
+
+    def get_input_embeddings(self) -> Embed:
+        return self.model.embed_tokens
 
     def __init__(self, config: LlamaConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
         self._config = StaticConfig(config)

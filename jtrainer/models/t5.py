@@ -166,6 +166,9 @@ class T5ForConditionalGeneration(PretrainedMixin, nnx.Module):
     accepts_loss_kwargs = True
     tied_hf_weights = ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight")
 
+    def get_input_embeddings(self):
+        return self.shared
+
     def __init__(self, config: T5Config, *, rngs: nnx.Rngs):
         if getattr(config, "decoder_start_token_id", None) is None:
             raise ValueError("T5Config.decoder_start_token_id must be set (T5 uses the pad token id, 0).")
