@@ -85,11 +85,13 @@ class SavingMixin:
             self._write_model(tmp, tensors)
             self.state.save_to_json(os.path.join(tmp, checkpoint.TRAINER_STATE_NAME))
 
-        def rotate() -> None:
+        def on_commit() -> None:
             if self.args.should_save:
                 checkpoint.rotate_checkpoints(
                     run_dir, self.args.save_total_limit, best_model_checkpoint=self.state.best_model_checkpoint
                 )
+            if self.args.push_to_hub:
+                self._push_from_checkpoint(folder)
 
         train_state = None if self.args.save_only_model else self._train_state
         self._pending_checkpoint = checkpoint.save_checkpoint(
@@ -99,7 +101,7 @@ class SavingMixin:
             self.args.should_save,
             self.state.global_step,
             asynchronous=self.args.async_checkpointing,
-            on_commit=rotate,
+            on_commit=on_commit,
         )
 
     def _params_finite(self) -> bool:
@@ -202,6 +204,8 @@ class SavingMixin:
         tensors = self._hf_tensors()
         if self.args.should_save:
             self._write_model(output_dir or self.args.output_dir, tensors)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
     def save_state(self) -> None:
         if self.args.should_save:

@@ -43,6 +43,7 @@ from jtrainer import batch_size, checkpoint, data, distributed, optim, sharding
 from jtrainer.args import TrainingArguments
 from jtrainer.evaluation import EvaluationMixin
 from jtrainer.hpsearch import HyperparameterSearchMixin
+from jtrainer.hub import HubMixin
 from jtrainer.models.base import set_neftune
 from jtrainer.saving import SavingMixin
 from jtrainer.state import TrainState
@@ -77,7 +78,7 @@ def _takes_labels(model: Any, label_names: list[str]) -> bool:
 _SHARED_TRAIN_STEPS: dict[Any, Callable] = {}
 
 
-class Trainer(EvaluationMixin, SavingMixin, HyperparameterSearchMixin):
+class Trainer(EvaluationMixin, SavingMixin, HyperparameterSearchMixin, HubMixin):
     """HF's `transformers.Trainer`, with one jit-compiled train step over a sharding mesh instead of torch."""
 
     def __init__(
@@ -159,6 +160,9 @@ class Trainer(EvaluationMixin, SavingMixin, HyperparameterSearchMixin):
             ],
         )
         self.control = TrainerControl()
+        self.hub_model_id = None  # set by init_hf_repo()
+        if args.push_to_hub:
+            self.init_hf_repo()
         self.control = self.callback_handler.on_init_end(self.args, self.state, self.control)
 
     def _check_layout(self) -> None:
