@@ -400,11 +400,14 @@ class Trainer(EvaluationMixin, SavingMixin, HyperparameterSearchMixin, HubMixin)
         """NamedShardings of the train state: parameters and their optimizer moments by the logical rules."""
         replicated = sharding.replicated(self.mesh)
         param_shardings = sharding.named(self.mesh, self._param_specs)
+        # Moments shaped like their parameter share its sharding; others (Adafactor's factored rows and
+        # columns, scalars) are replicated.
         opt_shardings = optax.tree_map_params(
             tx,
-            lambda _, s: s,
+            lambda leaf, s, param: s if leaf.shape == param.shape else replicated,
             jax.eval_shape(tx.init, params),
             param_shardings,
+            params,
             transform_non_params=lambda _: replicated,
         )
         _, _, rest = nnx.split(self.model, nnx.Param, ...)

@@ -86,11 +86,3 @@ def test_main_job_rejects_bad_values():
         main(["train", "--optim", "no_such_optimizer"])
     with pytest.raises(ValueError, match="'galore_adamw' is not supported by jtrainer"):
         main(["train", "--optim", "galore_adamw"])
-
-
-@pytest.mark.parametrize("path", sorted(glob.glob("configs/*.yaml")))
-def test_every_shipped_config_parses(path):
-    from jtrainer.cli import parse_train_args
-
-    model_args, data_args, training_args = parse_train_args([path])
-    assert training_args.output_dir and data_args.block_size > 0 and model_args.hidden_size > 0

@@ -1,0 +1,263 @@
+"""What a `jtrainer train` / `jtrainer check` config describes: the task, the model and the data.
+
+Tasks: `causal_lm` (text -> blocks of tokens), `sequence_classification` (text [+ pair] -> label) and `seq2seq`
+(source text -> target text). The model is a local HF folder (`model_name_or_path`) or a fresh one of
+`model_type` (llama, mistral, qwen2, qwen3, gpt2, bert, t5) sized by the common fields below, which are mapped onto
+each family's config names. The data is text files (the default: Python's standard library source), or a
+`datasets` dataset: a hub name or a local folder (`dataset_name`), or json/csv files (`train_file`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+TASKS = ("causal_lm", "sequence_classification", "seq2seq")
+
+
+@dataclass
+class ModelArguments:
+    """The model: a local HF folder to fine-tune, or a fresh model of `model_type` and this size."""
+
+    task: str = field(default="causal_lm", metadata={"help": "causal_lm | sequence_classification | seq2seq."})
+    model_name_or_path: str | None = field(default=None, metadata={"help": "Local folder with config.json + weights."})
+    model_type: str = field(default="llama", metadata={"help": "Family of a fresh model: llama, gpt2, bert, t5, ..."})
+    tokenizer_name: str | None = field(default=None, metadata={"help": "Local tokenizer folder (default: trained)."})
+    hidden_size: int = field(default=128, metadata={"help": "Width of a fresh model."})
+    intermediate_size: int = field(default=384, metadata={"help": "MLP width of a fresh model."})
+    num_hidden_layers: int = field(default=4, metadata={"help": "Layers of a fresh model (T5: per stack)."})
+    num_attention_heads: int = field(default=4, metadata={"help": "Attention heads of a fresh model."})
+    num_key_value_heads: int = field(default=2, metadata={"help": "Key/value heads (GQA) of a fresh Llama."})
+    max_position_embeddings: int = field(default=2048, metadata={"help": "Positions of a fresh model."})
+    num_labels: int = field(default=2, metadata={"help": "Classes (sequence_classification)."})
+
+
+@dataclass
+class DataArguments:
+    """The data: text files (default: the stdlib source), or a `datasets` dataset."""
+
+    text_dir: str | None = field(default=None, metadata={"help": "Folder of *.py/*.txt files; unset: the stdlib."})
+    dataset_name: str | None = field(default=None, metadata={"help": "datasets name or local folder."})
+    dataset_config_name: str | None = field(default=None, metadata={"help": "The dataset's configuration."})
+    train_file: str | None = field(default=None, metadata={"help": "A json/jsonl/csv training file."})
+    validation_file: str | None = field(default=None, metadata={"help": "A json/jsonl/csv validation file."})
+    text_column: str = field(default="text", metadata={"help": "Input text column."})
+    text_pair_column: str | None = field(default=None, metadata={"help": "Second text (sentence pairs)."})
+    label_column: str = field(default="label", metadata={"help": "Class label column (sequence_classification)."})
+    target_column: str = field(default="summary", metadata={"help": "Target text column (seq2seq)."})
+    source_prefix: str = field(default="", metadata={"help": "Prefix of every source text (T5: 'summarize: ')."})
+    max_target_length: int = field(default=128, metadata={"help": "Target tokens kept (seq2seq)."})
+    max_chars: int = field(default=3_000_000, metadata={"help": "Characters of text to read at most."})
+    tokenizer_vocab_size: int = field(default=2048, metadata={"help": "Vocabulary of the BPE tokenizer trained."})
+    block_size: int = field(default=128, metadata={"help": "Tokens per row (inputs are cut to this length)."})
+    eval_fraction: float = field(default=0.05, metadata={"help": "Share held out when there is no validation split."})
+    sample_prompt: str = field(default="def ", metadata={"help": "Prompt of the generated sample (causal_lm)."})
+    sample_tokens: int = field(default=48, metadata={"help": "Tokens to generate for the sample (causal_lm)."})
+
+
+def check_task(model_args: ModelArguments) -> None:
+    if model_args.task not in TASKS:
+        raise ValueError(f"task={model_args.task!r}: use one of {', '.join(TASKS)}.")
+
+
+def fresh_config(model_args: ModelArguments, vocab_size: int, special: dict[str, int] | None = None):
+    """An HF config of `model_type` with the common size fields mapped onto the family's names."""
+    import transformers
+
+    m, special = model_args, dict(special or {})
+    kind = m.model_type
+    if kind in ("llama", "mistral", "qwen2", "qwen3"):
+        cls = transformers.AutoConfig.for_model(kind).__class__
+        return cls(vocab_size=vocab_size, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
+                   num_hidden_layers=m.num_hidden_layers, num_attention_heads=m.num_attention_heads,
+                   num_key_value_heads=m.num_key_value_heads, max_position_embeddings=m.max_position_embeddings,
+                   tie_word_embeddings=True, **special)
+    if kind == "gpt2":
+        return transformers.GPT2Config(vocab_size=vocab_size, n_embd=m.hidden_size, n_inner=m.intermediate_size,
+                                       n_layer=m.num_hidden_layers, n_head=m.num_attention_heads,
+                                       n_positions=m.max_position_embeddings, **special)
+    if kind == "bert":
+        return transformers.BertConfig(vocab_size=vocab_size, hidden_size=m.hidden_size,
+                                       intermediate_size=m.intermediate_size, num_hidden_layers=m.num_hidden_layers,
+                                       num_attention_heads=m.num_attention_heads, num_labels=m.num_labels,
+                                       max_position_embeddings=m.max_position_embeddings, **special)
+    if kind == "t5":
+        pad = special.pop("pad_token_id", 0)
+        return transformers.T5Config(vocab_size=vocab_size, d_model=m.hidden_size, d_ff=m.intermediate_size,
+                                     d_kv=m.hidden_size // m.num_attention_heads, num_layers=m.num_hidden_layers,
+                                     num_heads=m.num_attention_heads, feed_forward_proj="gated-gelu",
+                                     tie_word_embeddings=False, pad_token_id=pad, decoder_start_token_id=pad,
+                                     **special)
+    raise ValueError(f"model_type={kind!r}: use one of llama, mistral, qwen2, qwen3, gpt2, bert, t5.")
+
+
+def auto_class(task: str):
+    from jtrainer.models import auto
+
+    return {
+        "causal_lm": auto.AutoModelForCausalLM,
+        "sequence_classification": auto.AutoModelForSequenceClassification,
+        "seq2seq": auto.AutoModelForSeq2SeqLM,
+    }[task]
+
+
+def build_model(model_args: ModelArguments, vocab_size: int, special: dict[str, int] | None, seed: int,
+                abstract: bool = False):
+    """The model of the config: loaded from `model_name_or_path`, or fresh. `abstract`: shapes only (no
+    parameters allocated), for `jtrainer check`."""
+    from flax import nnx
+
+    check_task(model_args)
+    auto = auto_class(model_args.task)
+    if model_args.model_name_or_path:
+        if abstract:
+            from transformers import AutoConfig
+
+            config = AutoConfig.from_pretrained(model_args.model_name_or_path)
+            return nnx.eval_shape(lambda: auto.from_config(config, seed=seed))
+        return auto.from_pretrained(model_args.model_name_or_path)
+    config = fresh_config(model_args, vocab_size, special)
+    if abstract:
+        return nnx.eval_shape(lambda: auto.from_config(config, seed=seed))
+    return auto.from_config(config, seed=seed)
+
+
+# ------------------------------------------------------------------------------------------------------- data
+def read_text_files(text_dir: str | None, max_chars: int) -> list[str]:
+    import sysconfig
+
+    root = text_dir or sysconfig.get_paths()["stdlib"]
+    texts, total = [], 0
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "test", "tests", "__pycache__"))
+        for name in sorted(filenames):
+            if not name.endswith((".py", ".txt")):
+                continue
+            try:
+                with open(os.path.join(dirpath, name), encoding="utf-8") as f:
+                    text = f.read()
+            except (UnicodeDecodeError, OSError):
+                continue
+            texts.append(text)
+            total += len(text)
+            if total >= max_chars:
+                return texts
+    if not texts:
+        raise ValueError(f"--text_dir {root!r} has no readable .py or .txt files.")
+    return texts
+
+
+def load_splits(data_args: DataArguments):
+    """(train, validation) `datasets.Dataset`s; validation is split off when the data has none."""
+    import datasets
+
+    if data_args.dataset_name and os.path.isdir(data_args.dataset_name):
+        loaded = datasets.load_from_disk(data_args.dataset_name)
+    elif data_args.dataset_name:
+        loaded = datasets.load_dataset(data_args.dataset_name, data_args.dataset_config_name)
+    else:
+        files = {"train": data_args.train_file}
+        if data_args.validation_file:
+            files["validation"] = data_args.validation_file
+        kind = "csv" if data_args.train_file.endswith(".csv") else "json"
+        loaded = datasets.load_dataset(kind, data_files=files)
+    if isinstance(loaded, datasets.Dataset):
+        loaded = datasets.DatasetDict({"train": loaded})
+    if "validation" not in loaded:
+        split = loaded["train"].train_test_split(test_size=data_args.eval_fraction, seed=0)
+        return split["train"], split["test"]
+    return loaded["train"], loaded["validation"]
+
+
+def train_tokenizer(texts: list[str], vocab_size: int):
+    """A byte-level BPE tokenizer (the `tokenizers` library) wrapped as a transformers tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>", "<|pad|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|pad|>")
+
+
+def token_blocks(texts: list[str], tokenizer, block_size: int) -> list[dict]:
+    """Concatenate documents (separated by EOS) and cut into rows of `block_size` tokens."""
+    ids: list[int] = []
+    for encoded in tokenizer(texts)["input_ids"]:
+        ids.extend(encoded)
+        ids.append(tokenizer.eos_token_id)
+    n = len(ids) // block_size
+    blocks = np.asarray(ids[: n * block_size], np.int32).reshape(n, block_size)
+    return [{"input_ids": b, "labels": b} for b in blocks]
+
+
+def special_tokens(tokenizer) -> dict[str, int]:
+    return {"bos_token_id": tokenizer.eos_token_id, "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.pad_token_id}
+
+
+def _tokenizer_for(model_args: ModelArguments, data_args: DataArguments, texts: list[str]):
+    from transformers import AutoTokenizer
+
+    source = model_args.tokenizer_name or model_args.model_name_or_path
+    if source:
+        return AutoTokenizer.from_pretrained(source)
+    return train_tokenizer(texts, data_args.tokenizer_vocab_size)
+
+
+def _columns(dataset, *names) -> None:
+    missing = [n for n in names if n and n not in dataset.column_names]
+    if missing:
+        raise ValueError(f"The dataset has no column(s) {missing}; its columns are {dataset.column_names}. "
+                         "Set --text_column / --label_column / --target_column.")
+
+
+def build_data(model_args: ModelArguments, data_args: DataArguments) -> tuple[Any, list, list]:
+    """(tokenizer, train rows, eval rows) for the task."""
+    check_task(model_args)
+    d = data_args
+    if model_args.task == "causal_lm" and not (d.dataset_name or d.train_file):
+        texts = read_text_files(d.text_dir, d.max_chars)
+        n_eval = max(1, int(len(texts) * d.eval_fraction))
+        tokenizer = _tokenizer_for(model_args, d, texts[:-n_eval])
+        return tokenizer, token_blocks(texts[:-n_eval], tokenizer, d.block_size), token_blocks(
+            texts[-n_eval:], tokenizer, d.block_size)
+    train, valid = load_splits(d)
+    if model_args.task == "causal_lm":
+        _columns(train, d.text_column)
+        tokenizer = _tokenizer_for(model_args, d, list(train[d.text_column]))
+        return (tokenizer, token_blocks(list(train[d.text_column]), tokenizer, d.block_size),
+                token_blocks(list(valid[d.text_column]), tokenizer, d.block_size))
+    if model_args.task == "sequence_classification":
+        _columns(train, d.text_column, d.text_pair_column, d.label_column)
+        tokenizer = _tokenizer_for(model_args, d, list(train[d.text_column]))
+
+        def rows(split):
+            pairs = split[d.text_pair_column] if d.text_pair_column else None
+            encoded = tokenizer(list(split[d.text_column]), pairs and list(pairs), truncation=True,
+                                max_length=d.block_size)
+            return [{"input_ids": ids, "labels": int(label)}
+                    for ids, label in zip(encoded["input_ids"], split[d.label_column])]
+
+        return tokenizer, rows(train), rows(valid)
+    _columns(train, d.text_column, d.target_column)
+    tokenizer = _tokenizer_for(model_args, d, list(train[d.text_column]) + list(train[d.target_column]))
+
+    def pairs(split):
+        sources = tokenizer([d.source_prefix + t for t in split[d.text_column]], truncation=True,
+                            max_length=d.block_size)["input_ids"]
+        targets = tokenizer(list(split[d.target_column]), truncation=True, max_length=d.max_target_length - 1)
+        return [{"input_ids": s, "labels": t + [tokenizer.eos_token_id]}
+                for s, t in zip(sources, targets["input_ids"])]
+
+    return tokenizer, pairs(train), pairs(valid)
