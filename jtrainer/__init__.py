@@ -5,6 +5,10 @@ from jtrainer import distributed
 # One process of many (jtrainer launch, Cloud TPU VMs, SLURM): join the others before any device is touched.
 distributed.maybe_initialize()
 
+from jtrainer import startup  # noqa: E402
+
+startup.apply_default()  # the persistent compilation cache, before anything compiles
+
 from transformers.trainer_utils import EvalPrediction, PredictionOutput, TrainOutput, get_last_checkpoint
 
 from jtrainer.args import TrainingArguments  # noqa: E402

@@ -17,6 +17,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+import jax
 import transformers
 from transformers.trainer_utils import HubStrategy, IntervalStrategy, SaveStrategy, SchedulerType
 from transformers.training_args import OptimizerNames, _convert_str_dict
@@ -72,7 +73,25 @@ class TrainingArguments(transformers.TrainingArguments):
     # --- JAX-only fields ---
     jax_compilation_cache_dir: str | None = field(
         default=None,
-        metadata={"help": "Directory of JAX's persistent compilation cache; unset: the cache is left as JAX has it."},
+        metadata={
+            "help": "Directory of JAX's persistent compilation cache (a second identical run loads its compiled "
+            "steps instead of compiling). Unset: $JTRAINER_COMPILATION_CACHE_DIR, else "
+            "~/.cache/jtrainer/jax_compilation_cache. 'none' turns it off."
+        },
+    )
+    default_bf16: bool = field(
+        default=True,
+        metadata={
+            "help": "When neither bf16 nor fp16 is set: compute in bfloat16 (fp32 master weights) on TPUs and on "
+            "GPUs with bfloat16 (compute capability >= 8.0), fp32 on CPUs. False keeps HF's fp32 default."
+        },
+    )
+    log_throughput: bool = field(
+        default=True,
+        metadata={
+            "help": "Add train_tokens_per_second and, on accelerators with a known peak, train_mfu (model FLOPs "
+            "utilisation) to every training log."
+        },
     )
     mesh_shape: dict | str | None = field(
         default=None,
@@ -119,6 +138,18 @@ class TrainingArguments(transformers.TrainingArguments):
         self.deepspeed_plugin = None
         self.distributed_state = None
         warn_ignored_fields(self)
+
+    def compute_in_bf16(self) -> bool:
+        """bf16 compute: asked for (`bf16`), or by `default_bf16` on hardware with bfloat16 units."""
+        if self.bf16:
+            return True
+        if self.fp16 or not self.default_bf16:
+            return False
+        device = jax.devices()[0]
+        if device.platform == "tpu":
+            return True
+        capability = getattr(device, "compute_capability", None)
+        return device.platform == "gpu" and capability is not None and float(capability) >= 8.0
 
     def _normalise(self) -> None:
         """HF's defaults, JSON-string dicts, deprecated aliases, enums and derived values."""

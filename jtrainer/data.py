@@ -225,8 +225,13 @@ class ShapeKeeper:
     hosts) turns a local length into the one all processes use.
     """
 
-    def __init__(self, rows: int, pad_token_id: int = 0, agree: Callable[[int], int] | None = None):
+    MIN_BUCKET = 16
+
+    def __init__(
+        self, rows: int, pad_token_id: int = 0, agree: Callable[[int], int] | None = None, buckets: bool = False
+    ):
         self.rows, self.pad_token_id, self.agree = rows, pad_token_id, agree
+        self.buckets = buckets  # group_by_length: each window padded to its own power-of-two bucket
         self.length: int | None = None
 
     def sequence_length(self, batches: Sequence[Batch]) -> int | None:
@@ -235,6 +240,11 @@ class ShapeKeeper:
         if self.agree is not None:
             longest = self.agree(longest)
         if longest == 0:
+            return self.length
+        if self.buckets:
+            # Batches of similar lengths (group_by_length) keep short batches short: at most
+            # log2(longest / MIN_BUCKET) + 1 shapes are compiled.
+            self.length = max(self.MIN_BUCKET, 1 << (longest - 1).bit_length())
             return self.length
         if self.length is None:
             self.length = longest

@@ -39,7 +39,7 @@ from transformers.trainer_callback import (
 )
 from transformers.trainer_utils import IntervalStrategy, SaveStrategy, SchedulerType, TrainOutput, speed_metrics
 
-from jtrainer import batch_size, checkpoint, data, distributed, optim, sharding
+from jtrainer import batch_size, checkpoint, data, distributed, optim, sharding, startup, throughput
 from jtrainer.args import TrainingArguments
 from jtrainer.evaluation import EvaluationMixin
 from jtrainer.hpsearch import HyperparameterSearchMixin
@@ -366,7 +366,7 @@ class Trainer(EvaluationMixin, SavingMixin, HyperparameterSearchMixin, HubMixin)
         causal = _is_causal_lm(self.model)
         has_labels = any(name in sample for name in self.label_names)
         smoothing = self.args.label_smoothing_factor
-        compute_dtype = jnp.bfloat16 if self.args.bf16 else None
+        compute_dtype = jnp.bfloat16 if self.args.compute_in_bf16() else None
         common = dict(label_names=tuple(self.label_names), causal=causal, compute_dtype=compute_dtype)
         if has_labels and self.compute_loss_func is not None:
             return LossSpec(LossMode.CUSTOM, compute_loss_func=self.compute_loss_func, **common)
@@ -497,8 +497,7 @@ class Trainer(EvaluationMixin, SavingMixin, HyperparameterSearchMixin, HubMixin)
         if self.args.should_save:
             for path in checkpoint.remove_uncommitted(args.output_dir):
                 logger.warning("Removed %s, a checkpoint that was never committed.", path)
-        if args.jax_compilation_cache_dir:
-            jax.config.update("jax_compilation_cache_dir", args.jax_compilation_cache_dir)
+        startup.enable_compilation_cache(startup.run_cache_dir(args))
         self.neftune_noise_alpha = args.neftune_noise_alpha
         if self.neftune_noise_alpha is not None:
             set_neftune(self.model, self.neftune_noise_alpha)
@@ -606,7 +605,8 @@ class Trainer(EvaluationMixin, SavingMixin, HyperparameterSearchMixin, HubMixin)
         self.state.is_world_process_zero = self.is_world_process_zero()
 
         pad_id = getattr(self.processing_class, "pad_token_id", None) or 0
-        shapes = data.ShapeKeeper(loader.local_rows, pad_id, agree=distributed.agree_max)
+        bucketed = args.train_sampling_strategy == "group_by_length"
+        shapes = data.ShapeKeeper(loader.local_rows, pad_id, agree=distributed.agree_max, buckets=bucketed)
         first, _ = next(iter(loader))
         spec = self._loss_spec(shapes.pad(first, shapes.sequence_length([first])))
         shapes.length = None  # the probe must not fix the sequence length
@@ -632,6 +632,8 @@ class Trainer(EvaluationMixin, SavingMixin, HyperparameterSearchMixin, HubMixin)
         self._pending_losses: list[jax.Array] = []
         self._total_loss_scalar = 0.0
         self._globalstep_last_logged = self.state.global_step
+        self._tokens_since_log, self._last_log_time, self._sequence_length = 0, time.perf_counter(), 0
+        self._flops_per_token: dict[int, float | None] = {}
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
         if args.eval_on_start:
             self._evaluate(trial, ignore_keys_for_eval, skip_scheduler=True)
@@ -658,6 +660,7 @@ class Trainer(EvaluationMixin, SavingMixin, HyperparameterSearchMixin, HubMixin)
                             self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
                         self.current_flos += float(self.floating_point_ops(batch))
                         self._track_num_input_tokens(batch)
+                        self._count_throughput_tokens(batch)
                         if i < len(batches) - 1:
                             self.control = self.callback_handler.on_substep_end(args, self.state, self.control)
                     with self._mesh_context():
@@ -730,11 +733,36 @@ class Trainer(EvaluationMixin, SavingMixin, HyperparameterSearchMixin, HubMixin)
         elif main in batch:
             self.state.num_input_tokens_seen += int(np.asarray(batch[main]).size)
 
+    def _count_throughput_tokens(self, batch: data.Batch) -> None:
+        main = batch.get(getattr(self.model, "main_input_name", "input_ids"))
+        if main is not None and np.ndim(main) >= 2:
+            self._tokens_since_log += int(np.size(main)) * jax.process_count()
+            self._sequence_length = int(np.shape(main)[1])
+
+    def _throughput_logs(self) -> dict[str, float]:
+        """Tokens per second since the last log (its losses were just read, so the device has caught up) and,
+        where the device's peak is known, model FLOPs utilisation."""
+        now = time.perf_counter()
+        elapsed, tokens = now - self._last_log_time, self._tokens_since_log
+        self._tokens_since_log, self._last_log_time = 0, now
+        if not tokens or elapsed <= 0:
+            return {}
+        rate = tokens / elapsed
+        logs = {"train_tokens_per_second": round(rate, 3)}
+        length = self._sequence_length
+        if length not in self._flops_per_token:
+            self._flops_per_token[length] = throughput.flops_per_token(self.model, length)
+        utilisation = throughput.mfu(rate, self._flops_per_token[length])
+        if utilisation is not None:
+            logs["train_mfu"] = round(utilisation, 4)
+        return logs
+
     def _logged_loss(self) -> float:
         """Sum of the step losses since the last log, with HF's NaN/Inf filter (reads the device once)."""
         total = 0.0
         steps_before = self._globalstep_last_logged
-        for i, value in enumerate(jax.device_get(self._pending_losses)):
+        losses = np.asarray(jnp.stack(self._pending_losses)) if self._pending_losses else []  # one transfer
+        for i, value in enumerate(losses):
             value = float(value)
             if self.args.nan_inf_policy == "error" and not math.isfinite(value):
                 raise FloatingPointError(
@@ -758,6 +786,8 @@ class Trainer(EvaluationMixin, SavingMixin, HyperparameterSearchMixin, HubMixin)
                 logs["learning_rate"] = float(host["learning_rate"])
             if "skipped_updates" in host:
                 logs["skipped_updates"] = int(host["skipped_updates"])
+            if self.args.log_throughput:
+                logs.update(self._throughput_logs())
             self._total_loss_scalar += tr_loss
             self._globalstep_last_logged = self.state.global_step
             self.store_flos()

@@ -5,6 +5,8 @@ import logging
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Tests count compilations: no persistent compilation cache unless a test turns one on.
+os.environ.setdefault("JTRAINER_COMPILATION_CACHE_DIR", "none")
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

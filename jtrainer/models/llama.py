@@ -199,8 +199,11 @@ class LlamaModel(nnx.Module):
         self.gradient_checkpointing = False
         self.remat_policy: str | None = None
 
-    def __call__(self, input_ids_BxL, attention_mask_BxS=None, position_ids_BxL=None, cache=None):
-        """Hidden states; with a KVCache, also the updated cache (the attention mask then covers the cache)."""
+    def __call__(self, input_ids_BxL, attention_mask_BxS=None, position_ids_BxL=None, cache=None, segment_ids_BxL=None):
+        """Hidden states; with a KVCache, also the updated cache (the attention mask then covers the cache).
+
+        `segment_ids_BxL` (packed sequences, see `jtrainer.data.pack_sequences`): a token attends only to
+        earlier tokens of its own segment; 0 marks padding."""
         b, length = input_ids_BxL.shape
         start = 0 if cache is None else cache.index
         if position_ids_BxL is None:
@@ -214,6 +217,11 @@ class LlamaModel(nnx.Module):
         mask = (offsets_LxS >= 0)[None, None]  # causal, in cache slots
         if attention_mask_BxS is not None:
             mask = mask & attention_mask_BxS.astype(bool)[:, None, None, :]
+        if segment_ids_BxL is not None:
+            if cache is not None:
+                raise ValueError("segment_ids (packed sequences) are for training; generation takes one sequence per row.")
+            same = segment_ids_BxL[:, None, :, None] == segment_ids_BxL[:, None, None, :]
+            mask = mask & same & (segment_ids_BxL != 0)[:, None, None, :]
         x = constrain(x, ACTIVATION_AXES)
         new_keys, new_values = [], []
         for i, layer in enumerate(self.layers):
@@ -281,9 +289,10 @@ class LlamaForCausalLM(PretrainedMixin, nnx.Module):
         labels=None,
         num_items_in_batch=None,
         cache: KVCache | None = None,
+        segment_ids=None,
         **kwargs,
     ) -> ModelOutput:
-        hidden_BxLxD = self.model(input_ids, attention_mask, position_ids, cache)
+        hidden_BxLxD = self.model(input_ids, attention_mask, position_ids, cache, segment_ids)
         if cache is not None:
             hidden_BxLxD, cache = hidden_BxLxD
         if self.config.tie_word_embeddings:
