@@ -162,11 +162,15 @@ def main():
     parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--no-startup", dest="startup", action="store_false",
+                        help="skip the time-to-first-step measurement with and without the compilation cache")
     parser.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
     parser.add_argument("--config", help=argparse.SUPPRESS)
     ns = parser.parse_args()
     if ns.worker:
         return run_worker(ns.worker, ns.config, ns.steps)
+    # The throughput runs share one warm compilation cache (steady state is what they measure); `startup`
+    # measures the cache itself.
     env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
     for config in ns.configs:
         results = {s: [] for s in ns.systems}
@@ -192,6 +196,27 @@ def main():
         if "jtrainer" in med and "bare" in med:
             print(f"a/c  jtrainer / bare jit loop tokens/s:        "
                   f"{med['jtrainer']['tokens_per_second'] / med['bare']['tokens_per_second']:.3f}x")
+        if ns.startup:
+            startup(config, ns)
+
+
+def startup(config, ns):
+    """Time to the end of the first step: a first run with an empty persistent compilation cache, then a second
+    identical run that loads the compiled steps from it (median of the repeats, each with a fresh cache)."""
+    first, second = [], []
+    for _ in range(ns.repeats):
+        with tempfile.TemporaryDirectory() as cache:
+            env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"),
+                       JTRAINER_COMPILATION_CACHE_DIR=cache)
+            for times in (first, second):
+                out = subprocess.run([sys.executable, __file__, "--worker", "jtrainer", "--config", config,
+                                      "--steps", "3"], env=env, capture_output=True, text=True)
+                if out.returncode:
+                    raise SystemExit(f"startup run failed:\n{out.stderr[-4000:]}")
+                times.append(json.loads(out.stdout.strip().splitlines()[-1])["first_step_s"])
+    a, b = statistics.median(first), statistics.median(second)
+    print(f"startup: first step {a:.2f} s with an empty compilation cache, {b:.2f} s on the second run: "
+          f"{b / a:.2f}x")
 
 
 if __name__ == "__main__":
