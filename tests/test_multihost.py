@@ -96,3 +96,23 @@ def test_sigterm_to_one_process_makes_both_save_the_same_step(tmp_path):
     assert folder is not None
     checkpoint.verify_checkpoint(folder)
     assert len([n for n in os.listdir(out) if n.startswith("checkpoint-")]) == 1
+
+
+def test_hyperparameter_search_on_two_processes(tmp_path):
+    """Process 0 runs the optuna study; the other process trains the same trials (a collective in every step
+    would hang otherwise) and returns None."""
+    out = tmp_path / "trials.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "jtrainer.cli", "launch", "--num_processes", "2", "--devices_per_process", "2",
+         os.path.join(HERE, "hpsearch_job.py"), str(out)],
+        env=_env(), capture_output=True, text=True, timeout=400,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    import json
+
+    main, other = json.loads(out.read_text()), json.loads((tmp_path / "trials.json.other").read_text())
+    # Process 0 calls hp_space twice a trial (to sample, then to set the arguments), the other once, from the
+    # parameters it received (a FixedTrial): the same 3 learning rates, in order.
+    sampled = main["rates"][::2]
+    assert other["best"] is None and len(sampled) == 3 and len(set(sampled)) == 3
+    assert [round(r, 12) for r in other["rates"]] == [round(r, 12) for r in sampled]
