@@ -2,15 +2,15 @@
 
 Reads like HF's `_inner_training_loop`; the numerics live in `step.py`, `losses.py` and `optim.py`, the data
 pipeline in `data.py`, evaluation in `evaluation.py`, checkpoints in `saving.py` (when and what) and
-`checkpoint.py` (how). The host only dispatches steps, reads metrics when it logs, and runs HF's callbacks.
+`checkpoint.py` (how). HF's other methods come as mixins: optimizer and scheduler (`optimizer_setup.py`),
+hyperparameter search (`hpsearch.py`), the Hub (`hub.py`), metric files (`metrics_io.py`). The host only
+dispatches steps, reads metrics when it logs, and runs HF's callbacks.
 """
 
 from __future__ import annotations
 
 import contextlib
-import datetime
 import inspect
-import json
 import logging
 import math
 import os
@@ -44,16 +44,14 @@ from jtrainer.args import TrainingArguments
 from jtrainer.evaluation import EvaluationMixin
 from jtrainer.hpsearch import HyperparameterSearchMixin
 from jtrainer.hub import HubMixin
+from jtrainer.metrics_io import MetricsMixin
 from jtrainer.models.base import set_neftune
+from jtrainer.optimizer_setup import OptimizerMixin
 from jtrainer.saving import SavingMixin
 from jtrainer.state import TrainState
 from jtrainer.step import LossMode, LossSpec, StepBatch, apply_model, make_train_step, split_outputs
 
 logger = logging.getLogger(__name__)
-
-
-def _dotted(path: tuple) -> str:
-    return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
 
 
 def _is_causal_lm(model: Any) -> bool:
@@ -78,7 +76,7 @@ def _takes_labels(model: Any, label_names: list[str]) -> bool:
 _SHARED_TRAIN_STEPS: dict[Any, Callable] = {}
 
 
-class Trainer(EvaluationMixin, SavingMixin, HyperparameterSearchMixin, HubMixin):
+class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearchMixin, HubMixin, MetricsMixin):
     """HF's `transformers.Trainer`, with one jit-compiled train step over a sharding mesh instead of torch."""
 
     def __init__(
@@ -254,108 +252,6 @@ class Trainer(EvaluationMixin, SavingMixin, HyperparameterSearchMixin, HubMixin)
 
     def get_test_dataloader(self, test_dataset: Any) -> data.BatchLoader:
         return self.get_eval_dataloader(test_dataset)
-
-    # ------------------------------------------------------------------------------------ optimizer/schedule
-    def _norm_module_paths(self) -> set[str]:
-        norms = set()
-        for path, node in nnx.iter_graph(self.model):
-            if isinstance(node, nnx.Module) and "norm" in type(node).__name__.lower():
-                norms.add(".".join(map(str, path)))
-        return norms
-
-    def get_decay_parameter_names(self, model=None) -> list[str]:
-        params = nnx.to_pure_dict(nnx.state(model or self.model, nnx.Param))
-        paths = {_dotted(p): None for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]}
-        return [p for p, decays in optim.decay_mask(paths, self._norm_module_paths()).items() if decays]
-
-    def _decay_mask_tree(self, params):
-        decayed = set(self.get_decay_parameter_names())
-        return jax.tree_util.tree_map_with_path(lambda p, _: _dotted(p) in decayed, params)
-
-    def create_scheduler(self, num_training_steps: int, optimizer=None) -> optim.Schedule:
-        """HF's scheduler, as a step -> rate function (or the user's schedule from `optimizers`)."""
-        if self.lr_scheduler is None:
-            args = self.args
-            self._schedule_values = (args.get_warmup_steps(num_training_steps), num_training_steps)
-            self.lr_scheduler = optim.make_schedule(
-                args.lr_scheduler_type, args.learning_rate, *self._schedule_values, args.lr_scheduler_kwargs
-            )
-            self._created_lr_scheduler = True
-        return self.lr_scheduler
-
-    def create_optimizer(self, params=None) -> optax.GradientTransformation:
-        if self.optimizer is not None:
-            return self.optimizer
-        params = params if params is not None else nnx.to_pure_dict(nnx.state(self.model, nnx.Param))
-        mask = self._decay_mask_tree(params)
-        if self.optimizer_cls_and_kwargs is not None:
-            cls, kwargs = self.optimizer_cls_and_kwargs
-            factory = lambda learning_rate: cls(learning_rate=learning_rate, **kwargs)  # noqa: E731
-            self.optimizer = optax.inject_hyperparams(factory)(learning_rate=self.lr_scheduler)
-            return self.optimizer
-        args = self.args
-        plateau = args.lr_scheduler_type == SchedulerType.REDUCE_ON_PLATEAU
-        if self._created_lr_scheduler and not plateau:
-            # HF's schedule from the state's numbers: trials that change them reuse the compiled step.
-            warmup, total = self._schedule_values
-            multiplier = optim.schedule_multiplier(args.lr_scheduler_type, args.learning_rate, args.lr_scheduler_kwargs)
-            self.optimizer = optim.make_optimizer(
-                args, mask, multiplier=multiplier, warmup_steps=warmup, total_steps=total
-            )
-            self._optimizer_recipe = (
-                optim.check_optimizer_name(args.optim),
-                args.optim_args,
-                SchedulerType(args.lr_scheduler_type).value,
-                json.dumps(args.lr_scheduler_kwargs or {}, sort_keys=True, default=str),
-                tuple(jax.tree.leaves(mask)),
-                jax.tree.structure(mask),
-            )
-        else:
-            self.optimizer = optim.make_optimizer(args, mask, learning_rate=None if plateau else self.lr_scheduler)
-        if plateau:
-            self._plateau = optim.PlateauScheduler(
-                mode="max" if args.greater_is_better else "min", **(args.lr_scheduler_kwargs or {})
-            )
-        return self.optimizer
-
-    def create_optimizer_and_scheduler(self, num_training_steps: int) -> None:
-        self.create_scheduler(num_training_steps)
-        self.create_optimizer()
-
-    def get_learning_rates(self) -> list[float]:
-        if self._train_state is None:
-            raise ValueError("Trainer optimizer is None, please make sure you have setup the optimizer before.")
-        lr = optim.current_learning_rate(self._train_state.opt_state)
-        return [float(lr)] if lr is not None else []
-
-    def get_optimizer_group(self, param=None):
-        params = nnx.to_pure_dict(nnx.state(self.model, nnx.Param))
-        names = [_dotted(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-        decayed = set(self.get_decay_parameter_names())
-        groups = [
-            {"params": [n for n in names if n in decayed], "weight_decay": self.args.weight_decay},
-            {"params": [n for n in names if n not in decayed], "weight_decay": 0.0},
-        ]
-        if param is None:
-            return groups
-        return next(g for g in groups if param in g["params"])
-
-    def get_num_trainable_parameters(self) -> int:
-        return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(self.model, nnx.Param)))
-
-    def _num_non_embedding_parameters(self) -> int:
-        total = 0
-        for path, var in nnx.to_flat_state(nnx.state(self.model, nnx.Param)):
-            if path[-1] != "embedding":
-                total += int(np.prod(var[...].shape))
-        return total
-
-    def floating_point_ops(self, inputs: dict[str, Any]) -> int:
-        """HF's estimate: 6 x tokens x non-embedding parameters, for models whose main input is in the batch."""
-        main = getattr(self.model, "main_input_name", "input_ids")
-        if main in inputs:
-            return 6 * int(np.asarray(inputs[main]).size) * self._num_non_embedding_parameters()
-        return 0
 
     # ---------------------------------------------------------------------------------------------- the step
     def _loss_spec(self, sample: data.Batch, training: bool = True) -> LossSpec:
@@ -867,44 +763,6 @@ class Trainer(EvaluationMixin, SavingMixin, HyperparameterSearchMixin, HubMixin)
         self.state.log_history.append(output)
         self.control = self.callback_handler.on_log(self.args, self.state, self.control, logs)
 
-    # ------------------------------------------------------------------------------------- metrics utilities
-    def metrics_format(self, metrics: dict[str, float]) -> dict[str, Any]:
-        """HF's format: runtimes as h:mm:ss, total_flos in GF, floats rounded to 4 places."""
-        out = {}
-        for key, value in metrics.items():
-            if "_mem_" in key:
-                out[key] = f"{value >> 20}MB"
-            elif "_runtime" in key:
-                out[key] = str(datetime.timedelta(seconds=int(value)))
-            elif key == "total_flos":
-                out[key] = f"{int(value) >> 30}GF"
-            elif isinstance(value, float):
-                out[key] = round(value, 4)
-            else:
-                out[key] = value
-        return out
-
-    def log_metrics(self, split: str, metrics: dict[str, float]) -> None:
-        if not self.is_world_process_zero():
-            return
-        formatted = self.metrics_format(metrics)
-        width = max((len(k) for k in formatted), default=0)
-        print(f"***** {split} metrics *****")
-        for key in sorted(formatted):
-            print(f"  {key: <{width}} = {formatted[key]:>9}")
-
-    def save_metrics(self, split: str, metrics: dict[str, float], combined: bool = True) -> None:
-        if not self.is_world_process_zero():
-            return
-        os.makedirs(self.args.output_dir, exist_ok=True)
-        with open(os.path.join(self.args.output_dir, f"{split}_results.json"), "w") as f:
-            json.dump(metrics, f, indent=4, sort_keys=True)
-        if combined:
-            path = os.path.join(self.args.output_dir, "all_results.json")
-            all_metrics = json.load(open(path)) if os.path.exists(path) else {}
-            all_metrics.update(metrics)
-            with open(path, "w") as f:
-                json.dump(all_metrics, f, indent=4, sort_keys=True)
 
 
 __all__ = ["Trainer"]

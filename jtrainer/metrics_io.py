@@ -1,0 +1,50 @@
+"""The Trainer's metric helpers, as HF's: metrics_format, log_metrics, save_metrics."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+from typing import Any
+
+
+class MetricsMixin:
+    """HF's formatting and saving of a split's metrics (process 0 prints and writes)."""
+
+    def metrics_format(self, metrics: dict[str, float]) -> dict[str, Any]:
+        """HF's format: runtimes as h:mm:ss, total_flos in GF, floats rounded to 4 places."""
+        out = {}
+        for key, value in metrics.items():
+            if "_mem_" in key:
+                out[key] = f"{value >> 20}MB"
+            elif "_runtime" in key:
+                out[key] = str(datetime.timedelta(seconds=int(value)))
+            elif key == "total_flos":
+                out[key] = f"{int(value) >> 30}GF"
+            elif isinstance(value, float):
+                out[key] = round(value, 4)
+            else:
+                out[key] = value
+        return out
+
+    def log_metrics(self, split: str, metrics: dict[str, float]) -> None:
+        if not self.is_world_process_zero():
+            return
+        formatted = self.metrics_format(metrics)
+        width = max((len(k) for k in formatted), default=0)
+        print(f"***** {split} metrics *****")
+        for key in sorted(formatted):
+            print(f"  {key: <{width}} = {formatted[key]:>9}")
+
+    def save_metrics(self, split: str, metrics: dict[str, float], combined: bool = True) -> None:
+        if not self.is_world_process_zero():
+            return
+        os.makedirs(self.args.output_dir, exist_ok=True)
+        with open(os.path.join(self.args.output_dir, f"{split}_results.json"), "w") as f:
+            json.dump(metrics, f, indent=4, sort_keys=True)
+        if combined:
+            path = os.path.join(self.args.output_dir, "all_results.json")
+            all_metrics = json.load(open(path)) if os.path.exists(path) else {}
+            all_metrics.update(metrics)
+            with open(path, "w") as f:
+                json.dump(all_metrics, f, indent=4, sort_keys=True)

@@ -1,0 +1,125 @@
+"""The Trainer's optimizer and scheduler methods (HF's names): decay groups, HF's schedule and optimizer as
+optax, and the parameter/FLOP counts HF reports."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+from transformers.trainer_utils import SchedulerType
+
+from jtrainer import optim
+
+
+def dotted(path: tuple) -> str:
+    """A pytree path as HF's dotted parameter name."""
+    return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+class OptimizerMixin:
+    """create_optimizer / create_scheduler and friends; uses the Trainer's args, model and train state."""
+
+    def _norm_module_paths(self) -> set[str]:
+        norms = set()
+        for path, node in nnx.iter_graph(self.model):
+            if isinstance(node, nnx.Module) and "norm" in type(node).__name__.lower():
+                norms.add(".".join(map(str, path)))
+        return norms
+
+    def get_decay_parameter_names(self, model=None) -> list[str]:
+        params = nnx.to_pure_dict(nnx.state(model or self.model, nnx.Param))
+        paths = {dotted(p): None for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]}
+        return [p for p, decays in optim.decay_mask(paths, self._norm_module_paths()).items() if decays]
+
+    def _decay_mask_tree(self, params):
+        decayed = set(self.get_decay_parameter_names())
+        return jax.tree_util.tree_map_with_path(lambda p, _: dotted(p) in decayed, params)
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None) -> optim.Schedule:
+        """HF's scheduler, as a step -> rate function (or the user's schedule from `optimizers`)."""
+        if self.lr_scheduler is None:
+            args = self.args
+            self._schedule_values = (args.get_warmup_steps(num_training_steps), num_training_steps)
+            self.lr_scheduler = optim.make_schedule(
+                args.lr_scheduler_type, args.learning_rate, *self._schedule_values, args.lr_scheduler_kwargs
+            )
+            self._created_lr_scheduler = True
+        return self.lr_scheduler
+
+    def create_optimizer(self, params=None) -> optax.GradientTransformation:
+        if self.optimizer is not None:
+            return self.optimizer
+        params = params if params is not None else nnx.to_pure_dict(nnx.state(self.model, nnx.Param))
+        mask = self._decay_mask_tree(params)
+        if self.optimizer_cls_and_kwargs is not None:
+            cls, kwargs = self.optimizer_cls_and_kwargs
+            factory = lambda learning_rate: cls(learning_rate=learning_rate, **kwargs)  # noqa: E731
+            self.optimizer = optax.inject_hyperparams(factory)(learning_rate=self.lr_scheduler)
+            return self.optimizer
+        args = self.args
+        plateau = args.lr_scheduler_type == SchedulerType.REDUCE_ON_PLATEAU
+        if self._created_lr_scheduler and not plateau:
+            # HF's schedule from the state's numbers: trials that change them reuse the compiled step.
+            warmup, total = self._schedule_values
+            multiplier = optim.schedule_multiplier(args.lr_scheduler_type, args.learning_rate, args.lr_scheduler_kwargs)
+            self.optimizer = optim.make_optimizer(
+                args, mask, multiplier=multiplier, warmup_steps=warmup, total_steps=total
+            )
+            self._optimizer_recipe = (
+                optim.check_optimizer_name(args.optim),
+                args.optim_args,
+                SchedulerType(args.lr_scheduler_type).value,
+                json.dumps(args.lr_scheduler_kwargs or {}, sort_keys=True, default=str),
+                tuple(jax.tree.leaves(mask)),
+                jax.tree.structure(mask),
+            )
+        else:
+            self.optimizer = optim.make_optimizer(args, mask, learning_rate=None if plateau else self.lr_scheduler)
+        if plateau:
+            self._plateau = optim.PlateauScheduler(
+                mode="max" if args.greater_is_better else "min", **(args.lr_scheduler_kwargs or {})
+            )
+        return self.optimizer
+
+    def create_optimizer_and_scheduler(self, num_training_steps: int) -> None:
+        self.create_scheduler(num_training_steps)
+        self.create_optimizer()
+
+    def get_learning_rates(self) -> list[float]:
+        if self._train_state is None:
+            raise ValueError("Trainer optimizer is None, please make sure you have setup the optimizer before.")
+        lr = optim.current_learning_rate(self._train_state.opt_state)
+        return [float(lr)] if lr is not None else []
+
+    def get_optimizer_group(self, param=None):
+        params = nnx.to_pure_dict(nnx.state(self.model, nnx.Param))
+        names = [dotted(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+        decayed = set(self.get_decay_parameter_names())
+        groups = [
+            {"params": [n for n in names if n in decayed], "weight_decay": self.args.weight_decay},
+            {"params": [n for n in names if n not in decayed], "weight_decay": 0.0},
+        ]
+        if param is None:
+            return groups
+        return next(g for g in groups if param in g["params"])
+
+    def get_num_trainable_parameters(self) -> int:
+        return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(self.model, nnx.Param)))
+
+    def _num_non_embedding_parameters(self) -> int:
+        total = 0
+        for path, var in nnx.to_flat_state(nnx.state(self.model, nnx.Param)):
+            if path[-1] != "embedding":
+                total += int(np.prod(var[...].shape))
+        return total
+
+    def floating_point_ops(self, inputs: dict[str, Any]) -> int:
+        """HF's estimate: 6 x tokens x non-embedding parameters, for models whose main input is in the batch."""
+        main = getattr(self.model, "main_input_name", "input_ids")
+        if main in inputs:
+            return 6 * int(np.asarray(inputs[main]).size) * self._num_non_embedding_parameters()
+        return 0
