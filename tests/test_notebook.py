@@ -10,8 +10,8 @@ nbformat = pytest.importorskip("nbformat")
 
 def test_colab_notebook_executes(tmp_path, monkeypatch):
     notebook = nbformat.read("examples/colab_tpu.ipynb", as_version=4)
-    monkeypatch.setenv("JTRAINER_NOTEBOOK_STEPS", "6")
-    monkeypatch.setenv("JTRAINER_NOTEBOOK_CHARS", "80000")
+    monkeypatch.setenv("JTRAINER_NOTEBOOK_STEPS", "4")
+    monkeypatch.setenv("JTRAINER_NOTEBOOK_CHARS", "40000")
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     monkeypatch.setenv("MPLBACKEND", "Agg")
     nbclient.NotebookClient(notebook, timeout=600, kernel_name="python3",

@@ -33,21 +33,22 @@ def test_packed_rows_compute_what_documents_compute_alone():
     docs = [rng.randint(1, 64, n).tolist() for n in (5, 7, 3, 9, 12)]
     rows = pack_sequences(docs, block_size=16)
     assert len(rows) == 3 and packing_efficiency(rows) == pytest.approx(36 / 48)
+    forward = nnx.jit(lambda m, batch: m(**batch))
     packed_sum, alone_sum = 0.0, 0.0
     for row in rows:
         batch = {k: jnp.asarray(v)[None] for k, v in row.items()}
-        out = model(**batch)
+        out = forward(model, batch)
         packed_sum += float(token_cross_entropy_sum(out.logits, shift_labels(batch["labels"])))
         for segment in range(1, int(row["segment_ids"].max()) + 1):
             where = np.flatnonzero(row["segment_ids"] == segment)
             doc = jnp.asarray(row["input_ids"][where])[None]
-            alone = model(doc, labels=doc)
+            alone = forward(model, {"input_ids": doc, "labels": doc})
             # Each document's logits in the packed row are its logits alone.
             np.testing.assert_allclose(np.asarray(out.logits[0, where]), np.asarray(alone.logits[0]), atol=1e-5)
             alone_sum += float(token_cross_entropy_sum(alone.logits, shift_labels(doc)))
     assert packed_sum == pytest.approx(alone_sum, rel=1e-5)
 
-    trainer = Trainer(LlamaForCausalLM.from_config(tiny_llama_config()), _args(max_steps=6), train_dataset=rows * 8)
+    trainer = Trainer(LlamaForCausalLM.from_config(tiny_llama_config()), _args(max_steps=4), train_dataset=rows * 8)
     trainer.train()  # segment_ids and position_ids reach the model (not dropped as unused columns)
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert losses[-1] < losses[0]
@@ -71,7 +72,7 @@ def test_group_by_length_pads_to_bounded_buckets():
         return out
 
     trainer = Trainer(LlamaForCausalLM.from_config(tiny_llama_config(max_position_embeddings=128)),
-                      _args(train_sampling_strategy="group_by_length", max_steps=16, remove_unused_columns=False),
+                      _args(train_sampling_strategy="group_by_length", max_steps=8, remove_unused_columns=False),
                       train_dataset=rows, data_collator=pad)
     jtrainer.trainer._SHARED_TRAIN_STEPS.clear()
     with count_compiles() as compiles:
