@@ -2,6 +2,7 @@
 
 import glob
 import os
+import time
 
 import pytest
 
@@ -63,7 +64,12 @@ def test_wandb_offline_run(tmp_path, monkeypatch):
     assert {"train/grad_norm", "train/learning_rate", "eval/loss", "train/global_step"} <= set(summary)
     (run_dir,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*"))
     (log,) = glob.glob(os.path.join(run_dir, "run-*.wandb"))
-    records = open(log, "rb").read()  # the offline log, for `wandb sync`: protobuf records with the metric names
+    # The offline log, for `wandb sync`: protobuf records with the metric names. wandb's service process writes
+    # it; under load the records can land a moment after finish() returns.
+    deadline = time.time() + 60
+    while b"eval/loss" not in open(log, "rb").read() and time.time() < deadline:
+        time.sleep(0.5)
+    records = open(log, "rb").read()
     assert b"train/loss" in records and b"eval/loss" in records
 
 
