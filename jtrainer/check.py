@@ -77,7 +77,6 @@ def compile_step(model_args, data_args, training_args) -> dict[str, Any]:
 
     from jtrainer import sharding
     from jtrainer.seq2seq import Seq2SeqTrainer
-    from jtrainer.state import TrainState
     from jtrainer.step import StepBatch
 
     vocab = data_args.tokenizer_vocab_size
@@ -100,13 +99,7 @@ def compile_step(model_args, data_args, training_args) -> dict[str, Any]:
     _, params, rest = nnx.split(model, nnx.Param, ...)
     params = nnx.to_pure_dict(params)
     shardings = trainer._state_shardings(tx, params)
-    state_shapes = TrainState(
-        step=jax.ShapeDtypeStruct((), np.int32),
-        params=params,
-        opt_state=jax.eval_shape(tx.init, params),
-        model_state=rest,
-        rng=jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))),
-    )
+    state_shapes = jax.eval_shape(trainer._train_state_init(tx), params, rest)
     state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), state_shapes, shardings)
     stacked = {k: np.stack([v] * ga) for k, v in batch.items()}
     step_batch = StepBatch(

@@ -13,6 +13,7 @@ from flax import nnx
 from transformers.trainer_utils import SchedulerType
 
 from jtrainer import optim
+from jtrainer.models.base import count_parameters
 
 
 def dotted(path: tuple) -> str:
@@ -108,14 +109,14 @@ class OptimizerMixin:
         return next(g for g in groups if param in g["params"])
 
     def get_num_trainable_parameters(self) -> int:
-        return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(self.model, nnx.Param)))
+        return count_parameters(self.model)
 
     def _num_non_embedding_parameters(self) -> int:
-        total = 0
-        for path, var in nnx.to_flat_state(nnx.state(self.model, nnx.Param)):
-            if path[-1] != "embedding":
-                total += int(np.prod(var[...].shape))
-        return total
+        """Counted once per model: `floating_point_ops` asks for it every micro-batch."""
+        cached = getattr(self, "_non_embedding_count", None)
+        if cached is None or cached[0] is not self.model:
+            cached = self._non_embedding_count = (self.model, count_parameters(self.model, exclude_embeddings=True))
+        return cached[1]
 
     def floating_point_ops(self, inputs: dict[str, Any]) -> int:
         """HF's estimate: 6 x tokens x non-embedding parameters, for models whose main input is in the batch."""

@@ -9,7 +9,6 @@ none for CPUs (no `train_mfu` there).
 from __future__ import annotations
 
 import jax
-import numpy as np
 
 # Dense bf16 peak FLOP/s per device (per chip for TPUs, as jax.devices() lists them).
 PEAK_FLOPS: dict[str, float] = {
@@ -43,15 +42,12 @@ def _config_size(config, *names) -> int | None:
 
 def flops_per_token(model, sequence_length: int) -> float | None:
     """Training FLOPs per token of `model` at this sequence length (None without an HF config)."""
-    from flax import nnx
+    from jtrainer.models.base import count_parameters
 
     config = getattr(model, "config", None)
     if config is None:
         return None
-    non_embedding = 0
-    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        if path[-1] != "embedding":
-            non_embedding += int(np.prod(var[...].shape))
+    non_embedding = count_parameters(model, exclude_embeddings=True)
     layers = _config_size(config, "num_hidden_layers", "n_layer", "num_layers") or 0
     width = _config_size(config, "hidden_size", "n_embd", "d_model") or 0
     return 6.0 * non_embedding + 12.0 * layers * width * sequence_length

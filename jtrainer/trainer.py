@@ -324,6 +324,10 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         # Copies: the step donates its buffers and the user's model keeps its own.
         params = jax.device_put(params, shardings.params, may_alias=False)
         rest = jax.device_put(rest, shardings.model_state, may_alias=False)
+        return jax.jit(self._train_state_init(tx), out_shardings=shardings)(params, rest), shardings
+
+    def _train_state_init(self, tx: optax.GradientTransformation) -> Callable[..., TrainState]:
+        """The pure (params, model_state) -> fresh TrainState function (also traced abstractly by `jtrainer check`)."""
         seed = self.args.seed
 
         def init(params, rest):
@@ -335,7 +339,7 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
                 rng=jax.random.key_data(jax.random.key(seed)),
             )
 
-        return jax.jit(init, out_shardings=shardings)(params, rest), shardings
+        return init
 
     def _compiled_train_step(self, tx: optax.GradientTransformation, spec: LossSpec, state_shardings: TrainState):
         """The jitted train step. When the Trainer built the optimizer, the step depends only on structure (the

@@ -17,6 +17,15 @@ def call_block(owner, block, *args):
     return nnx.remat(lambda b, *a: b(*a), policy=policy)(block, *args)
 
 
+def count_parameters(module: nnx.Module, exclude_embeddings: bool = False) -> int:
+    """Elements of every nnx.Param of `module` (abstract ones too); without embedding tables if asked."""
+    total = 0
+    for path, var in nnx.to_flat_state(nnx.state(module, nnx.Param)):
+        if not (exclude_embeddings and path[-1] == "embedding"):
+            total += math.prod(var[...].shape)
+    return total
+
+
 class Embed(nnx.Embed):
     """nnx.Embed that adds HF's NEFTune noise to its output in training steps, once `neftune_noise_alpha` is set
     (the Trainer sets it from `TrainingArguments.neftune_noise_alpha`): uniform noise in [-m, m] with
@@ -82,11 +91,7 @@ class PretrainedMixin:
 
     def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
         """HF's count of parameters (every nnx.Param is trainable)."""
-        total = 0
-        for path, var in nnx.to_flat_state(nnx.state(self, nnx.Param)):
-            if not (exclude_embeddings and path[-1] == "embedding"):
-                total += int(var[...].size)
-        return total
+        return count_parameters(self, exclude_embeddings)
 
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None) -> None:
         """Remat each block; `{"policy": NAME}` picks a `jax.checkpoint_policies` policy (default: save nothing)."""
