@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -19,15 +21,41 @@ def token_cross_entropy_sum(logits: jax.Array, labels: jax.Array, label_smoothin
 
     Label smoothing as HF's `LabelSmoother`: (1 - eps) * nll + eps * mean over classes of -log p.
     """
-    logits = logits.astype(jnp.float32)
+    return _cross_entropy_sum(logits.astype(jnp.float32), labels, float(label_smoothing))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _cross_entropy_sum(logits: jax.Array, labels: jax.Array, label_smoothing: float) -> jax.Array:
+    return _cross_entropy_fwd(logits, labels, label_smoothing)[0]
+
+
+def _cross_entropy_fwd(logits, labels, label_smoothing):
     valid = labels != IGNORE_INDEX
     safe_labels = jnp.where(valid, labels, 0)
-    log_probs = jax.nn.log_softmax(logits, axis=-1)
-    nll = -jnp.take_along_axis(log_probs, safe_labels[..., None], axis=-1)[..., 0]
+    # jax.nn.log_softmax's arithmetic, kept apart so the backward pass can reuse it.
+    shifted = logits - jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+    log_normaliser = jnp.log(jnp.sum(jnp.exp(shifted), axis=-1, keepdims=True))
+    nll = (log_normaliser - jnp.take_along_axis(shifted, safe_labels[..., None], axis=-1))[..., 0]
     if label_smoothing:
-        smooth = -jnp.mean(log_probs, axis=-1)
+        smooth = (log_normaliser - jnp.mean(shifted, axis=-1, keepdims=True))[..., 0]
         nll = (1.0 - label_smoothing) * nll + label_smoothing * smooth
-    return jnp.sum(jnp.where(valid, nll, 0.0))
+    return jnp.sum(jnp.where(valid, nll, 0.0)), (shifted, log_normaliser, labels)
+
+
+def _cross_entropy_bwd(label_smoothing, residuals, g):
+    """d/dlogits = softmax - (1 - eps) one_hot - eps / classes on valid tokens, 0 elsewhere.
+
+    Written out because autodiff of the label lookup is a scatter into a zero [tokens, classes] buffer, a slow,
+    serial loop on CPU; the one-hot here is an elementwise compare that fuses with the softmax."""
+    shifted, log_normaliser, labels = residuals
+    classes = shifted.shape[-1]
+    one_hot = jax.lax.broadcasted_iota(labels.dtype, shifted.shape, shifted.ndim - 1) == labels[..., None]
+    target = jnp.where(one_hot, 1.0 - label_smoothing, 0.0) + label_smoothing / classes
+    weight = jnp.where(labels != IGNORE_INDEX, g, 0.0)[..., None]
+    return (jnp.exp(shifted - log_normaliser) - target) * weight, None
+
+
+_cross_entropy_sum.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
 
 
 def token_loss(logits: jax.Array, labels: jax.Array, num_items_in_batch=None, *, causal: bool = False) -> jax.Array:

@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jtrainer.models.linear import dense
+
 
 def call_block(owner, block, *args):
     """Run one block; under `owner.gradient_checkpointing`, rematerialised with `owner.remat_policy`."""
@@ -47,6 +49,14 @@ class Embed(nnx.Embed):
         magnitude = self.neftune_noise_alpha / math.sqrt(out.shape[1] * out.shape[2])
         noise = jax.random.uniform(key, out.shape, jnp.float32, -magnitude, magnitude)
         return out + noise.astype(out.dtype)
+
+    def attend(self, query, out_sharding=None):
+        """Logits of a tied LM head, query @ embedding^T, through `linear.dense` (a GEMM-speed weight gradient on
+        CPU)."""
+        if out_sharding is not None:
+            return super().attend(query, out_sharding=out_sharding)
+        query, embedding = self.promote_dtype((query, self.embedding[...]), dtype=self.dtype)
+        return dense(query, embedding.T)
 
 
 def set_neftune(model, alpha: float | None) -> None:

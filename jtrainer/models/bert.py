@@ -12,6 +12,7 @@ from transformers import BertConfig
 from jtrainer.losses import IGNORE_INDEX, token_cross_entropy_sum, token_loss
 from jtrainer.models.base import Embed, PretrainedMixin, StaticConfig, call_block
 from jtrainer.models.gpt2 import LayerNorm
+from jtrainer.models.linear import dense_dot_general
 from jtrainer.models.outputs import ModelOutput
 from jtrainer.sharding import TENSOR, constrain
 
@@ -21,7 +22,7 @@ _ACTIVATIONS = {"gelu": lambda x: jax.nn.gelu(x, approximate=False), "relu": jax
 
 
 def _dense(din: int, dout: int, std: float, axes, rngs: nnx.Rngs) -> nnx.Linear:
-    layer = nnx.Linear(din, dout, kernel_init=nnx.initializers.normal(std), rngs=rngs)
+    layer = nnx.Linear(din, dout, kernel_init=nnx.initializers.normal(std), dot_general=dense_dot_general, rngs=rngs)
     layer.kernel.set_metadata(logical_axes=axes)
     layer.bias.set_metadata(logical_axes=axes[1:])
     return layer

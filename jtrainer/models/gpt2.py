@@ -9,6 +9,7 @@ from transformers import GPT2Config
 
 from jtrainer.losses import token_loss
 from jtrainer.models.base import Embed, PretrainedMixin, StaticConfig, call_block
+from jtrainer.models.linear import dense
 from jtrainer.models.outputs import ModelOutput
 from jtrainer.sharding import TENSOR, constrain
 
@@ -30,7 +31,7 @@ class Conv1D(nnx.Module):
         self.bias = nnx.Param(jnp.zeros((dout,)), logical_axes=axes[1:])
 
     def __call__(self, x):
-        return x @ self.weight[...] + self.bias[...]
+        return dense(x, self.weight[...]) + self.bias[...]
 
 
 class LayerNorm(nnx.Module):

@@ -18,6 +18,7 @@ from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from jtrainer.losses import token_loss
 from jtrainer.models.base import Embed, PretrainedMixin, StaticConfig, call_block
+from jtrainer.models.linear import dense_dot_general
 from jtrainer.models.outputs import ModelOutput
 from jtrainer.sharding import TENSOR, constrain
 
@@ -97,6 +98,7 @@ def _linear(din: int, dout: int, bias: bool, dtype, param_dtype, rngs: nnx.Rngs,
         dtype=dtype,
         param_dtype=param_dtype,
         kernel_init=nnx.initializers.normal(std),
+        dot_general=dense_dot_general,
         rngs=rngs,
     )
     layer.kernel.set_metadata(logical_axes=axes)

@@ -13,6 +13,7 @@ from transformers import T5Config
 from jtrainer.losses import IGNORE_INDEX, token_loss
 from jtrainer.models.base import PretrainedMixin, StaticConfig, call_block
 from jtrainer.models.bert import _ACTIVATIONS, _embed
+from jtrainer.models.linear import dense_dot_general
 from jtrainer.models.llama import RMSNorm
 from jtrainer.models.outputs import ModelOutput
 from jtrainer.sharding import TENSOR, constrain
@@ -21,7 +22,9 @@ ACTIVATION_AXES = ("batch", "length", "act_embed")
 
 
 def _linear(din: int, dout: int, std: float, axes, rngs: nnx.Rngs) -> nnx.Linear:
-    layer = nnx.Linear(din, dout, use_bias=False, kernel_init=nnx.initializers.normal(std), rngs=rngs)
+    layer = nnx.Linear(
+        din, dout, use_bias=False, kernel_init=nnx.initializers.normal(std), dot_general=dense_dot_general, rngs=rngs
+    )
     layer.kernel.set_metadata(logical_axes=axes)
     return layer
 

@@ -1,0 +1,61 @@
+"""Hand-written backward passes (models.linear.dense, losses' cross-entropy) equal autodiff of the plain formula."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jtrainer.losses import IGNORE_INDEX, token_cross_entropy_sum
+from jtrainer.models.linear import _weight_grad, _weight_grad_transposing, dense
+
+
+@pytest.mark.parametrize("shape,d_in,d_out", [((6,), 4, 12), ((2, 5), 12, 4), ((3,), 8, 8)])
+def test_dense_gradients_equal_autodiff(shape, d_in, d_out):
+    x = jax.random.normal(jax.random.key(0), shape + (d_in,))
+    kernel = jax.random.normal(jax.random.key(1), (d_in, d_out))
+
+    def objective(matmul):
+        return lambda x, kernel: jnp.sum(jnp.sin(matmul(x, kernel)))
+
+    ours = jax.jit(jax.value_and_grad(objective(dense), argnums=(0, 1)))(x, kernel)
+    plain = jax.value_and_grad(objective(jnp.dot), argnums=(0, 1))(x, kernel)
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(plain)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_dense_transposes_explicitly_on_cpu_only_and_keeps_dtypes():
+    x = jnp.ones((2, 3, 4), jnp.bfloat16)
+    kernel = jnp.ones((4, 5), jnp.bfloat16)
+    grad = jax.jit(jax.grad(lambda x, k: jnp.sum(dense(x, k).astype(jnp.float32)), argnums=(0, 1)))
+    assert [g.dtype for g in grad(x, kernel)] == [jnp.bfloat16, jnp.bfloat16]
+    traced = grad.trace(x, kernel)
+    assert "optimization_barrier" in traced.lower(lowering_platforms=("cpu",)).as_text()
+    for accelerator in ("tpu", "cuda"):  # plain autodiff there: the matrix units take either orientation
+        assert "optimization_barrier" not in traced.lower(lowering_platforms=(accelerator,)).as_text()
+
+
+@pytest.mark.parametrize("d_in,d_out", [(3, 7), (7, 3)])
+def test_both_weight_gradient_orientations_agree(d_in, d_out):
+    x = jax.random.normal(jax.random.key(2), (9, d_in))
+    dy = jax.random.normal(jax.random.key(3), (9, d_out))
+    np.testing.assert_allclose(_weight_grad_transposing(x, dy, None), _weight_grad(x, dy, None), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+def test_cross_entropy_gradient_equals_autodiff_of_log_softmax(label_smoothing):
+    logits = jax.random.normal(jax.random.key(0), (3, 7, 11)) * 3
+    labels = jax.random.randint(jax.random.key(1), (3, 7), 0, 11)
+    labels = labels.at[0, 2].set(IGNORE_INDEX).at[2, 6].set(IGNORE_INDEX)
+
+    def reference(logits):
+        valid = labels != IGNORE_INDEX
+        log_probs = jax.nn.log_softmax(logits, axis=-1)
+        nll = -jnp.take_along_axis(log_probs, jnp.where(valid, labels, 0)[..., None], axis=-1)[..., 0]
+        nll = (1 - label_smoothing) * nll - label_smoothing * jnp.mean(log_probs, axis=-1)
+        return jnp.sum(jnp.where(valid, nll, 0.0))
+
+    loss, grad = jax.jit(jax.value_and_grad(lambda z: token_cross_entropy_sum(z, labels, label_smoothing)))(logits)
+    ref_loss, ref_grad = jax.value_and_grad(reference)(logits)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    np.testing.assert_allclose(grad, ref_grad, atol=1e-6)
+    assert not np.any(grad[0, 2]) and not np.any(grad[2, 6])  # ignored tokens get no gradient
