@@ -8,6 +8,7 @@ from flax import nnx
 from transformers import GPT2Config
 
 from jtrainer.losses import token_loss
+from jtrainer.models.attention import causal_attention
 from jtrainer.models.base import Embed, PretrainedMixin, StaticConfig, call_block
 from jtrainer.models.linear import dense
 from jtrainer.models.outputs import ModelOutput
@@ -63,9 +64,7 @@ class GPT2Attention(nnx.Module):
         b, length, d = x_BxLxD.shape
         q, k, v = jnp.split(self.c_attn(x_BxLxD), 3, axis=-1)
         shape = (b, length, self.num_heads, self.head_dim)
-        out = jax.nn.dot_product_attention(
-            q.reshape(shape), k.reshape(shape), v.reshape(shape), mask=mask_Bx1xLxL, scale=self.scale
-        )
+        out = causal_attention(q.reshape(shape), k.reshape(shape), v.reshape(shape), mask_Bx1xLxL, self.scale)
         return self.c_proj(out.reshape(b, length, d))
 
 

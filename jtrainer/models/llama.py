@@ -17,6 +17,7 @@ from flax import nnx
 from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from jtrainer.losses import token_loss
+from jtrainer.models.attention import causal_attention
 from jtrainer.models.base import Embed, PretrainedMixin, StaticConfig, call_block
 from jtrainer.models.linear import dense_dot_general
 from jtrainer.models.outputs import ModelOutput
@@ -144,7 +145,10 @@ class LlamaAttention(nnx.Module):
                 values_BxSxKxH, v.astype(values_BxSxKxH.dtype), (0, index, 0, 0)
             )
             k, v, new_cache = keys_BxSxKxH, values_BxSxKxH, (keys_BxSxKxH, values_BxSxKxH)
-        out_BxLxNxH = jax.nn.dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask=mask_Bx1xLxS)
+        if cache is None:  # self-attention over the L tokens, the mask causal
+            out_BxLxNxH = causal_attention(q, k, v, mask_Bx1xLxS)
+        else:
+            out_BxLxNxH = jax.nn.dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask=mask_Bx1xLxS)
         out = self.o_proj(out_BxLxNxH.reshape(b, length, self.num_heads * self.head_dim))
         return out if cache is None else (out, new_cache)
 
