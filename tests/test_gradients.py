@@ -59,3 +59,25 @@ def test_cross_entropy_gradient_equals_autodiff_of_log_softmax(label_smoothing):
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
     np.testing.assert_allclose(grad, ref_grad, atol=1e-6)
     assert not np.any(grad[0, 2]) and not np.any(grad[2, 6])  # ignored tokens get no gradient
+
+
+@pytest.mark.parametrize("length,kv_heads", [(256, 2), (128, 4), (48, 1)])  # 4, 2 and 1 query blocks
+def test_causal_attention_equals_jax_nn_with_fully_masked_rows(length, kv_heads):
+    from jtrainer.models.attention import causal_attention
+
+    keys = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(keys[0], (2, length, 4, 8))
+    k, v = (jax.random.normal(key, (2, length, kv_heads, 8)) for key in keys[1:3])
+    weights = jax.random.normal(keys[3], q.shape)
+    not_padding = jnp.arange(length)[None] >= jnp.array([[5], [0]])  # row 0 left-padded: 5 queries see no key
+    mask = jnp.tril(jnp.ones((length, length), bool))[None, None] & not_padding[:, None, None, :]
+
+    def objective(attend):
+        return lambda q, k, v: jnp.sum(attend(q, k, v) * weights)
+
+    ours = jax.jit(jax.value_and_grad(objective(lambda q, k, v: causal_attention(q, k, v, mask, 0.3)), (0, 1, 2)))
+    reference = jax.value_and_grad(
+        objective(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask, scale=0.3)), (0, 1, 2)
+    )
+    for a, b in zip(jax.tree.leaves(ours(q, k, v)), jax.tree.leaves(reference(q, k, v))):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5)
