@@ -39,18 +39,23 @@ def _num_blocks(length: int) -> int:
 
 
 def _blocked_attention(q, k, v, mask, scale):
-    length = q.shape[1]
+    length, groups = q.shape[1], q.shape[2] // k.shape[2]
+    # Heads-major operands, materialised once (the barrier) rather than recomputed, RoPE and all, inside each
+    # block's products.
+    q_BxNxTxH, k_BxNxHxS, v_BxNxSxH = jax.lax.optimization_barrier(
+        (q.transpose(0, 2, 1, 3), _heads_major(k, groups, transpose=True), _heads_major(v, groups))
+    )
     size = length // _num_blocks(length)
     outs = []
     for end in range(size, length + 1, size):
         rows = slice(end - size, end)
-        outs.append(_heads_major_attention(q[:, rows], k[:, :end], v[:, :end], mask[:, :, rows, :end], scale))
-    out = jnp.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]
+        outs.append(_heads_major_attention(
+            q_BxNxTxH[:, :, rows], k_BxNxHxS[..., :end], v_BxNxSxH[:, :, :end], mask[:, :, rows, :end], scale
+        ))
+    out = (jnp.concatenate(outs, axis=2) if len(outs) > 1 else outs[0]).transpose(0, 2, 1, 3)
     # A query row that sees no key: jax.nn's softmax over all-minimal scores is uniform over every key.
     no_key_Bx1xT = ~jnp.any(mask, axis=-1)
-    mean_v_BxKxH = jnp.mean(v, axis=1)
-    groups = q.shape[2] // k.shape[2]
-    mean_v_Bx1xNxH = jnp.repeat(mean_v_BxKxH, groups, axis=1)[:, None].astype(out.dtype)
+    mean_v_Bx1xNxH = jnp.repeat(jnp.mean(v, axis=1), groups, axis=1)[:, None].astype(out.dtype)
     return jnp.where(no_key_Bx1xT.transpose(0, 2, 1)[..., None], mean_v_Bx1xNxH, out)
 
 
@@ -61,41 +66,31 @@ def _heads_major(x_BxSxKxH, groups: int, transpose: bool = False):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _heads_major_attention(q, k, v, mask, scale):
-    return _attention_fwd(q, k, v, mask, scale)[0]
+def _heads_major_attention(q_BxNxTxH, k_BxNxHxS, v_BxNxSxH, mask, scale):
+    """softmax(q k^T * scale, masked) v for one block of queries, every operand heads-major."""
+    return _attention_fwd(q_BxNxTxH, k_BxNxHxS, v_BxNxSxH, mask, scale)[0]
 
 
 def _attention_fwd(q, k, v, mask, scale):
-    groups = q.shape[2] // k.shape[2]
-    q_BxNxTxH = q.transpose(0, 2, 1, 3)
-    scores = jnp.matmul(q_BxNxTxH, _heads_major(k, groups, transpose=True), preferred_element_type=jnp.float32)
-    scores = scores * scale
+    scores = jnp.matmul(q, k, preferred_element_type=jnp.float32) * scale
     scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
     exp = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
     probs = exp * (1.0 / jnp.sum(exp, axis=-1, keepdims=True))
-    out_BxNxTxH = jnp.matmul(probs.astype(v.dtype), _heads_major(v, groups))
-    return out_BxNxTxH.transpose(0, 2, 1, 3), (q, k, v, probs, out_BxNxTxH)
+    out = jnp.matmul(probs.astype(v.dtype), v)
+    return out, (q, k, v, probs, out)
 
 
-def _attention_bwd(scale, residuals, dout_BxTxNxH):
-    q, k, v, probs, out_BxNxTxH = residuals
-    batch, _, kv_heads, head_dim = k.shape
-    groups = q.shape[2] // kv_heads
-    dout_BxNxTxH = dout_BxTxNxH.transpose(0, 2, 1, 3)
-    dprobs = jnp.matmul(dout_BxNxTxH, _heads_major(v, groups, transpose=True), preferred_element_type=jnp.float32)
-    delta = jnp.sum(dout_BxNxTxH * out_BxNxTxH, axis=-1, keepdims=True, dtype=jnp.float32)
+def _attention_bwd(scale, residuals, dout):
+    """The [T, S] tensors (probs, their gradient) are only ever contracted along the axis XLA's CPU GEMMs
+    want; the small [T, H] / [S, H] operands are transposed instead."""
+    q, k, v, probs, out = residuals
+    dprobs = jnp.matmul(dout, jnp.swapaxes(v, 2, 3), preferred_element_type=jnp.float32)
+    delta = jnp.sum(dout * out, axis=-1, keepdims=True, dtype=jnp.float32)
     dscores = probs * (dprobs - delta) * scale  # masked entries have probs 0, hence no gradient
-    dq = jnp.matmul(dscores.astype(q.dtype), _heads_major(k, groups)).transpose(0, 2, 1, 3)
-    # Key and value gradients as [H, S] products (contracting the major axis of the [T, S] tensors) and
-    # summed over each key/value head's query groups.
-    dk_BxNxHxS = jnp.matmul(q.transpose(0, 2, 3, 1), dscores.astype(q.dtype))
-    dv_BxNxHxS = jnp.matmul(dout_BxTxNxH.transpose(0, 2, 3, 1), probs.astype(v.dtype))
-    keys = k.shape[1]
-
-    def per_kv_head(x_BxNxHxS):
-        return x_BxNxHxS.reshape(batch, kv_heads, groups, head_dim, keys).sum(2).transpose(0, 3, 1, 2)
-
-    return dq, per_kv_head(dk_BxNxHxS).astype(k.dtype), per_kv_head(dv_BxNxHxS).astype(v.dtype), None
+    dq = jnp.matmul(dscores.astype(q.dtype), jnp.swapaxes(k, 2, 3))
+    dk = jnp.matmul(jnp.swapaxes(q, 2, 3), dscores.astype(q.dtype))
+    dv = jnp.swapaxes(jnp.matmul(jnp.swapaxes(dout, 2, 3), probs.astype(v.dtype)), 2, 3)
+    return dq, dk.astype(k.dtype), dv.astype(v.dtype), None
 
 
 _heads_major_attention.defvjp(_attention_fwd, _attention_bwd)
