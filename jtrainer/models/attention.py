@@ -18,17 +18,17 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jtrainer.models.linear import cpu_backend
+
 _MIN_BLOCK = 64
 
 
 def causal_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, mask_Bx1xTxT, scale: float | None = None):
     """Multi-head (grouped-query when K < N) attention whose mask already includes causality."""
     scale = q_BxTxNxH.shape[-1] ** -0.5 if scale is None else scale
-    return jax.lax.platform_dependent(
-        q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, mask_Bx1xTxT,
-        cpu=lambda q, k, v, mask: _blocked_attention(q, k, v, mask, scale),
-        default=lambda q, k, v, mask: jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale),
-    )
+    if cpu_backend():
+        return _blocked_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, mask_Bx1xTxT, scale)
+    return jax.nn.dot_product_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, mask=mask_Bx1xTxT, scale=scale)
 
 
 def _num_blocks(length: int) -> int:

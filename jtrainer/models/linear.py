@@ -10,7 +10,7 @@ alone (a [tokens, vocab] gradient) took ~90 ms where its GEMM took ~12.
 On CPU, `dense`'s backward pass therefore transposes the narrower of x and dy itself, behind an optimisation
 barrier: the transpose reads an operand that is already in memory, and the GEMM gets both operands in the
 order it wants. On TPUs and GPUs, whose matrix units take either orientation for free, the backward pass is
-exactly what autodiff of a dot gives. Results are the same on every platform (same products, same sums).
+exactly what autodiff of a dot gives (see `cpu_backend`). Results are the same on every platform (same products, same sums).
 """
 
 from __future__ import annotations
@@ -19,6 +19,15 @@ import functools
 
 import jax
 import jax.numpy as jnp
+
+
+def cpu_backend() -> bool:
+    """Whether the programs traced now run on CPU, which picks this module's and `attention`'s CPU formulations.
+
+    The default backend decides, not `jax.lax.platform_dependent`: autodiff linearises every branch of a
+    platform_dependent, which tripled a small Llama's train-step tracing time. Both formulations compute the same
+    values, so a program lowered for another platform than the default only runs at the other one's speed."""
+    return jax.default_backend() == "cpu"
 
 
 def _weight_grad_transposing(x_NxI: jax.Array, dy_NxO: jax.Array, precision) -> jax.Array:
@@ -44,11 +53,8 @@ def _dense_fwd(x, kernel, precision=None):
 def _dense_bwd(precision, residuals, dy):
     x, kernel = residuals
     dx = jnp.dot(dy, kernel.T, precision=precision).astype(x.dtype)
-    x_NxI, dy_NxO = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
-    dkernel = jax.lax.platform_dependent(
-        x_NxI, dy_NxO, cpu=lambda a, b: _weight_grad_transposing(a, b, precision),
-        default=lambda a, b: _weight_grad(a, b, precision),
-    )
+    weight_grad = _weight_grad_transposing if cpu_backend() else _weight_grad
+    dkernel = weight_grad(x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1]), precision)
     return dx, dkernel.astype(kernel.dtype)
 
 
