@@ -77,3 +77,24 @@ def dense_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_ele
         return dense(lhs, rhs, precision)
     return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
                                preferred_element_type=preferred_element_type, out_sharding=out_sharding)
+
+
+def project(x: jax.Array, *layers) -> list[jax.Array]:
+    """`[layer(x) for layer in layers]` for `nnx.Linear`s reading the same input (q/k/v, gate/up).
+
+    On CPU, one product with the kernels side by side: one GEMM and one transposed copy of x in the backward
+    pass instead of one per layer. Elsewhere each layer runs alone, so tensor-parallel kernels, sharded along
+    their output axis, are never concatenated across devices."""
+    if not cpu_backend() or len(layers) == 1:
+        return [layer(x) for layer in layers]
+    first = layers[0]
+    kernel = jnp.concatenate([layer.kernel[...] for layer in layers], axis=1)
+    bias = None
+    if first.bias is not None:
+        bias = jnp.concatenate([layer.bias[...] for layer in layers])
+    x, kernel, bias = first.promote_dtype((x, kernel, bias), dtype=first.dtype)
+    y = dense(x, kernel, first.precision)
+    if bias is not None:
+        y = y + bias
+    ends = [layer.kernel.shape[1] for layer in layers]
+    return jnp.split(y, [sum(ends[: i + 1]) for i in range(len(ends) - 1)], axis=-1)

@@ -19,7 +19,7 @@ from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 from jtrainer.losses import token_loss
 from jtrainer.models.attention import causal_attention
 from jtrainer.models.base import Embed, PretrainedMixin, StaticConfig, call_block
-from jtrainer.models.linear import dense_dot_general
+from jtrainer.models.linear import dense_dot_general, project
 from jtrainer.models.outputs import ModelOutput
 from jtrainer.sharding import TENSOR, constrain
 
@@ -129,9 +129,10 @@ class LlamaAttention(nnx.Module):
         """Attention of L queries over S keys; with a cache ((keys, values), index), the L new keys and values
         are written at `index` first and S is the cache length. `offsets_LxS` = query position - key position."""
         b, length, _ = x_BxLxD.shape
-        q = self.q_proj(x_BxLxD).reshape(b, length, self.num_heads, self.head_dim)
-        k = self.k_proj(x_BxLxD).reshape(b, length, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x_BxLxD).reshape(b, length, self.num_kv_heads, self.head_dim)
+        q, k, v = project(x_BxLxD, self.q_proj, self.k_proj, self.v_proj)
+        q = q.reshape(b, length, self.num_heads, self.head_dim)
+        k = k.reshape(b, length, self.num_kv_heads, self.head_dim)
+        v = v.reshape(b, length, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.sliding_window is not None:  # HF: position i sees j when i - j < sliding_window
@@ -164,7 +165,8 @@ class LlamaMLP(nnx.Module):
         self.down_proj = _linear(f, d, bias, dtype, param_dtype, rngs, std, ("mlp", "embed"))
 
     def __call__(self, x_BxLxD):
-        return self.down_proj(jax.nn.silu(self.gate_proj(x_BxLxD)) * self.up_proj(x_BxLxD))
+        gate, up = project(x_BxLxD, self.gate_proj, self.up_proj)
+        return self.down_proj(jax.nn.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nnx.Module):
