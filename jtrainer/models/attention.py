@@ -40,8 +40,8 @@ def _num_blocks(length: int) -> int:
 
 def _blocked_attention(q, k, v, mask, scale):
     length, groups = q.shape[1], q.shape[2] // k.shape[2]
-    # Heads-major operands, materialised once (the barrier) rather than recomputed, RoPE and all, inside each
-    # block's products.
+    # Heads-major operands built once for all blocks; the barrier keeps XLA from folding the transposes into
+    # each block's products (it still fuses part of the RoPE arithmetic into the blocks' slices).
     q_BxNxTxH, k_BxNxHxS, v_BxNxSxH = jax.lax.optimization_barrier(
         (q.transpose(0, 2, 1, 3), _heads_major(k, groups, transpose=True), _heads_major(v, groups))
     )
