@@ -52,7 +52,7 @@ def _blocked_attention(q, k, v, mask, scale):
         outs.append(_heads_major_attention(
             q_BxNxTxH[:, :, rows], k_BxNxHxS[..., :end], v_BxNxSxH[:, :, :end], mask[:, :, rows, :end], scale
         ))
-    out = (jnp.concatenate(outs, axis=2) if len(outs) > 1 else outs[0]).transpose(0, 2, 1, 3)
+    out = jnp.concatenate(outs, axis=2).transpose(0, 2, 1, 3)
     # A query row that sees no key: jax.nn's softmax over all-minimal scores is uniform over every key.
     no_key_Bx1xT = ~jnp.any(mask, axis=-1)
     mean_v_Bx1xNxH = jnp.repeat(jnp.mean(v, axis=1), groups, axis=1)[:, None].astype(out.dtype)
