@@ -1,6 +1,10 @@
 """jtrainer: the Hugging Face Trainer API on one jit-compiled JAX train step."""
 
-from jtrainer import distributed
+from jtrainer import host_allocator
+
+host_allocator.apply_default()  # before XLA's CPU threads first allocate (see host_allocator)
+
+from jtrainer import distributed  # noqa: E402
 
 # One process of many (jtrainer launch, Cloud TPU VMs, SLURM): join the others before any device is touched.
 distributed.maybe_initialize()
