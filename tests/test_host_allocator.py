@@ -41,19 +41,21 @@ def test_without_platforms_the_installed_plugins_decide(monkeypatch):
     assert host_allocator.should_tune()
 
 
-def _faults_per_call(**env) -> list[int]:
+def _faults_per_call(tuned: bool, **env) -> list[int]:
     run = subprocess.run(
         [sys.executable, JOB], env={**os.environ, "JAX_PLATFORMS": "cpu", **env}, capture_output=True, text=True,
         timeout=300,
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    return ast.literal_eval(run.stdout.strip().splitlines()[-1])
+    report = ast.literal_eval(run.stdout.strip().splitlines()[-1])
+    assert report["tuned"] is tuned
+    return report["faults"]
 
 
 @pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
 def test_temporaries_stay_mapped_after_the_first_calls():
-    tuned = _faults_per_call()
-    untouched = _faults_per_call(JTRAINER_TUNE_MALLOC="0")
+    tuned = _faults_per_call(True)
+    untouched = _faults_per_call(False, JTRAINER_TUNE_MALLOC="0")
     # 128 MB of temporaries = 32,768 pages: faulted in on every call unless malloc keeps them. (Kept, they
     # are still faulted in now and then, when the heap's free space is too fragmented to hold them.)
     assert statistics.median(untouched[2:]) > 20_000, untouched
