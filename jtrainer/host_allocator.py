@@ -4,13 +4,15 @@ On the CPU backend every execution of a compiled step allocates its temporaries 
 MB for a small Llama) and frees it at the end. glibc serves such a request from a fresh `mmap` and returns it
 with `munmap`, so each step page-faults the whole buffer in again: for the benchmark's small Llama that is
 ~90,000 page faults and ~0.2 s of kernel time per 0.5 s step. With one malloc arena, no mmap-served chunks
-and a high trim threshold, the buffer comes from the heap and stays mapped: no faults after the first step.
+and a high trim threshold, the buffer comes from the heap and stays mapped: no faults after the first two
+steps, except now and then when the heap's free space is too fragmented to hold it.
 
 Applied by `import jtrainer` when JAX will run on CPU (JAX_PLATFORMS / jax_platforms say cpu, or no
 accelerator plugin is installed), because it only takes effect for threads that have not allocated yet: XLA's
 worker threads start when the backend first runs something. $JTRAINER_TUNE_MALLOC=0 leaves malloc alone,
 =1 applies it on any backend. The cost: memory freed by the process is kept for reuse rather than returned
-to the system (up to 2 GiB at the top of the heap), and all threads share one malloc arena.
+to the system (up to 2 GiB at the top of the heap), and all threads share one malloc arena, whose lock
+makes very short steps slower (~3 ms on the benchmark's ~16 ms tiny step).
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ def tune_malloc() -> bool:
     if mallopt is None:
         return False
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-    return all([mallopt(param, value) == 1 for param, value in SETTINGS])
+    return all([mallopt(param, value) == 1 for param, value in SETTINGS])  # a list: apply every setting
 
 
 def apply_default() -> bool:

@@ -54,7 +54,7 @@ def _faults_per_call(tuned: bool, **env) -> list[int]:
 
 @pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
 def test_temporaries_stay_mapped_after_the_first_calls():
-    tuned = _faults_per_call(True)
+    tuned = _faults_per_call(True, JTRAINER_TUNE_MALLOC="auto")
     untouched = _faults_per_call(False, JTRAINER_TUNE_MALLOC="0")
     # 128 MB of temporaries = 32,768 pages: faulted in on every call unless malloc keeps them. (Kept, they
     # are still faulted in now and then, when the heap's free space is too fragmented to hold them.)
