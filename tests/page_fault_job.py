@@ -1,4 +1,4 @@
-"""Prints the page faults of each of 12 calls of a jitted function with a 128 MB temporary buffer (run by
+"""Prints the page faults of each of 24 calls of a jitted function with a 128 MB temporary buffer (run by
 tests/test_host_allocator.py with and without JTRAINER_TUNE_MALLOC=0)."""
 
 import resource
@@ -18,7 +18,7 @@ def reductions(x):  # every reduction materialises a [4096, 4096] intermediate
 
 x = jnp.ones((4096, 4096))
 faults = []
-for _ in range(12):
+for _ in range(24):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     reductions(x).block_until_ready()
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
