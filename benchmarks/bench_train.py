@@ -2,12 +2,19 @@
 
     python benchmarks/bench_train.py                      # tiny and small Llama, 3 alternating repeats
     python benchmarks/bench_train.py --configs small --repeats 5 --steps 30
+    python benchmarks/bench_train.py --accelerator --configs 1b --repeats 1 --no-startup   # on a GPU: bf16, MFU
 
 The same job in each system: a Llama of the config (weights saved once by PyTorch transformers and loaded by
 each), the same random token rows, batch and sequence length, AdamW (weight decay 0.01) with clipping at 1.0,
 a linear schedule. Each run is a fresh subprocess (so peak memory is its own and nothing is warm); runs
 alternate between systems. Printed per system: median steady-state tokens/s and step time (steps after the
 first two), time to the end of the first step, peak resident memory; then the ratios a/b and a/c.
+
+`--accelerator` runs on the default JAX backend (and torch on CUDA) rather than the CPU, every system in bf16
+(fp32 master weights), with rows that carry no attention mask (as packed pretraining data: causal attention
+alone, for both frameworks' fused kernels), and also prints peak device memory and model FLOPs utilisation
+(jtrainer.throughput's FLOPs per token and peak, the same numbers for every system). The `1b` config is
+Llama 3.2 1B's shape (tied embeddings, vocabulary 128,256) with random weights.
 """
 
 from __future__ import annotations
@@ -26,15 +33,21 @@ CONFIGS = {
                  num_key_value_heads=2, vocab_size=1024, seq=128, batch=8),
     "small": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
                   num_key_value_heads=4, vocab_size=4096, seq=256, batch=8),
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, tie_word_embeddings=True,
+               seq=2048, batch=8),
 }
+SHAPE_KEYS = ("seq", "batch")
 SYSTEMS = ("jtrainer", "hf", "bare")
 
 
-def _rows(cfg, n, seed=0):
+def _rows(cfg, n, accelerator, seed=0):
     import numpy as np
 
     rng = np.random.RandomState(seed)
     ids = rng.randint(0, cfg["vocab_size"], (n, cfg["seq"])).astype(np.int64)
+    if accelerator:
+        return [{"input_ids": r, "labels": r.copy()} for r in ids]
     return [{"input_ids": r, "attention_mask": np.ones_like(r), "labels": r.copy()} for r in ids]
 
 
@@ -43,8 +56,8 @@ def _weights(cfg, folder):
     import transformers
 
     torch.manual_seed(0)
-    model_cfg = {k: v for k, v in cfg.items() if k not in ("seq", "batch")}
-    config = transformers.LlamaConfig(max_position_embeddings=cfg["seq"], tie_word_embeddings=False, **model_cfg)
+    model_cfg = dict({"tie_word_embeddings": False}, **{k: v for k, v in cfg.items() if k not in SHAPE_KEYS})
+    config = transformers.LlamaConfig(max_position_embeddings=cfg["seq"], **model_cfg)
     transformers.LlamaForCausalLM(config).save_pretrained(folder)
 
 
@@ -54,13 +67,26 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _train_args(cls, out, cfg, steps, **extra):
+def _train_args(cls, out, cfg, steps, accelerator, **extra):
     return cls(output_dir=out, per_device_train_batch_size=cfg["batch"], max_steps=steps, learning_rate=1e-4,
                weight_decay=0.01, max_grad_norm=1.0, logging_steps=steps, save_strategy="no", report_to="none",
-               disable_tqdm=True, train_sampling_strategy="sequential", **extra)
+               disable_tqdm=True, train_sampling_strategy="sequential", bf16=accelerator, **extra)
 
 
-def worker_jtrainer(cfg, folder, steps):
+def _jax_extras(model, cfg) -> dict:
+    """Peak device memory (where the backend reports it) and the numbers MFU is computed from."""
+    import jax
+
+    from jtrainer import throughput
+
+    stats = jax.devices()[0].memory_stats() or {}
+    return {"peak_device_mb": stats.get("peak_bytes_in_use", 0) / 2**20,
+            "flops_per_token": throughput.flops_per_token(model, cfg["seq"]),
+            "peak_flops": (throughput.peak_flops() or 0) * jax.device_count(),
+            "device": jax.devices()[0].device_kind, "devices": jax.device_count()}
+
+
+def worker_jtrainer(cfg, folder, steps, accelerator):
     import jax
 
     from jtrainer import Trainer, TrainerCallback, TrainingArguments
@@ -77,13 +103,13 @@ def worker_jtrainer(cfg, folder, steps):
     start = time.perf_counter()
     model = LlamaForCausalLM.from_pretrained(folder)
     with tempfile.TemporaryDirectory() as out:
-        trainer = Trainer(model, _train_args(TrainingArguments, out, cfg, steps), train_dataset=_rows(cfg, steps * cfg["batch"]),
-                          callbacks=[Clock()])
+        trainer = Trainer(model, _train_args(TrainingArguments, out, cfg, steps, accelerator),
+                          train_dataset=_rows(cfg, steps * cfg["batch"], accelerator), callbacks=[Clock()])
         trainer.train()
-    return start, stamps
+    return start, stamps, _jax_extras(model, cfg)
 
 
-def worker_hf(cfg, folder, steps):
+def worker_hf(cfg, folder, steps, accelerator):
     import torch
     import transformers
 
@@ -108,14 +134,16 @@ def worker_hf(cfg, folder, steps):
             return {k: torch.tensor(v) for k, v in self.rows[i].items()}
 
     with tempfile.TemporaryDirectory() as out:
-        args = _train_args(transformers.TrainingArguments, out, cfg, steps, use_cpu=True)
-        trainer = transformers.Trainer(model, args, train_dataset=Rows(_rows(cfg, steps * cfg["batch"])),
+        on_cuda = accelerator and torch.cuda.is_available()
+        args = _train_args(transformers.TrainingArguments, out, cfg, steps, accelerator, use_cpu=not on_cuda)
+        trainer = transformers.Trainer(model, args, train_dataset=Rows(_rows(cfg, steps * cfg["batch"], accelerator)),
                                        callbacks=[Clock()])
         trainer.train()
-    return start, stamps
+    peak = torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else 0
+    return start, stamps, {"peak_device_mb": peak}
 
 
-def worker_bare(cfg, folder, steps):
+def worker_bare(cfg, folder, steps, accelerator):
     """The Trainer's own compiled step (same optimizer, loss and shardings), called on pre-built device batches."""
     import jax
 
@@ -124,9 +152,9 @@ def worker_bare(cfg, folder, steps):
 
     start = time.perf_counter()
     model = LlamaForCausalLM.from_pretrained(folder)
-    rows = _rows(cfg, steps * cfg["batch"])
+    rows = _rows(cfg, steps * cfg["batch"], accelerator)
     with tempfile.TemporaryDirectory() as out:
-        trainer = Trainer(model, _train_args(TrainingArguments, out, cfg, steps), train_dataset=rows)
+        trainer = Trainer(model, _train_args(TrainingArguments, out, cfg, steps, accelerator), train_dataset=rows)
         loader = trainer.get_train_dataloader()
         shapes = data.ShapeKeeper(loader.local_rows, 0)
         batches = [trainer._step_batch([b], shapes, loader.batch_size) for b, _ in loader]
@@ -141,19 +169,24 @@ def worker_bare(cfg, folder, steps):
                 if i in (0, 1, steps - 1):
                     jax.block_until_ready(state)
                 stamps.append(time.perf_counter())
-    return start, stamps
+    return start, stamps, _jax_extras(model, cfg)
 
 
-def run_worker(system, config, steps):
+def weights_folder(config):
+    return os.path.join(tempfile.gettempdir(), f"jtrainer-bench-{config}")
+
+
+def run_worker(system, config, steps, accelerator):
     cfg = CONFIGS[config]
-    folder = os.path.join(tempfile.gettempdir(), f"jtrainer-bench-{config}")
+    folder = weights_folder(config)
     if not os.path.isfile(os.path.join(folder, "config.json")):
         _weights(cfg, folder)
-    start, stamps = {"jtrainer": worker_jtrainer, "hf": worker_hf, "bare": worker_bare}[system](cfg, folder, steps)
+    worker = {"jtrainer": worker_jtrainer, "hf": worker_hf, "bare": worker_bare}[system]
+    start, stamps, extras = worker(cfg, folder, steps, accelerator)
     steady = (stamps[-1] - stamps[1]) / (len(stamps) - 2)
     tokens = cfg["batch"] * cfg["seq"]
     print(json.dumps({"tokens_per_second": tokens / steady, "step_ms": steady * 1e3,
-                      "first_step_s": stamps[0] - start, "peak_rss_mb": _peak_rss_mb()}))
+                      "first_step_s": stamps[0] - start, "peak_rss_mb": _peak_rss_mb(), **extras}))
 
 
 def main():
@@ -164,40 +197,60 @@ def main():
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--no-startup", dest="startup", action="store_false",
                         help="skip the time-to-first-step measurement with and without the compilation cache")
+    parser.add_argument("--accelerator", action="store_true",
+                        help="run on the default JAX backend and torch's CUDA, in bf16, and report MFU")
     parser.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
     parser.add_argument("--config", help=argparse.SUPPRESS)
     ns = parser.parse_args()
     if ns.worker:
-        return run_worker(ns.worker, ns.config, ns.steps)
-    # The throughput runs share one warm compilation cache (steady state is what they measure); `startup`
-    # measures the cache itself.
-    env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
+        return run_worker(ns.worker, ns.config, ns.steps, ns.accelerator)
     for config in ns.configs:
+        # The throughput runs share one warm compilation cache (steady state is what they measure); `startup`
+        # measures the cache itself.
         results = {s: [] for s in ns.systems}
         for _ in range(ns.repeats):
             for system in ns.systems:  # alternating, so drifts of a shared machine hit every system alike
-                out = subprocess.run([sys.executable, __file__, "--worker", system, "--config", config,
-                                      "--steps", str(ns.steps)], env=env, capture_output=True, text=True)
-                if out.returncode:
-                    raise SystemExit(f"{system} failed:\n{out.stderr[-4000:]}")
-                results[system].append(json.loads(out.stdout.strip().splitlines()[-1]))
-        cfg = CONFIGS[config]
-        print(f"\n== {config}: Llama {cfg['num_hidden_layers']} layers x {cfg['hidden_size']}, vocab "
-              f"{cfg['vocab_size']}, batch {cfg['batch']} x {cfg['seq']} tokens, {ns.steps} steps, "
-              f"median of {ns.repeats}")
-        med = {s: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for s, runs in results.items()}
-        print(f"{'system':<10}{'tokens/s':>12}{'step ms':>10}{'first step s':>14}{'peak MB':>10}")
-        for system, m in med.items():
-            print(f"{system:<10}{m['tokens_per_second']:>12.0f}{m['step_ms']:>10.1f}{m['first_step_s']:>14.2f}"
-                  f"{m['peak_rss_mb']:>10.0f}")
-        if "jtrainer" in med and "hf" in med:
-            print(f"a/b  jtrainer / transformers.Trainer tokens/s: "
-                  f"{med['jtrainer']['tokens_per_second'] / med['hf']['tokens_per_second']:.2f}x")
-        if "jtrainer" in med and "bare" in med:
-            print(f"a/c  jtrainer / bare jit loop tokens/s:        "
-                  f"{med['jtrainer']['tokens_per_second'] / med['bare']['tokens_per_second']:.3f}x")
+                results[system].append(_run(ns, system, config, ns.steps))
+        report(config, ns, results)
         if ns.startup:
             startup(config, ns)
+
+
+def _run(ns, system, config, steps, **env) -> dict:
+    """One worker subprocess; its last stdout line is its JSON result."""
+    if not ns.accelerator:
+        env.setdefault("JAX_PLATFORMS", os.environ.get("JAX_PLATFORMS", "cpu"))
+    command = [sys.executable, __file__, "--worker", system, "--config", config, "--steps", str(steps)]
+    out = subprocess.run(command + ["--accelerator"] * ns.accelerator, env=dict(os.environ, **env),
+                         capture_output=True, text=True)
+    if out.returncode:
+        raise SystemExit(f"{system} failed:\n{out.stderr[-4000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def report(config, ns, results):
+    cfg = CONFIGS[config]
+    print(f"\n== {config}: Llama {cfg['num_hidden_layers']} layers x {cfg['hidden_size']}, vocab "
+          f"{cfg['vocab_size']}, batch {cfg['batch']} x {cfg['seq']} tokens, {ns.steps} steps, "
+          f"median of {ns.repeats}" + (", bf16 on the accelerator" if ns.accelerator else ""))
+    med = {s: {k: statistics.median(r[k] for r in runs) for k in runs[0] if isinstance(runs[0][k], (int, float))}
+           for s, runs in results.items()}
+    jax_run = next((runs[0] for s, runs in results.items() if s != "hf"), None)
+    flops, peak = (jax_run["flops_per_token"] or 0, jax_run["peak_flops"]) if jax_run else (0, 0)
+    if jax_run:
+        print(f"device: {jax_run['devices']} x {jax_run['device']}; {flops / 1e9:.2f} GFLOP per token")
+    print(f"{'system':<10}{'tokens/s':>12}{'step ms':>10}{'first step s':>14}{'peak MB':>10}{'device MB':>11}"
+          f"{'MFU':>8}")
+    for system, m in med.items():
+        mfu = f"{m['tokens_per_second'] * flops / peak:.1%}" if peak and flops else "-"
+        print(f"{system:<10}{m['tokens_per_second']:>12.0f}{m['step_ms']:>10.1f}{m['first_step_s']:>14.2f}"
+              f"{m['peak_rss_mb']:>10.0f}{m['peak_device_mb']:>11.0f}{mfu:>8}")
+    if "jtrainer" in med and "hf" in med:
+        print(f"a/b  jtrainer / transformers.Trainer tokens/s: "
+              f"{med['jtrainer']['tokens_per_second'] / med['hf']['tokens_per_second']:.2f}x")
+    if "jtrainer" in med and "bare" in med:
+        print(f"a/c  jtrainer / bare jit loop tokens/s:        "
+              f"{med['jtrainer']['tokens_per_second'] / med['bare']['tokens_per_second']:.3f}x")
 
 
 def startup(config, ns):
@@ -206,18 +259,11 @@ def startup(config, ns):
     first, second = [], []
     for _ in range(ns.repeats):
         with tempfile.TemporaryDirectory() as cache:
-            env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"),
-                       JTRAINER_COMPILATION_CACHE_DIR=cache)
             for times in (first, second):
-                out = subprocess.run([sys.executable, __file__, "--worker", "jtrainer", "--config", config,
-                                      "--steps", "3"], env=env, capture_output=True, text=True)
-                if out.returncode:
-                    raise SystemExit(f"startup run failed:\n{out.stderr[-4000:]}")
-                times.append(json.loads(out.stdout.strip().splitlines()[-1])["first_step_s"])
+                times.append(_run(ns, "jtrainer", config, 3, JTRAINER_COMPILATION_CACHE_DIR=cache)["first_step_s"])
     a, b = statistics.median(first), statistics.median(second)
     print(f"startup: first step {a:.2f} s with an empty compilation cache, {b:.2f} s on the second run: "
           f"{b / a:.2f}x")
-
 
 if __name__ == "__main__":
     main()

@@ -1,8 +1,10 @@
 """Throughput in the logs: tokens per second and model FLOPs utilisation (`train_mfu`).
 
 MFU = model FLOPs per token x tokens per second / (peak FLOP/s per device x devices). Model FLOPs per token are
-the standard training estimate: 6 x non-embedding parameters (forward + backward matmuls) + 12 x layers x width x
-sequence length (attention scores and values). Peaks are the dense bf16 numbers of each accelerator; there is
+the standard training estimate (PaLM's): 6 x non-embedding parameters (forward + backward matmuls), plus 6 x
+vocabulary x width when the LM head is the input embedding table (tied: its product is real work that no
+non-embedding parameter counts), plus 12 x layers x width x sequence length (attention scores and values, counted
+whole although causality masks half of them, as PaLM does). Peaks are the dense bf16 numbers of each accelerator; there is
 none for CPUs (no `train_mfu` there).
 """
 
@@ -50,7 +52,10 @@ def flops_per_token(model, sequence_length: int) -> float | None:
     non_embedding = count_parameters(model, exclude_embeddings=True)
     layers = _config_size(config, "num_hidden_layers", "n_layer", "num_layers") or 0
     width = _config_size(config, "hidden_size", "n_embd", "d_model") or 0
-    return 6.0 * non_embedding + 12.0 * layers * width * sequence_length
+    tied_head = 0
+    if getattr(model, "logits_use_input_embeddings", False):
+        tied_head = (_config_size(config, "vocab_size") or 0) * width
+    return 6.0 * (non_embedding + tied_head) + 12.0 * layers * width * sequence_length
 
 
 def mfu(tokens_per_second: float, model_flops_per_token: float | None) -> float | None:

@@ -190,20 +190,26 @@ def test_nan_policies(tmp_path):
     assert (tmp_path / "log" / "checkpoint-2").exists() and not (tmp_path / "log" / "checkpoint-4").exists()
 
 
-def _job(out, devices, *args):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
-    subprocess.run([sys.executable, os.path.join(HERE, "ckpt_job.py"), str(out), *map(str, args)], env=env,
-                   check=True, capture_output=True, timeout=300)
-    return json.load(open(os.path.join(out, "losses.json")))
+def _jobs(*jobs):
+    """Runs ckpt_job.py for each (out, devices, *args) side by side (startup is mostly single-threaded), and
+    returns each one's losses."""
+    running = []
+    for out, devices, *args in jobs:
+        env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+        running.append(subprocess.Popen([sys.executable, os.path.join(HERE, "ckpt_job.py"), str(out), *map(str, args)],
+                                        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    for process in running:
+        _, stderr = process.communicate(timeout=300)
+        assert process.returncode == 0, stderr[-3000:]
+    return [json.load(open(os.path.join(out, "losses.json"))) for out, *_ in jobs]
 
 
 def test_resume_on_another_mesh_reshards(tmp_path):
     fsdp8 = json.dumps({"fsdp": 8})
-    reference = _job(tmp_path / "ref", 8, 6, 0, 0, fsdp8, 8)
-    _job(tmp_path / "saved", 8, 3, 3, 0, fsdp8, 8)
+    reference, _ = _jobs((tmp_path / "ref", 8, 6, 0, 0, fsdp8, 8), (tmp_path / "saved", 8, 3, 3, 0, fsdp8, 8))
     ckpt = tmp_path / "saved" / "checkpoint-3"
-    other_mesh = _job(tmp_path / "dp2fsdp4", 8, 6, 0, 0, json.dumps({"data": 2, "fsdp": 4}), 8, ckpt)
-    one_device = _job(tmp_path / "one", 1, 6, 0, 0, "{}", 8, ckpt)
+    other_mesh, one_device = _jobs((tmp_path / "dp2fsdp4", 8, 6, 0, 0, json.dumps({"data": 2, "fsdp": 4}), 8, ckpt),
+                                   (tmp_path / "one", 1, 6, 0, 0, "{}", 8, ckpt))
     for resumed in (other_mesh, one_device):
         assert sorted(resumed) == ["1", "2", "3", "4", "5", "6"]  # log_history continues from the checkpoint
         np.testing.assert_allclose([resumed[k] for k in "456"], [reference[k] for k in "456"], rtol=1e-6)

@@ -98,3 +98,64 @@ def test_causal_attention_is_jax_nn_off_cpu(monkeypatch):
     assert "optimization_barrier" in lowered()
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert "optimization_barrier" not in lowered()
+
+
+def _attention_inputs(dtype=jnp.float32, length=64):
+    keys = jax.random.split(jax.random.key(1), 3)
+    q = jax.random.normal(keys[0], (2, length, 4, 16), dtype)
+    k, v = (jax.random.normal(key, (2, length, 2, 16), dtype) for key in keys[1:])
+    padding = (jnp.arange(length)[None] < jnp.array([[length - 7], [length]]))[:, None, None, :]  # row 0 right-padded
+    return q, k, v, padding
+
+
+@pytest.mark.parametrize("window", [None, 9])
+@pytest.mark.parametrize("padded", [False, True])
+def test_attention_takes_causality_itself_on_every_path(monkeypatch, window, padded):
+    """A padding-only mask (or none) and a sliding window give what the dense causal mask gives jax.nn, on the
+    CPU formulation and on the fused path (XLA's, as on TPUs and for fp32 on GPUs)."""
+    from jtrainer.models import attention
+
+    q, k, v, padding = _attention_inputs()
+    mask = padding if padded else None
+    dense = attention.causal_mask(q.shape[1], window) & (True if mask is None else mask)
+    reference = jax.nn.dot_product_attention(q, k, v, mask=dense)
+    np.testing.assert_allclose(attention.causal_attention(q, k, v, mask, sliding_window=window), reference,
+                               rtol=2e-5, atol=2e-5)
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    np.testing.assert_allclose(attention.causal_attention(q, k, v, mask, sliding_window=window), reference,
+                               rtol=2e-5, atol=2e-5)
+
+
+def test_cudnn_attention_chosen_for_half_precision_on_gpus_and_overridable(monkeypatch):
+    from jtrainer.models.attention import fused_implementation
+
+    half, full = jnp.ones((1, 8, 2, 16), jnp.bfloat16), jnp.ones((1, 8, 2, 16), jnp.float32)
+    assert fused_implementation(half) == "xla"  # CPU
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert (fused_implementation(half), fused_implementation(full)) == ("cudnn", "xla")
+    monkeypatch.setenv("JTRAINER_ATTENTION", "XLA")
+    assert fused_implementation(half) == "xla"
+    monkeypatch.setenv("JTRAINER_ATTENTION", "flash")
+    with pytest.raises(ValueError, match="JTRAINER_ATTENTION='flash'"):
+        fused_implementation(half)
+
+
+def test_cudnn_refusal_falls_back_to_xla_unless_forced(monkeypatch, caplog):
+    """Here (no cuDNN) jax.nn refuses implementation="cudnn" while tracing, as it refuses shapes cuDNN cannot
+    run on a GPU: the layer then runs XLA's attention and says so once; JTRAINER_ATTENTION=cudnn raises."""
+    from jtrainer.models import attention
+
+    q, k, v, padding = _attention_inputs(jnp.bfloat16)
+    dense = attention.causal_mask(q.shape[1]) & padding
+    reference = jax.nn.dot_product_attention(q, k, v, mask=dense)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    attention._warned.clear()
+    with caplog.at_level("WARNING", logger=attention.__name__):
+        for _ in range(2):
+            out = attention.causal_attention(q, k, v, padding)
+    np.testing.assert_allclose(out.astype(jnp.float32), reference.astype(jnp.float32), atol=2e-2)
+    assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1
+    assert "cuDNN attention refused" in caplog.records[0].message
+    monkeypatch.setenv("JTRAINER_ATTENTION", "cudnn")
+    with pytest.raises((RuntimeError, ValueError, NotImplementedError)):
+        attention.causal_attention(q, k, v, padding)

@@ -121,7 +121,10 @@ def test_throughput_in_the_logs_and_mfu_table():
     non_embedding = sum(int(np.prod(np.shape(v))) for p, v in jax.tree_util.tree_flatten_with_path(params)[0]
                         if "embed_tokens" not in jax.tree_util.keystr(p))
     expected = 6 * non_embedding + 12 * config.num_hidden_layers * config.hidden_size * 16
-    assert throughput.flops_per_token(model, 16) == expected
+    assert not config.tie_word_embeddings and throughput.flops_per_token(model, 16) == expected
+    # A tied head has no parameters of its own, yet its [width x vocab] product costs what the untied one does.
+    tied = LlamaForCausalLM.from_config(tiny_llama_config(tie_word_embeddings=True))
+    assert throughput.flops_per_token(tied, 16) == expected
 
 
 def test_bf16_by_default_only_where_the_hardware_has_it():
@@ -151,3 +154,20 @@ def test_second_run_loads_the_compiled_step_from_the_persistent_cache(tmp_path):
     assert os.listdir(tmp_path / "cache")
     assert "cache hit" not in runs[0].stderr.lower()
     assert "persistent compilation cache hit for 'jit_train_step'" in runs[1].stderr.lower()
+
+
+def test_benchmark_script_in_its_accelerator_mode(tmp_path):
+    """benchmarks/bench_train.py end to end at a toy size in the mode the GPU check runs (bf16, rows without an
+    attention mask, device memory and MFU columns): here on the CPU, where no peak is known (MFU "-")."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_DISABLE_MOST_OPTIMIZATIONS="true", TMPDIR=str(tmp_path))
+    out = subprocess.run([sys.executable, "benchmarks/bench_train.py", "--accelerator", "--configs", "tiny",
+                          "--repeats", "1", "--steps", "4", "--no-startup"], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert any("bf16 on the accelerator" in line for line in lines)
+    table = {line.split()[0]: line.split() for line in lines if line.split()[:1] in (["jtrainer"], ["hf"], ["bare"])}
+    assert set(table) == {"jtrainer", "hf", "bare"}
+    assert all(float(row[1]) > 0 and row[-1] == "-" for row in table.values())  # tokens/s; no MFU on CPU
+    assert any(line.startswith("a/b") for line in lines) and any(line.startswith("a/c") for line in lines)

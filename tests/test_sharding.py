@@ -23,22 +23,33 @@ LAYOUTS = [
 ]
 
 
-def _run_layouts(tmp_path, devices, layouts):
-    out = tmp_path / f"layouts_{devices}.json"
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
-    cmd = [sys.executable, os.path.join(HERE, "layout_job.py"), str(out)] + [json.dumps(x) for x in layouts]
-    subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=600)
-    return json.loads(out.read_text())
+def _run_layouts(tmp_path, *runs):
+    """layout_job.py for each (devices, layouts) in its own process, side by side (each compile is mostly
+    single-threaded); returns their results merged: {layout JSON: result}."""
+    running = []
+    for i, (devices, layouts) in enumerate(runs):
+        out = tmp_path / f"layouts_{i}.json"
+        env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+        cmd = [sys.executable, os.path.join(HERE, "layout_job.py"), str(out)] + [json.dumps(x) for x in layouts]
+        running.append((out, subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                              text=True)))
+    results = {}
+    for out, process in running:
+        _, stderr = process.communicate(timeout=600)
+        assert process.returncode == 0, stderr[-3000:]
+        results.update(json.loads(out.read_text()))
+    return results
 
 
 def test_every_layout_gives_the_same_run(tmp_path):
-    single = _run_layouts(tmp_path, 1, [{}])["{}"]
-    results = _run_layouts(tmp_path, 8, LAYOUTS)
+    results = _run_layouts(tmp_path, (1, [{}]), (8, LAYOUTS[:3]), (8, LAYOUTS[3:]))
+    single = results.pop("{}")
     replicated_bytes = results[json.dumps({"data": 8})]["max_bytes_per_device"]
     for layout, result in results.items():
         assert result["batch"] == single["batch"] == 8, layout
         np.testing.assert_allclose(result["losses"], single["losses"], rtol=1e-5, err_msg=layout)
         assert result["compiles"] == 1, layout
+    assert len(results) == len(LAYOUTS)
     # FSDP / ZeRO-3: each device holds an eighth of parameters and optimizer state (+5% for small replicated ones).
     assert results[json.dumps({"fsdp": 8})]["max_bytes_per_device"] <= replicated_bytes / 8 * 1.05
 

@@ -1,4 +1,10 @@
-"""Causal self-attention: `jax.nn.dot_product_attention` on TPUs and GPUs, a CPU formulation that does less.
+"""Causal self-attention: cuDNN's flash attention on GPUs, XLA's on TPUs, a CPU formulation that does less.
+
+On GPUs, bf16/fp16 attention goes to `jax.nn.dot_product_attention(implementation="cudnn")`: a fused kernel that
+never materialises the [length, length] scores and skips the tiles causality masks out. A padding or packing
+mask travels as an additive bias (cuDNN also returns its gradient, which is dropped). Shapes cuDNN cannot run are
+refused while tracing and fall back to XLA's formulation with a warning; `JTRAINER_ATTENTION=xla` (or `cudnn`,
+which then raises instead of falling back) forces one.
 
 On CPU, XLA runs attention as separate passes over [batch, heads, length, length] tensors, and in a small
 Llama's train step attention took a third of the time. The CPU branch here
@@ -17,20 +23,81 @@ included: there the reference gives the mean of all values, and so does this.
 
 from __future__ import annotations
 
+import logging
+import os
+
 import jax
 import jax.numpy as jnp
 
 from jtrainer.models.linear import cpu_backend
 
+logger = logging.getLogger(__name__)
+
 _MIN_BLOCK = 64
+_IMPLEMENTATIONS = ("auto", "xla", "cudnn")
 
 
-def causal_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, mask_Bx1xTxT, scale: float | None = None):
-    """Multi-head (grouped-query when K < N) attention whose mask already includes causality."""
+def causal_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, mask_Bx1xTxT=None, scale: float | None = None,
+                     sliding_window: int | None = None):
+    """Causal multi-head (grouped-query when K < N) attention.
+
+    `mask_Bx1xTxT`: what else a query may not see (padding, other documents of a packed row), booleans of shape
+    [batch or 1, 1, T or 1, T]; it may include causality, and None means causality alone. `sliding_window`
+    (HF's): query i sees key j only when i - j < sliding_window."""
     scale = q_BxTxNxH.shape[-1] ** -0.5 if scale is None else scale
     if cpu_backend():
-        return _blocked_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, mask_Bx1xTxT, scale)
-    return jax.nn.dot_product_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, mask=mask_Bx1xTxT, scale=scale)
+        dense = causal_mask(q_BxTxNxH.shape[1], sliding_window)
+        dense = dense if mask_Bx1xTxT is None else dense & mask_Bx1xTxT
+        return _blocked_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, dense, scale)
+    return _fused_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, mask_Bx1xTxT, scale, sliding_window)
+
+
+def causal_mask(length: int, sliding_window: int | None = None) -> jax.Array:
+    """[1, 1, length, length] booleans: query i sees key j when j <= i (and i - j < sliding_window)."""
+    offsets = jnp.arange(length)[:, None] - jnp.arange(length)[None, :]
+    visible = offsets >= 0
+    if sliding_window is not None:
+        visible = visible & (offsets < sliding_window)
+    return visible[None, None]
+
+
+def _requested_implementation() -> str:
+    requested = os.environ.get("JTRAINER_ATTENTION", "auto").lower()
+    if requested not in _IMPLEMENTATIONS:
+        raise ValueError(f"JTRAINER_ATTENTION={requested!r} is not one of {_IMPLEMENTATIONS}; unset it for 'auto'.")
+    return requested
+
+
+def fused_implementation(q: jax.Array) -> str:
+    """"cudnn" for bf16/fp16 queries on a GPU, else "xla"; `JTRAINER_ATTENTION` overrides."""
+    requested = _requested_implementation()
+    if requested != "auto":
+        return requested
+    on_gpu = jax.default_backend() in ("gpu", "cuda")
+    return "cudnn" if on_gpu and q.dtype in (jnp.bfloat16, jnp.float16) else "xla"
+
+
+_warned: set[str] = set()
+
+
+def _fused_attention(q, k, v, mask, scale, sliding_window):
+    """jax.nn.dot_product_attention with causality as a mask type (cuDNN then skips the masked tiles)."""
+    batch, length = q.shape[:2]
+    if mask is not None:  # cuDNN takes a bias of the scores' shape, not a broadcastable one
+        mask = jnp.broadcast_to(mask, (batch, 1, length, k.shape[1]))
+    window = None if sliding_window is None else (sliding_window - 1, 0)
+    kwargs = dict(mask=mask, scale=scale, is_causal=True, local_window_size=window)
+    if fused_implementation(q) == "cudnn":
+        try:
+            return jax.nn.dot_product_attention(q, k, v, implementation="cudnn", **kwargs)
+        except (ValueError, NotImplementedError, RuntimeError) as refusal:
+            if _requested_implementation() == "cudnn":
+                raise
+            message = f"cuDNN attention refused {q.shape} {q.dtype} ({refusal}): using XLA's attention."
+            if message not in _warned:  # once, not once per layer
+                _warned.add(message)
+                logger.warning(message)
+    return jax.nn.dot_product_attention(q, k, v, implementation="xla", **kwargs)
 
 
 def _num_blocks(length: int) -> int:

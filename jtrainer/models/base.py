@@ -94,6 +94,9 @@ class PretrainedMixin:
 
     config_class: type
     main_input_name = "input_ids"
+    # Whether the vocabulary logits are computed with the input embedding table (a tied LM head): that product's
+    # FLOPs are then not counted by the non-embedding parameters (see `throughput.flops_per_token`).
+    logits_use_input_embeddings = False
 
     @property
     def config(self):

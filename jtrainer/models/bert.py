@@ -156,6 +156,7 @@ class BertForMaskedLM(_BertHead):
     """HF's `BertForMaskedLM`: the decoder is tied to the word embeddings, with its own bias."""
 
     accepts_loss_kwargs = True
+    logits_use_input_embeddings = True
     tied_hf_weights = ("cls.predictions.decoder.weight", "cls.predictions.decoder.bias")
 
     def __init__(self, config: BertConfig, *, rngs: nnx.Rngs):

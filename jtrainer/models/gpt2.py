@@ -60,11 +60,11 @@ class GPT2Attention(nnx.Module):
             scale /= float(layer_idx + 1)
         self.scale = scale
 
-    def __call__(self, x_BxLxD, mask_Bx1xLxL):
+    def __call__(self, x_BxLxD, mask_Bx1x1xL):
         b, length, d = x_BxLxD.shape
         q, k, v = jnp.split(self.c_attn(x_BxLxD), 3, axis=-1)
         shape = (b, length, self.num_heads, self.head_dim)
-        out = causal_attention(q.reshape(shape), k.reshape(shape), v.reshape(shape), mask_Bx1xLxL, self.scale)
+        out = causal_attention(q.reshape(shape), k.reshape(shape), v.reshape(shape), mask_Bx1x1xL, self.scale)
         return self.c_proj(out.reshape(b, length, d))
 
 
@@ -109,9 +109,8 @@ class GPT2Model(nnx.Module):
         if position_ids_BxL is None:
             position_ids_BxL = jnp.broadcast_to(jnp.arange(length), (b, length))
         x = self.wte(input_ids_BxL) + self.wpe(position_ids_BxL)
-        mask = jnp.tril(jnp.ones((length, length), dtype=bool))[None, None]
-        if attention_mask_BxL is not None:
-            mask = mask & attention_mask_BxL.astype(bool)[:, None, None, :]
+        # Padding only: causality is the attention's own (see `causal_attention`).
+        mask = None if attention_mask_BxL is None else attention_mask_BxL.astype(bool)[:, None, None, :]
         x = constrain(x, ACTIVATION_AXES)
         for block in self.h:
             x = constrain(call_block(self, block, x, mask), ACTIVATION_AXES)
@@ -124,6 +123,7 @@ class GPT2LMHeadModel(PretrainedMixin, nnx.Module):
     config_class = GPT2Config
     accepts_loss_kwargs = True
     loss_shifts_labels = True
+    logits_use_input_embeddings = True
 
     def get_input_embeddings(self) -> Embed:
         return self.transformer.wte

@@ -135,8 +135,6 @@ class LlamaAttention(nnx.Module):
         v = v.reshape(b, length, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.sliding_window is not None:  # HF: position i sees j when i - j < sliding_window
-            mask_Bx1xLxS = mask_Bx1xLxS & (offsets_LxS < self.sliding_window)[None, None]
         q, k = apply_rope(q, cos_BxLxH, sin_BxLxH), apply_rope(k, cos_BxLxH, sin_BxLxH)
         new_cache = None
         if cache is not None:
@@ -146,9 +144,11 @@ class LlamaAttention(nnx.Module):
                 values_BxSxKxH, v.astype(values_BxSxKxH.dtype), (0, index, 0, 0)
             )
             k, v, new_cache = keys_BxSxKxH, values_BxSxKxH, (keys_BxSxKxH, values_BxSxKxH)
-        if cache is None:  # self-attention over the L tokens, the mask causal
-            out_BxLxNxH = causal_attention(q, k, v, mask_Bx1xLxS)
+        if cache is None:  # self-attention over the L tokens: the mask holds padding / packing, if any
+            out_BxLxNxH = causal_attention(q, k, v, mask_Bx1xLxS, sliding_window=self.sliding_window)
         else:
+            if self.sliding_window is not None:  # HF: position i sees j when i - j < sliding_window
+                mask_Bx1xLxS = mask_Bx1xLxS & (offsets_LxS < self.sliding_window)[None, None]
             out_BxLxNxH = jax.nn.dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask=mask_Bx1xLxS)
         out = self.o_proj(out_BxLxNxH.reshape(b, length, self.num_heads * self.head_dim))
         return out if cache is None else (out, new_cache)
@@ -222,14 +222,16 @@ class LlamaModel(nnx.Module):
         cos, sin = jnp.cos(angles_BxLxH).astype(x.dtype), jnp.sin(angles_BxLxH).astype(x.dtype)
         keys = length if cache is None else cache.keys[0].shape[1]
         offsets_LxS = (start + jnp.arange(length))[:, None] - jnp.arange(keys)[None, :]
-        mask = (offsets_LxS >= 0)[None, None]  # causal, in cache slots
+        # Without a cache, causality is the attention's own (a fused kernel skips what it masks); the mask here
+        # holds only padding and packing. With one, the mask is causal in cache slots.
+        mask = None if cache is None else (offsets_LxS >= 0)[None, None]
         if attention_mask_BxS is not None:
-            mask = mask & attention_mask_BxS.astype(bool)[:, None, None, :]
+            mask = _both(mask, attention_mask_BxS.astype(bool)[:, None, None, :])
         if segment_ids_BxL is not None:
             if cache is not None:
                 raise ValueError("segment_ids (packed sequences) are for training; generation takes one sequence per row.")
             same = segment_ids_BxL[:, None, :, None] == segment_ids_BxL[:, None, None, :]
-            mask = mask & same & (segment_ids_BxL != 0)[:, None, None, :]
+            mask = _both(mask, same & (segment_ids_BxL != 0)[:, None, None, :])
         x = constrain(x, ACTIVATION_AXES)
         new_keys, new_values = [], []
         for i, layer in enumerate(self.layers):
@@ -243,6 +245,10 @@ class LlamaModel(nnx.Module):
         if cache is None:
             return self.norm(x)
         return self.norm(x), KVCache(new_keys, new_values, cache.index + length)
+
+
+def _both(mask, other):
+    return other if mask is None else mask & other
 
 
 @jax.tree_util.register_dataclass
@@ -264,6 +270,10 @@ class LlamaForCausalLM(PretrainedMixin, nnx.Module):
 
     def get_input_embeddings(self) -> Embed:
         return self.model.embed_tokens
+
+    @property
+    def logits_use_input_embeddings(self) -> bool:
+        return bool(self.config.tie_word_embeddings)
 
     def __init__(self, config: LlamaConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
         self._config = StaticConfig(config)

@@ -172,6 +172,10 @@ class T5ForConditionalGeneration(PretrainedMixin, nnx.Module):
     def get_input_embeddings(self):
         return self.shared
 
+    @property
+    def logits_use_input_embeddings(self) -> bool:
+        return bool(self.config.tie_word_embeddings)
+
     def __init__(self, config: T5Config, *, rngs: nnx.Rngs):
         if getattr(config, "decoder_start_token_id", None) is None:
             raise ValueError("T5Config.decoder_start_token_id must be set (T5 uses the pad token id, 0).")
