@@ -63,3 +63,8 @@ def next_batch_size(batch_size: int, effective_batch: int) -> int:
     """HF's next candidate (x0.9), rounded down to a divisor of the effective batch; 0 when none is left."""
     candidate = int(batch_size * 0.9)
     return max((d for d in range(1, candidate + 1) if effective_batch % d == 0), default=0)
+
+
+def per_device_from_state(train_batch_size: int, processes: int, data_parallel_devices: int) -> int:
+    """The per-device batch behind a TrainerState's `train_batch_size` (rows per process and step); >= 1."""
+    return max(1, train_batch_size * processes // data_parallel_devices)

@@ -415,6 +415,8 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         (the effective batch stays the same; see batch_size.py)."""
         args = self.args
         effective = args.per_device_train_batch_size * args.gradient_accumulation_steps
+        if resume_from_checkpoint:
+            self._restore_found_batch_size(resume_from_checkpoint, effective)
         while True:
             try:
                 return self._inner_training_loop(resume_from_checkpoint, trial, ignore_keys_for_eval)
@@ -432,6 +434,22 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
                 args.per_device_train_batch_size = smaller
                 args.gradient_accumulation_steps = effective // smaller
                 self._train_state = None
+
+    def _restore_found_batch_size(self, folder: str, effective: int) -> None:
+        """HF: resuming under auto_find_batch_size starts from the batch the search had found (the checkpoint's
+        `train_batch_size`) instead of searching again; here with the accumulation that keeps the effective batch."""
+        saved = TrainerState.load_from_json(os.path.join(folder, checkpoint.TRAINER_STATE_NAME)).train_batch_size
+        if not saved:
+            return
+        per_device = batch_size.per_device_from_state(saved, self.args.world_size, sharding.data_parallel_size(self.mesh))
+        if effective % per_device:
+            logger.warning("auto_find_batch_size: the checkpoint's train_batch_size=%d does not divide the effective "
+                           "batch (%d per device); searching again.", saved, effective)
+        elif per_device != self.args.per_device_train_batch_size:
+            logger.info("auto_find_batch_size: resuming with the checkpoint's per_device_train_batch_size=%d and "
+                        "gradient_accumulation_steps=%d.", per_device, effective // per_device)
+            self.args.per_device_train_batch_size = per_device
+            self.args.gradient_accumulation_steps = effective // per_device
 
     @contextlib.contextmanager
     def _preemption_handler(self):

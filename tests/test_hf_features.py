@@ -106,3 +106,32 @@ def test_label_smoothing_equals_hf_label_smoother(auto):
     rows = [{"input_ids": i, "labels": np.float32(v)} for i, v in zip(ids, rng.randn(8))]
     with pytest.raises(ValueError, match="label_smoothing_factor=0.2 smooths class labels"):
         Trainer(regression, _args(label_smoothing_factor=0.2), train_dataset=rows).train()
+
+
+def test_auto_find_batch_size_resumes_with_the_batch_it_found(monkeypatch, tmp_path, caplog):
+    """HF restores the checkpoint's train_batch_size on resume instead of searching again: the resumed run
+    starts at 4 x 4 without an out-of-memory round, and its last step is the uninterrupted run's."""
+    rows = token_rows(48, length=16)
+
+    def run(out, resume=None):
+        trainer = Trainer(LlamaForCausalLM.from_config(tiny_llama_config()),
+                          _args(out, per_device_train_batch_size=16, auto_find_batch_size=True, save_strategy="steps",
+                                save_steps=2), train_dataset=rows)
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    probe = Trainer(LlamaForCausalLM.from_config(tiny_llama_config()),
+                    _args(per_device_train_batch_size=4, gradient_accumulation_steps=4, max_steps=1), train_dataset=rows)
+    probe.train()
+    with jax.set_mesh(probe.mesh):
+        fits = batch_size.step_bytes(probe._train_step.lower(probe._train_state, probe._last_step_batch).compile())
+    monkeypatch.setenv(batch_size.MEMORY_ENV, str(fits + 1024))  # batches of 16 and 8 do not fit, 4 does
+    whole = run(tmp_path / "whole")
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="jtrainer.trainer"):
+        resumed = run(tmp_path / "resumed", str(tmp_path / "whole" / "checkpoint-2"))
+    assert not [r for r in caplog.records if "out of memory" in r.getMessage()]
+    assert (resumed.args.per_device_train_batch_size, resumed.args.gradient_accumulation_steps) == (4, 4)
+    assert resumed.state.train_batch_size == 4
+    assert _losses(resumed)[-1] == pytest.approx(_losses(whole)[-1], rel=1e-5)
+    assert batch_size.per_device_from_state(32, 1, 8) == 4 and batch_size.per_device_from_state(8, 2, 4) == 4
