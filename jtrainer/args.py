@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import transformers
 from transformers.trainer_utils import HubStrategy, IntervalStrategy, SaveStrategy, SchedulerType
 from transformers.training_args import OptimizerNames, _convert_str_dict
@@ -54,8 +55,6 @@ IGNORED_FIELDS: dict[str, str] = {
     "optim_target_modules": "GaLore/APOLLO target modules are torch-only",
     "torch_compile_backend": "the step is always compiled by XLA",
     "torch_compile_mode": "the step is always compiled by XLA",
-    "fp16": "fp16 mixed precision with loss scaling is not implemented; use bf16",
-    "fp16_full_eval": "fp16 evaluation is not implemented; use bf16_full_eval",
     "resume_from_checkpoint": "pass resume_from_checkpoint to Trainer.train(), as HF's own scripts do",
     "local_rank": "process ids come from jax.distributed",
     "use_cache": "the KV cache only matters for generation",
@@ -131,13 +130,24 @@ class TrainingArguments(transformers.TrainingArguments):
     def __post_init__(self):
         self._normalise()
         self._validate()
-        self.mixed_precision = "bf16" if self.bf16 else "no"
+        self.mixed_precision = "bf16" if self.bf16 else "fp16" if self.fp16 else "no"
         # The step is always compiled; keep HF's invariant that a backend implies compilation.
         if self.torch_compile_mode is not None or self.torch_compile_backend is not None:
             self.torch_compile = True
         self.deepspeed_plugin = None
         self.distributed_state = None
         warn_ignored_fields(self)
+
+    def compute_dtype(self, training: bool = True):
+        """The dtype steps compute in, parameters cast from their fp32 masters (None: fp32). Evaluation follows
+        training unless `fp16_full_eval` / `bf16_full_eval` asks for a half precision of its own."""
+        if not training and self.fp16_full_eval:
+            return jnp.float16
+        if not training and self.bf16_full_eval:
+            return jnp.bfloat16
+        if self.fp16:
+            return jnp.float16
+        return jnp.bfloat16 if self.compute_in_bf16() else None
 
     def compute_in_bf16(self) -> bool:
         """bf16 compute: asked for (`bf16`), or by `default_bf16` on hardware with bfloat16 units."""

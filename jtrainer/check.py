@@ -28,6 +28,8 @@ EMULATED: dict[str, str] = {
     "activation_checkpointing_kwargs": "remat policy from jax.checkpoint_policies",
     "bf16": "compute in bfloat16, float32 master weights and optimizer state",
     "bf16_full_eval": "evaluation in bfloat16",
+    "fp16": "compute in float16 with dynamic loss scaling (torch's GradScaler), float32 master weights",
+    "fp16_full_eval": "evaluation in float16",
     "optim": "the optax equivalent of the torch optimizer",
     "torch_compile": "the step is always compiled by XLA",
     "dataloader_num_workers": "one background thread prepares and places batches",

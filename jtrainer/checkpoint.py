@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 
 import jax
+import optax
 import orbax.checkpoint as ocp
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
@@ -244,4 +245,59 @@ def restore_train_state(directory: str, like):
     if missing:
         raise ValueError(f"Checkpoint {directory} has no parameters {missing[:5]}: it was saved from another model.")
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
-    return checkpointer.restore(path, abstract)
+    saved_wrappers, _ = _peel_wrappers(checkpointer.metadata(path).item_metadata.tree["opt_state"])
+    wanted_wrappers, _ = _peel_wrappers(like.opt_state)
+    if saved_wrappers == wanted_wrappers:
+        return checkpointer.restore(path, abstract)
+    # fp16 or nan_inf_policy changed since the save: restore the optimizer's own state from under the saved
+    # wrappers (read as dicts) and put it under this run's, whose state starts afresh.
+    logger.warning(
+        "Checkpoint %s was saved with %s around the optimizer, this run uses %s: the optimizer's state is restored, "
+        "the wrapper state starts afresh.", directory, _wrapper_names(saved_wrappers), _wrapper_names(wanted_wrappers),
+    )
+    saved_opt = checkpointer.metadata(path).item_metadata.tree["opt_state"]
+    _, core_abstract = _peel_wrappers(abstract.opt_state)
+    replicated = jax.sharding.NamedSharding(like.step.sharding.mesh, jax.sharding.PartitionSpec())
+    restored = checkpointer.restore(path, abstract.replace(opt_state=_saved_wrappers(saved_opt, core_abstract, replicated)))
+    return restored.replace(opt_state=_rewrap(like.opt_state, _peel_wrappers(restored.opt_state)[1]))
+
+
+def _wrapper_fields() -> dict[frozenset, str]:
+    """Optimizer-state wrappers a resumed run may add or drop, by their fields (a saved state is a dict)."""
+    from jtrainer.mixed_precision import LossScaleState
+
+    return {frozenset(LossScaleState._fields): "fp16 loss scaling",
+            frozenset(optax.ApplyIfFiniteState._fields): "nan_inf_policy='skip'"}
+
+
+def _fields(node) -> frozenset:
+    return frozenset(node._fields if hasattr(node, "_fields") else node if isinstance(node, dict) else ())
+
+
+def _peel_wrappers(opt_state) -> tuple[list[frozenset], object]:
+    """(the wrappers' field sets, outermost first; the state under them)."""
+    known, chain = _wrapper_fields(), []
+    while _fields(opt_state) in known:
+        chain.append(_fields(opt_state))
+        opt_state = opt_state["inner_state"] if isinstance(opt_state, dict) else opt_state.inner_state
+    return chain, opt_state
+
+
+def _wrapper_names(chain) -> str:
+    names = _wrapper_fields()
+    return " and ".join(names[fields] for fields in chain) or "no wrapper"
+
+
+def _saved_wrappers(saved, core, sharding):
+    """The abstract restore target of saved wrapper states (dicts of replicated scalars) around `core`."""
+    if _fields(saved) not in _wrapper_fields():
+        return core
+    return {key: _saved_wrappers(value, core, sharding) if key == "inner_state"
+            else jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding) for key, value in saved.items()}
+
+
+def _rewrap(wrapped, core):
+    """`wrapped` with the state under its wrappers replaced by `core`."""
+    if _fields(wrapped) not in _wrapper_fields():
+        return core
+    return wrapped._replace(inner_state=_rewrap(wrapped.inner_state, core))

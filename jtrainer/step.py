@@ -18,6 +18,7 @@ import optax
 from flax import nnx
 
 from jtrainer.losses import IGNORE_INDEX, count_label_tokens, shift_labels, token_cross_entropy_sum
+from jtrainer.mixed_precision import loss_scale
 from jtrainer.optim import current_learning_rate, hyperparameter
 from jtrainer.state import TrainState
 
@@ -45,7 +46,7 @@ class LossSpec:
     causal: bool = False
     label_smoothing: float = 0.0
     compute_loss_func: Callable | None = None
-    compute_dtype: Any = None  # e.g. jnp.bfloat16: parameters are cast for compute, master weights stay fp32
+    compute_dtype: Any = None  # jnp.bfloat16 / float16: parameters are cast for compute, master weights stay fp32
 
 
 def split_outputs(outputs: Any) -> tuple[jax.Array | None, Any]:
@@ -144,12 +145,20 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, spec: LossSpec, 
 
     `max_grad_norm` > 0 turns clipping on; the norm used is the optimizer state's `max_grad_norm`
     hyperparameter when it has one (data, so it can change without a recompile), else this number.
+    With fp16's loss scaling (a `mixed_precision.LossScaleState` in the optimizer state), the gradients are those
+    of the scaled loss, divided by the scale before clipping; the logged loss is unscaled.
     """
 
     def train_step(state: TrainState, batch: StepBatch) -> tuple[TrainState, dict[str, jax.Array]]:
         num_items = jnp.maximum(window_label_count(batch.inputs, spec), 1).astype(jnp.float32)
         n_micro = jnp.maximum(jnp.sum(batch.micro_weight), 1.0)
-        grad_fn = jax.value_and_grad(micro_batch_loss, argnums=1, has_aux=True)
+        scale = loss_scale(state.opt_state)
+
+        def objective(*args):
+            loss, model_state = micro_batch_loss(*args)
+            return (loss if scale is None else loss * scale), (loss, model_state)
+
+        grad_fn = jax.value_and_grad(objective, argnums=1, has_aux=True)
 
         # Step randomness is derived: fold the step, then the micro-batch index, into the run's key.
         step_key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
@@ -160,7 +169,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, spec: LossSpec, 
         def accumulate(carry, xs):
             grads_sum, loss_sum, model_state = carry
             inputs, weight, key_data = xs
-            (loss, model_state), grads = grad_fn(
+            (_, (loss, model_state)), grads = grad_fn(
                 graphdef,
                 state.params,
                 model_state,
@@ -178,6 +187,8 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, spec: LossSpec, 
         carry = (zeros, jnp.zeros((), jnp.float32), state.model_state)
         xs = (batch.inputs, batch.micro_weight, micro_keys)
         (grads, loss, model_state), _ = jax.lax.scan(accumulate, carry, xs)
+        if scale is not None:
+            grads = jax.tree.map(lambda g: g / scale, grads)
         if max_grad_norm > 0:
             injected = hyperparameter(state.opt_state, "max_grad_norm")
             grads, grad_norm = clip_by_global_norm(grads, max_grad_norm if injected is None else injected)

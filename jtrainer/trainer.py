@@ -39,7 +39,7 @@ from transformers.trainer_callback import (
 )
 from transformers.trainer_utils import IntervalStrategy, SaveStrategy, SchedulerType, TrainOutput, speed_metrics
 
-from jtrainer import batch_size, checkpoint, data, distributed, optim, sharding, startup, throughput
+from jtrainer import batch_size, checkpoint, data, distributed, mixed_precision, optim, sharding, startup, throughput
 from jtrainer.args import TrainingArguments
 from jtrainer.evaluation import EvaluationMixin
 from jtrainer.hpsearch import HyperparameterSearchMixin
@@ -262,8 +262,7 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         causal = _is_causal_lm(self.model)
         has_labels = any(name in sample for name in self.label_names)
         smoothing = self.args.label_smoothing_factor
-        compute_dtype = jnp.bfloat16 if self.args.compute_in_bf16() else None
-        common = dict(label_names=tuple(self.label_names), causal=causal, compute_dtype=compute_dtype)
+        common = dict(label_names=tuple(self.label_names), causal=causal, compute_dtype=self.args.compute_dtype(training))
         if has_labels and self.compute_loss_func is not None:
             return LossSpec(LossMode.CUSTOM, compute_loss_func=self.compute_loss_func, **common)
         if has_labels and smoothing > 0:
@@ -350,7 +349,8 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         key = None
         if self._optimizer_recipe is not None and self.optimizer is not None:
             leaves, treedef = jax.tree.flatten(state_shardings)
-            key = (graphdef, spec, self._optimizer_recipe, self.args.nan_inf_policy, clip, tuple(leaves), treedef)
+            key = (graphdef, spec, self._optimizer_recipe, self.args.nan_inf_policy, self.args.fp16, clip,
+                   tuple(leaves), treedef)
             if key in _SHARED_TRAIN_STEPS:
                 return _SHARED_TRAIN_STEPS[key]
         max_grad_norm = self.args.max_grad_norm if clip else 0.0
@@ -362,6 +362,15 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         if key is not None:
             _SHARED_TRAIN_STEPS[key] = train_step
         return train_step
+
+    def _step_optimizer(self) -> optax.GradientTransformation:
+        """The optimizer as the step applies it: under fp16's dynamic loss scaling (which skips non-finite
+        updates itself), or skipping non-finite updates when nan_inf_policy='skip'."""
+        if self.args.fp16:
+            return mixed_precision.dynamic_loss_scaling(self.optimizer)
+        if self.args.nan_inf_policy == "skip":
+            return optim.skip_non_finite(self.optimizer)
+        return self.optimizer
 
     def _sync_model(self) -> None:
         """Write (copies of) the trained parameters into `self.model`, in place, as HF trains the model given."""
@@ -531,7 +540,7 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
 
         self.create_optimizer_and_scheduler(max_steps)
         self.callback_handler.optimizer, self.callback_handler.lr_scheduler = self.optimizer, self.lr_scheduler
-        tx = optim.skip_non_finite(self.optimizer) if args.nan_inf_policy == "skip" else self.optimizer
+        tx = self._step_optimizer()
         train_state, state_shardings = self._initial_train_state(tx)
         epochs_trained, micro_steps_to_skip = 0, 0
         if resume_from_checkpoint is not None:
