@@ -97,7 +97,7 @@ def compile_step(model_args, data_args, training_args) -> dict[str, Any]:
     spec = trainer._loss_spec(batch)
     max_steps = training_args.max_steps if training_args.max_steps > 0 else 1000
     trainer.create_optimizer_and_scheduler(max_steps)
-    tx = trainer.optimizer
+    tx = trainer._step_optimizer()
     _, params, rest = nnx.split(model, nnx.Param, ...)
     params = nnx.to_pure_dict(params)
     shardings = trainer._state_shardings(tx, params)
