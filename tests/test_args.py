@@ -89,3 +89,13 @@ def test_fields_without_jax_meaning_warn_once(caplog):
     assert set(warn_ignored_fields(a)) == {"ddp_backend", "dataloader_num_workers"}
     assert warn_ignored_fields(TrainingArguments("o")) == []
     assert set(IGNORED_FIELDS) <= {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
+
+
+def test_an_older_transformers_is_refused_at_import_with_the_fix():
+    import subprocess
+    import sys
+
+    code = "import transformers; transformers.__version__ = '5.17.0'; import jtrainer"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert "jtrainer needs transformers>=5.23,<6 (found 5.17.0): pip install -U" in out.stderr
