@@ -210,26 +210,32 @@ def main():
         results = {s: [] for s in ns.systems}
         for _ in range(ns.repeats):
             for system in ns.systems:  # alternating, so drifts of a shared machine hit every system alike
-                results[system].append(_run(ns, system, config, ns.steps))
-        report(config, ns, results)
+                result = _run(ns, system, config, ns.steps)
+                if result is not None:
+                    results[system].append(result)
+        report(config, ns, {system: runs for system, runs in results.items() if runs})
         if ns.startup:
             startup(config, ns)
 
 
-def _run(ns, system, config, steps, **env) -> dict:
-    """One worker subprocess; its last stdout line is its JSON result."""
+def _run(ns, system, config, steps, **env) -> dict | None:
+    """One worker subprocess; its last stdout line is its JSON result. A failed run is reported and left out
+    (None), so one system's failure does not cost the others' numbers."""
     if not ns.accelerator:
         env.setdefault("JAX_PLATFORMS", os.environ.get("JAX_PLATFORMS", "cpu"))
     command = [sys.executable, __file__, "--worker", system, "--config", config, "--steps", str(steps)]
     out = subprocess.run(command + ["--accelerator"] * ns.accelerator, env=dict(os.environ, **env),
                          capture_output=True, text=True)
     if out.returncode:
-        raise SystemExit(f"{system} failed:\n{out.stderr[-4000:]}")
+        print(f"{system} failed (left out):\n{out.stderr[-4000:]}", flush=True)
+        return None
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def report(config, ns, results):
     cfg = CONFIGS[config]
+    if not results:
+        raise SystemExit(f"{config}: every system failed")
     print(f"\n== {config}: Llama {cfg['num_hidden_layers']} layers x {cfg['hidden_size']}, vocab "
           f"{cfg['vocab_size']}, batch {cfg['batch']} x {cfg['seq']} tokens, {ns.steps} steps, "
           f"median of {ns.repeats}" + (", bf16 on the accelerator" if ns.accelerator else ""))
@@ -238,7 +244,7 @@ def report(config, ns, results):
     jax_run = next((runs[0] for s, runs in results.items() if s != "hf"), None)
     flops, peak = (jax_run["flops_per_token"] or 0, jax_run["peak_flops"]) if jax_run else (0, 0)
     if jax_run:
-        print(f"device: {jax_run['devices']} x {jax_run['device']}; {flops / 1e9:.2f} GFLOP per token")
+        print(f"device: {jax_run['devices']} x {jax_run['device']}; {flops:.4g} model FLOPs per token")
     print(f"{'system':<10}{'tokens/s':>12}{'step ms':>10}{'first step s':>14}{'peak MB':>10}{'device MB':>11}"
           f"{'MFU':>8}")
     for system, m in med.items():
@@ -260,7 +266,10 @@ def startup(config, ns):
     for _ in range(ns.repeats):
         with tempfile.TemporaryDirectory() as cache:
             for times in (first, second):
-                times.append(_run(ns, "jtrainer", config, 3, JTRAINER_COMPILATION_CACHE_DIR=cache)["first_step_s"])
+                result = _run(ns, "jtrainer", config, 3, JTRAINER_COMPILATION_CACHE_DIR=cache)
+                if result is None:
+                    raise SystemExit("the startup run failed")
+                times.append(result["first_step_s"])
     a, b = statistics.median(first), statistics.median(second)
     print(f"startup: first step {a:.2f} s with an empty compilation cache, {b:.2f} s on the second run: "
           f"{b / a:.2f}x")
