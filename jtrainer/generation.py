@@ -1,5 +1,6 @@
 """Jitted decoding: greedy and sampling (temperature, top-k, top-p), fed by a GenerationConfig; decoder-only
-models with a KV cache, encoder-decoder models (T5) by encoding once and decoding into a fixed buffer.
+models with a KV cache, encoder-decoder models (T5) by encoding once and decoding into a fixed buffer with a
+decoder cache (self-attention keys/values filled per token, cross-attention keys/values computed once).
 
 The whole loop (prefill, then one token per iteration of a `fori_loop`) is one compiled function per
 (batch, prompt length, new tokens, decoding settings). Prompts are left-padded, as HF's decoder-only
@@ -167,9 +168,24 @@ def _beam_search(graphdef, state, input_ids_BxP, mask_BxP, settings: DecodeSetti
     return jnp.concatenate([input_ids_BxP.astype(jnp.int32), tokens[best]], axis=1)
 
 
+def _next_logits_seq2seq(model, tokens, i, cache, encoded, mask):
+    """Logits after decoder position i: one incremental step with a decoder cache (models with
+    `decode_step`, e.g. T5), else the whole buffer through `decode` (causal, so position i sees only i and
+    before). Returns (logits [rows, vocab], cache)."""
+    if cache is None:
+        return model.decode(tokens, encoded, mask)[:, i], None
+    logits, cache = model.decode_step(jax.lax.dynamic_slice_in_dim(tokens, i, 1, axis=1), cache, i, mask)
+    return logits[:, 0], cache
+
+
+def _decoder_cache(model, encoded, slots: int):
+    return model.init_decoder_cache(encoded, slots) if getattr(model, "init_decoder_cache", None) else None
+
+
 @partial(jax.jit, static_argnums=(0, 4))
 def _beam_search_seq2seq(graphdef, state, input_ids_BxP, mask_BxP, settings: DecodeSettings, key):
-    """Beam search for encoder-decoder models: beams are rows of the decoder buffer, reordered each step."""
+    """Beam search for encoder-decoder models: beams are rows of the decoder buffer (and of its cache),
+    reordered each step."""
     del key
     model = nnx.merge(graphdef, state)
     b, k, n = input_ids_BxP.shape[0], settings.num_beams, settings.max_new_tokens
@@ -179,8 +195,9 @@ def _beam_search_seq2seq(graphdef, state, input_ids_BxP, mask_BxP, settings: Dec
     rows = jnp.arange(b)[:, None] * k
 
     def step(i, carry):
-        tokens, scores, finished, lengths = carry
-        logp = jax.nn.log_softmax(model.decode(tokens, encoded, mask)[:, i], axis=-1).reshape(b, k, -1)
+        tokens, scores, finished, lengths, cache = carry
+        logits, cache = _next_logits_seq2seq(model, tokens, i, cache, encoded, mask)
+        logp = jax.nn.log_softmax(logits, axis=-1).reshape(b, k, -1)
         vocab = logp.shape[-1]
         pad_only = jnp.full((vocab,), -jnp.inf).at[settings.pad_token_id].set(0.0)
         logp = jnp.where(finished.reshape(b, k, 1), pad_only, logp)
@@ -188,26 +205,29 @@ def _beam_search_seq2seq(graphdef, state, input_ids_BxP, mask_BxP, settings: Dec
         flat = (rows + top // vocab).reshape(-1)
         token = (top % vocab).astype(jnp.int32).reshape(-1)
         was_finished = finished[flat]
+        if cache is not None:  # a beam's decoder history follows it; the encoder's keys are the same per row
+            cache = dataclasses.replace(cache, keys=[c[flat] for c in cache.keys], values=[c[flat] for c in cache.values])
         return (
             tokens[flat].at[:, i + 1].set(token),
             top_scores,
             was_finished | jnp.isin(token, eos),
             jnp.where(was_finished, lengths[flat], i + 1),
+            cache,
         )
 
     tokens = jnp.full((b * k, n + 1), settings.pad_token_id, jnp.int32)
     tokens = tokens.at[:, 0].set(model.config.decoder_start_token_id)
     scores = jnp.tile(jnp.asarray([0.0] + [-jnp.inf] * (k - 1)), (b, 1))
-    carry = (tokens, scores, jnp.zeros((b * k,), bool), jnp.zeros((b * k,), jnp.int32))
-    tokens, scores, _, lengths = jax.lax.fori_loop(0, n, step, carry)
+    carry = (tokens, scores, jnp.zeros((b * k,), bool), jnp.zeros((b * k,), jnp.int32), _decoder_cache(model, encoded, n))
+    tokens, scores, _, lengths, _ = jax.lax.fori_loop(0, n, step, carry)
     normalised = scores / (jnp.maximum(lengths.reshape(b, k), 1) ** settings.length_penalty)
     return tokens[rows[:, 0] + jnp.argmax(normalised, axis=-1)]
 
 
 @partial(jax.jit, static_argnums=(0, 4))
 def _decode_seq2seq(graphdef, state, input_ids_BxP, mask_BxP, settings: DecodeSettings, key):
-    """Encoder-decoder models: encode once, then decode into a fixed buffer (causal, so position i only
-    sees the tokens before it): one compiled loop, without a cache for the decoder."""
+    """Encoder-decoder models: encode once, then decode one token per step into a fixed buffer, with the
+    model's decoder cache when it has one: one compiled loop."""
     model = nnx.merge(graphdef, state)
     b, n = input_ids_BxP.shape[0], settings.max_new_tokens
     encoded = model.encode(input_ids_BxP, mask_BxP)
@@ -215,14 +235,15 @@ def _decode_seq2seq(graphdef, state, input_ids_BxP, mask_BxP, settings: DecodeSe
     eos = jnp.asarray(settings.eos_token_ids or (-1,), jnp.int32)
 
     def step(i, carry):
-        tokens, key, finished = carry
-        logits = model.decode(tokens, encoded, mask_BxP)[:, i]
+        tokens, key, finished, cache = carry
+        logits, cache = _next_logits_seq2seq(model, tokens, i, cache, encoded, mask_BxP)
         key, sub = jax.random.split(key)
         token = jnp.where(finished, settings.pad_token_id, _pick(logits, sub, settings).astype(jnp.int32))
-        return tokens.at[:, i + 1].set(token), key, finished | jnp.isin(token, eos)
+        return tokens.at[:, i + 1].set(token), key, finished | jnp.isin(token, eos), cache
 
     tokens = jnp.full((b, n + 1), settings.pad_token_id, jnp.int32).at[:, 0].set(start)
-    return jax.lax.fori_loop(0, n, step, (tokens, key, jnp.zeros((b,), bool)))[0]
+    carry = (tokens, key, jnp.zeros((b,), bool), _decoder_cache(model, encoded, n))
+    return jax.lax.fori_loop(0, n, step, carry)[0]
 
 
 def generate(

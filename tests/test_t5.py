@@ -97,3 +97,30 @@ def test_t5_beam_search_matches_pytorch_generate(tmp_path):
                                       eos_token_id=None).numpy()
     ours = AutoModelForSeq2SeqLM.from_pretrained(str(tmp_path))
     np.testing.assert_array_equal(generate(ours, ids, max_new_tokens=6, num_beams=3, eos_token_id=None), expected)
+
+
+def test_t5_decoder_cache_steps_equal_the_whole_decoder():
+    """decode_step, one token at a time into the cache, gives decode's logits at every position (past the
+    relative-position buckets' max distance too), and generation with the cache equals generation without."""
+    from jtrainer import generation
+    from jtrainer.models.t5 import T5ForConditionalGeneration
+
+    model = T5ForConditionalGeneration.from_config(_config(), seed=3)
+    rng = np.random.RandomState(2)
+    ids, targets = jnp.asarray(rng.randint(2, 64, (2, 7))), jnp.asarray(rng.randint(2, 64, (2, 20)))
+    mask = jnp.asarray([[1] * 7, [1] * 4 + [0] * 3])
+    encoded = model.encode(ids, mask)
+    whole = model.decode(targets, encoded, mask)
+    cache = model.init_decoder_cache(encoded, 20)
+    for i in range(20):
+        logits, cache = model.decode_step(targets[:, i:i + 1], cache, i, mask)
+        np.testing.assert_allclose(logits[:, 0], whole[:, i], rtol=1e-5, atol=1e-5)
+
+    class Uncached(T5ForConditionalGeneration):
+        init_decoder_cache = None  # generation falls back to the whole decoder per token
+
+    plain = Uncached.from_config(_config(), seed=3)
+    for settings in (dict(max_new_tokens=12), dict(max_new_tokens=12, num_beams=3, eos_token_id=5)):
+        cached = generation.generate(model, np.asarray(ids), np.asarray(mask), **settings)
+        uncached = generation.generate(plain, np.asarray(ids), np.asarray(mask), **settings)
+        np.testing.assert_array_equal(cached, uncached)

@@ -3,6 +3,7 @@ attention, RMS layer norms, relu or gated-gelu feed-forward, LM head tied to `sh
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -61,20 +62,27 @@ class T5Attention(nnx.Module):
         if has_relative_bias:
             self.relative_attention_bias = _embed(self.buckets, self.num_heads, std * d**-0.5, (None, "heads"), rngs)
 
-    def position_bias(self, query_length: int, key_length: int) -> jax.Array:
-        relative = jnp.arange(key_length)[None, :] - jnp.arange(query_length)[:, None]
+    def position_bias(self, query_length: int, key_length: int, query_start=0) -> jax.Array:
+        """[1, N, Lq, Lk] biases of queries at positions query_start + [0, Lq) over keys at [0, Lk)."""
+        relative = jnp.arange(key_length)[None, :] - (query_start + jnp.arange(query_length))[:, None]
         bucket = relative_position_bucket(relative, not self.is_decoder, self.buckets, self.max_distance)
-        return jnp.transpose(self.relative_attention_bias(bucket), (2, 0, 1))[None]  # [1, N, Lq, Lk]
+        return jnp.transpose(self.relative_attention_bias(bucket), (2, 0, 1))[None]
+
+    def keys_values(self, kv_BxSxD) -> tuple[jax.Array, jax.Array]:
+        b, keys, _ = kv_BxSxD.shape
+        shape = (b, keys, self.num_heads, self.head_dim)
+        return self.k(kv_BxSxD).reshape(shape), self.v(kv_BxSxD).reshape(shape)
+
+    def attend(self, x_BxLxD, k_BxSxNxH, v_BxSxNxH, bias_1xNxLxS, mask_Bx1xLxS):
+        b, length, _ = x_BxLxD.shape
+        q = self.q(x_BxLxD).reshape(b, length, self.num_heads, self.head_dim)
+        bias = jnp.broadcast_to(bias_1xNxLxS, (b, self.num_heads, length, k_BxSxNxH.shape[1])).astype(q.dtype)
+        out = jax.nn.dot_product_attention(q, k_BxSxNxH.astype(q.dtype), v_BxSxNxH.astype(q.dtype), bias=bias,
+                                           mask=mask_Bx1xLxS, scale=1.0)
+        return self.o(out.reshape(b, length, self.num_heads * self.head_dim))
 
     def __call__(self, x_BxLxD, kv_BxSxD, bias_1xNxLxS, mask_Bx1xLxS):
-        b, length, _ = x_BxLxD.shape
-        keys = kv_BxSxD.shape[1]
-        q = self.q(x_BxLxD).reshape(b, length, self.num_heads, self.head_dim)
-        k = self.k(kv_BxSxD).reshape(b, keys, self.num_heads, self.head_dim)
-        v = self.v(kv_BxSxD).reshape(b, keys, self.num_heads, self.head_dim)
-        bias = jnp.broadcast_to(bias_1xNxLxS, (b, self.num_heads, length, keys)).astype(q.dtype)
-        out = jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask_Bx1xLxS, scale=1.0)
-        return self.o(out.reshape(b, length, self.num_heads * self.head_dim))
+        return self.attend(x_BxLxD, *self.keys_values(kv_BxSxD), bias_1xNxLxS, mask_Bx1xLxS)
 
 
 class T5DenseActDense(nnx.Module):
@@ -132,6 +140,21 @@ class T5Block(nnx.Module):
             x = self.layer[1](x, encoder, jnp.zeros((1, 1, 1, 1), x.dtype), cross_mask)
         return self.layer[-1](x)
 
+    def decode_step(self, x_BxLxD, self_bias, self_mask, cache: tuple, index, cross_mask):
+        """The decoder block on L new tokens at `index`, their keys and values written into the cache
+        ((keys, values, cross keys, cross values)); returns (output, the updated cache)."""
+        keys, values, cross_keys, cross_values = cache
+        self_layer, cross_layer = self.layer[0], self.layer[1]
+        normed = self_layer.layer_norm(x_BxLxD)
+        k, v = self_layer.SelfAttention.keys_values(normed)
+        keys = jax.lax.dynamic_update_slice(keys, k.astype(keys.dtype), (0, index, 0, 0))
+        values = jax.lax.dynamic_update_slice(values, v.astype(values.dtype), (0, index, 0, 0))
+        x = x_BxLxD + self_layer.SelfAttention.attend(normed, keys, values, self_bias, self_mask)
+        no_bias = jnp.zeros((1, 1, 1, 1), x.dtype)
+        x = x + cross_layer.EncDecAttention.attend(cross_layer.layer_norm(x), cross_keys, cross_values, no_bias,
+                                                   cross_mask)
+        return self.layer[-1](x), (keys, values, cross_keys, cross_values)
+
 
 class T5Stack(nnx.Module):
     def __init__(self, config: T5Config, is_decoder: bool, rngs: nnx.Rngs):
@@ -154,6 +177,32 @@ class T5Stack(nnx.Module):
             x_BxLxD = call_block(self, block, x_BxLxD, bias, self_mask, encoder_BxSxD, cross_mask)
             x_BxLxD = constrain(x_BxLxD, ACTIVATION_AXES)
         return self.final_layer_norm(x_BxLxD)
+
+    def decode_step(self, x_BxLxD, cache: "T5DecoderCache", index, encoder_mask_BxS=None):
+        """The decoder on L new tokens at positions index + [0, L), attending to the cache's earlier tokens."""
+        length, slots = x_BxLxD.shape[1], cache.keys[0].shape[1]
+        bias = self.block[0].layer[0].SelfAttention.position_bias(length, slots, index)
+        self_mask = (jnp.arange(slots)[None, :] <= index + jnp.arange(length)[:, None])[None, None]
+        cross_mask = None if encoder_mask_BxS is None else encoder_mask_BxS.astype(bool)[:, None, None, :]
+        layers = []
+        for i, block in enumerate(self.block):
+            layer_cache = (cache.keys[i], cache.values[i], cache.cross_keys[i], cache.cross_values[i])
+            x_BxLxD, layer_cache = block.decode_step(x_BxLxD, bias, self_mask, layer_cache, index, cross_mask)
+            layers.append(layer_cache)
+        new_cache = T5DecoderCache(*(list(column) for column in zip(*layers)))
+        return self.final_layer_norm(x_BxLxD), new_cache
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class T5DecoderCache:
+    """Per decoder layer: self-attention keys and values [batch, slots, heads, d_kv] (filled as tokens are
+    decoded) and the cross-attention keys and values of the encoder output [batch, source, heads, d_kv]."""
+
+    keys: list[jax.Array]
+    values: list[jax.Array]
+    cross_keys: list[jax.Array]
+    cross_values: list[jax.Array]
 
 
 def shift_right(labels, decoder_start_token_id: int, pad_token_id: int):
@@ -197,12 +246,30 @@ class T5ForConditionalGeneration(PretrainedMixin, nnx.Module):
 
     def decode(self, decoder_input_ids, encoder_hidden, attention_mask=None, decoder_attention_mask=None):
         hidden = self.decoder(self.shared(decoder_input_ids), decoder_attention_mask, encoder_hidden, attention_mask)
+        return self._logits(hidden)
+
+    def _logits(self, hidden):
         # Original T5 scales the decoder output by d_model**-0.5; T5 v1.1 (saved with tie_word_embeddings=False)
         # does not. transformers 5 records this as `scale_decoder_outputs` and always ties the head to `shared`.
         if getattr(self.config, "scale_decoder_outputs", self.config.tie_word_embeddings):
             hidden = hidden * self.config.d_model**-0.5
         head = self.shared.attend if self.config.tie_word_embeddings else self.lm_head
         return head(hidden).astype(jnp.float32)
+
+    def init_decoder_cache(self, encoder_hidden, slots: int) -> T5DecoderCache:
+        """An empty self-attention cache of `slots` decoder positions, and the encoder output's cross-attention
+        keys and values (computed once per generation instead of once per token)."""
+        b, heads, d_kv = encoder_hidden.shape[0], self.config.num_heads, self.config.d_kv
+        empty = jnp.zeros((b, slots, heads, d_kv), encoder_hidden.dtype)
+        cross = [block.layer[1].EncDecAttention.keys_values(encoder_hidden) for block in self.decoder.block]
+        n = len(self.decoder.block)
+        return T5DecoderCache([empty] * n, [empty] * n, [k for k, _ in cross], [v for _, v in cross])
+
+    def decode_step(self, decoder_input_ids, cache: T5DecoderCache, index, attention_mask=None):
+        """Logits of decoder tokens at positions index + [0, L) (the earlier ones are in `cache`), and the cache
+        with theirs added: generation's incremental form of `decode`."""
+        hidden, cache = self.decoder.decode_step(self.shared(decoder_input_ids), cache, index, attention_mask)
+        return self._logits(hidden), cache
 
     def __call__(self, input_ids, attention_mask=None, decoder_input_ids=None, decoder_attention_mask=None,
                  labels=None, num_items_in_batch=None, **kwargs) -> ModelOutput:
