@@ -52,6 +52,17 @@ def tiny_llama_config(**overrides):
     return LlamaConfig(**kw)
 
 
+def short_run_args(out="unused", **over):
+    """TrainingArguments of a 3-step run logging every step (in order, no saves, no reports); `over` overrides."""
+    from jtrainer import TrainingArguments
+
+    kw = dict(output_dir=str(out), per_device_train_batch_size=4, learning_rate=1e-2, report_to="none",
+              disable_tqdm=True, save_strategy="no", logging_steps=1, max_steps=3,
+              train_sampling_strategy="sequential")
+    kw.update(over)
+    return TrainingArguments(**kw)
+
+
 def token_rows(n, length=16, vocab=64, seed=0, ragged_labels=False):
     """n rows of random tokens; with ragged_labels some label positions are -100 (uneven counts per row)."""
     rng = np.random.RandomState(seed)

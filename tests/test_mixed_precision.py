@@ -6,17 +6,11 @@ import numpy as np
 import optax
 import pytest
 
-from conftest import count_compiles, tiny_llama_config, token_rows
+from conftest import count_compiles, short_run_args, tiny_llama_config, token_rows
 from jtrainer import Trainer, TrainingArguments, mixed_precision
 from jtrainer.models.llama import LlamaForCausalLM
 
-
-def _args(out="unused", **over):
-    kw = dict(output_dir=str(out), per_device_train_batch_size=4, learning_rate=1e-2, report_to="none",
-              disable_tqdm=True, save_strategy="no", logging_steps=1, max_steps=3,
-              train_sampling_strategy="sequential")
-    kw.update(over)
-    return TrainingArguments(**kw)
+_args = short_run_args
 
 
 def _logs(trainer, key="loss"):
