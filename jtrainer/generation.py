@@ -78,7 +78,7 @@ def _pick(logits_BxV: jax.Array, key: jax.Array, s: DecodeSettings) -> jax.Array
 
 
 @partial(jax.jit, static_argnums=(0, 4))
-def _decode(graphdef, state, input_ids_BxP, mask_BxP, settings: DecodeSettings, key):
+def _decode(graphdef, state, input_ids_BxP, mask_BxP, settings: DecodeSettings, seed):
     model = nnx.merge(graphdef, state)
     b, p = input_ids_BxP.shape
     n = settings.max_new_tokens
@@ -87,6 +87,7 @@ def _decode(graphdef, state, input_ids_BxP, mask_BxP, settings: DecodeSettings, 
     positions = jnp.where(mask_BxP == 0, 1, jnp.cumsum(mask_BxP, axis=-1) - 1)  # HF's, for left padding
     out = model(input_ids_BxP, full_mask, positions, cache=cache)
     eos = jnp.asarray(settings.eos_token_ids or (-1,), jnp.int32)
+    key = jax.random.key(seed)
 
     def step(i, carry):
         tokens, cache, logits, key, finished, next_pos, full_mask = carry
@@ -113,13 +114,13 @@ def _decode(graphdef, state, input_ids_BxP, mask_BxP, settings: DecodeSettings, 
 
 
 @partial(jax.jit, static_argnums=(0, 4))
-def _beam_search(graphdef, state, input_ids_BxP, mask_BxP, settings: DecodeSettings, key):
+def _beam_search(graphdef, state, input_ids_BxP, mask_BxP, settings: DecodeSettings, seed):
     """Beam search for decoder-only models: the cache holds batch x beams rows, reordered after each step.
 
     A beam that emitted EOS keeps its score and continues with padding; the best beam per row wins by
     sum of log-probabilities / generated length ** length_penalty, as HF scores finished hypotheses.
     """
-    del key
+    del seed  # beam search is deterministic
     model = nnx.merge(graphdef, state)
     b, p = input_ids_BxP.shape
     k, n = settings.num_beams, settings.max_new_tokens
@@ -183,10 +184,10 @@ def _decoder_cache(model, encoded, slots: int):
 
 
 @partial(jax.jit, static_argnums=(0, 4))
-def _beam_search_seq2seq(graphdef, state, input_ids_BxP, mask_BxP, settings: DecodeSettings, key):
+def _beam_search_seq2seq(graphdef, state, input_ids_BxP, mask_BxP, settings: DecodeSettings, seed):
     """Beam search for encoder-decoder models: beams are rows of the decoder buffer (and of its cache),
     reordered each step."""
-    del key
+    del seed  # beam search is deterministic
     model = nnx.merge(graphdef, state)
     b, k, n = input_ids_BxP.shape[0], settings.num_beams, settings.max_new_tokens
     mask = jnp.repeat(mask_BxP, k, axis=0)
@@ -225,7 +226,7 @@ def _beam_search_seq2seq(graphdef, state, input_ids_BxP, mask_BxP, settings: Dec
 
 
 @partial(jax.jit, static_argnums=(0, 4))
-def _decode_seq2seq(graphdef, state, input_ids_BxP, mask_BxP, settings: DecodeSettings, key):
+def _decode_seq2seq(graphdef, state, input_ids_BxP, mask_BxP, settings: DecodeSettings, seed):
     """Encoder-decoder models: encode once, then decode one token per step into a fixed buffer, with the
     model's decoder cache when it has one: one compiled loop."""
     model = nnx.merge(graphdef, state)
@@ -233,6 +234,7 @@ def _decode_seq2seq(graphdef, state, input_ids_BxP, mask_BxP, settings: DecodeSe
     encoded = model.encode(input_ids_BxP, mask_BxP)
     start = model.config.decoder_start_token_id
     eos = jnp.asarray(settings.eos_token_ids or (-1,), jnp.int32)
+    key = jax.random.key(seed)
 
     def step(i, carry):
         tokens, key, finished, cache = carry
@@ -259,10 +261,15 @@ def generate(
     start token + generated ids, as HF returns them); after an EOS, rows are padded with pad_token_id.
 
     `generation_config` is a `transformers.GenerationConfig` (default: the model config's); keyword arguments
-    override it (`max_new_tokens=20, do_sample=True, top_p=0.9`, ...).
+    override it (`max_new_tokens=20, do_sample=True, top_p=0.9`, ...). Global `jax.Array` inputs (rows split
+    over a mesh, possibly over many processes, every process calling) give a `jax.Array` of ids back.
     """
-    input_ids = np.asarray(input_ids)
-    mask = np.ones_like(input_ids) if attention_mask is None else np.asarray(attention_mask)
+    on_mesh = isinstance(input_ids, jax.Array) and not input_ids.is_fully_addressable
+    if on_mesh:
+        mask = jnp.ones_like(input_ids) if attention_mask is None else attention_mask
+    else:
+        input_ids = np.asarray(input_ids)
+        mask = np.ones_like(input_ids) if attention_mask is None else np.asarray(attention_mask)
     encoder_decoder = hasattr(model, "encode")
     # HF's max_length counts the decoder's tokens (from its start token) for encoder-decoder models.
     prompt_length = 1 if encoder_decoder else input_ids.shape[1]
@@ -273,5 +280,5 @@ def generate(
     else:
         decode = _beam_search if settings.num_beams > 1 else _decode
     ids = decode(graphdef, state, jnp.asarray(input_ids), jnp.asarray(mask, jnp.int32), settings,
-                 jax.random.key(seed))
-    return np.asarray(ids)
+                 np.uint32(seed))
+    return ids if on_mesh else np.asarray(ids)

@@ -16,6 +16,7 @@ import numpy as np
 import transformers
 from transformers import GenerationConfig
 
+from jtrainer import distributed, sharding
 from jtrainer.args import TrainingArguments
 from jtrainer.generation import generate
 from jtrainer.trainer import Trainer
@@ -116,21 +117,25 @@ class Seq2SeqTrainer(Trainer):
         return width
 
     def _generate_batch(self, batch: dict[str, np.ndarray], rows: int) -> np.ndarray:
-        """Generated ids for the first `rows` rows of a padded batch. All its rows are decoded (the batch's
-        shape is fixed, so decoding compiles once per length bucket), then cut."""
-        if jax.process_count() > 1:
-            raise NotImplementedError(
-                "predict_with_generate runs on one process; evaluate with predict_with_generate=False on many "
-                "processes, or generate after training with jtrainer.generation.generate."
-            )
+        """Generated ids for the first `rows` (global) rows of a padded batch. All its rows are decoded (the
+        batch's shape is fixed, so decoding compiles once per length bucket), then cut. With many processes,
+        each one's rows are placed on the mesh like an evaluation batch, every process runs the same decoding
+        program, and the ids are gathered on every process."""
         main = getattr(self.model, "main_input_name", "input_ids")
         input_ids = np.asarray(batch[main])
         mask = np.asarray(batch["attention_mask"]) if "attention_mask" in batch else np.ones_like(input_ids)
         pad = self._pad_token_id()
         if not hasattr(self.model, "encode"):
             input_ids, mask = left_align(input_ids, mask, pad)
-        ids = generate(self.model, input_ids, mask, self.generation_config, **self._gen_kwargs)[:rows]
-        return pad_to_width(ids, self._prediction_width(), pad)
+        if jax.process_count() == 1:
+            ids = generate(self.model, input_ids, mask, self.generation_config, **self._gen_kwargs)
+        else:
+            placed = sharding.put_global({"ids": input_ids, "mask": mask}, self.mesh, row_dim=0,
+                                         global_rows=input_ids.shape[0] * jax.process_count())
+            with self._mesh_context():
+                ids = generate(self.model, placed["ids"], placed["mask"], self.generation_config, **self._gen_kwargs)
+            ids = distributed.gather_rows(ids)
+        return pad_to_width(ids[:rows], self._prediction_width(), pad)
 
     def _prediction_labels(self, labels: np.ndarray) -> np.ndarray:
         return pad_to_width(labels, self._prediction_width(), self._pad_token_id())

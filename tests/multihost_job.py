@@ -1,4 +1,5 @@
-"""A 10-step run for the multi-process tests; process 0 writes losses and final parameters to OUT.npz.
+"""A 10-step run for the multi-process tests, then predict_with_generate; process 0 writes losses, final
+parameters and the generated ids to OUT.npz.
 
     jtrainer launch --num_processes 2 --devices_per_process 4 tests/multihost_job.py OUT.npz [MESH_JSON] [STEPS]
 """
@@ -17,7 +18,13 @@ jax.config.update("jax_disable_most_optimizations", True)
 import numpy as np  # noqa: E402
 from conftest import tiny_llama_config, token_rows  # noqa: E402
 
-from jtrainer import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+from jtrainer import (  # noqa: E402
+    Seq2SeqTrainer,
+    Seq2SeqTrainingArguments,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+)
 from jtrainer.models.hf_io import to_hf_state_dict  # noqa: E402
 from jtrainer.models.llama import LlamaForCausalLM  # noqa: E402
 
@@ -57,11 +64,20 @@ def main(out, mesh="{}", steps="10"):
     )
     trainer.train()
     metrics = trainer.evaluate()
+    # predict_with_generate on every process: prompts of 6 and 9 tokens (right-padded; left-aligned for decoding).
+    prompts = token_rows(10, length=9, seed=7)
+    for row in prompts[::2]:
+        row["attention_mask"][6:] = 0
+    generator = Seq2SeqTrainer(model=trainer.model, args=Seq2SeqTrainingArguments(
+        output_dir=os.path.dirname(out), mesh_shape=mesh_shape, per_device_eval_batch_size=1, report_to="none",
+        disable_tqdm=True, predict_with_generate=True))
+    generated = generator.predict(prompts, max_new_tokens=4, eos_token_id=None).predictions
     params = to_hf_state_dict(trainer.model)
     if jax.process_index() == 0:
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         np.savez(out, losses=np.asarray(losses), eval_loss=metrics["eval_loss"], processes=jax.process_count(),
-                 compiles=trainer._train_step._cache_size(), **{f"param:{k}": v for k, v in params.items()})
+                 compiles=trainer._train_step._cache_size(), generated=generated,
+                 **{f"param:{k}": v for k, v in params.items()})
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Many processes, one program: `jtrainer launch` with 2 processes x 4 CPU devices equals 1 process x 8 devices,
+"""Many processes, one program: `jtrainer launch` with 2 processes x 4 CPU devices equals 1 process x 8 devices
+(training, evaluation and predict_with_generate),
 and a process that dies takes the others down with an error instead of a hang."""
 
 import os
@@ -51,6 +52,9 @@ def test_two_processes_equal_one(tmp_path):
     assert int(a["compiles"]) == int(b["compiles"]) == 1
     np.testing.assert_allclose(a["losses"], b["losses"], rtol=1e-5)
     np.testing.assert_allclose(float(a["eval_loss"]), float(b["eval_loss"]), rtol=1e-5)
+    # predict_with_generate: each process decodes its rows of the same program; every process gets all ids.
+    assert a["generated"].shape == (10, 20)
+    np.testing.assert_array_equal(a["generated"], b["generated"])
     params = [k for k in a.files if k.startswith("param:")]
     assert params and set(params) == {k for k in b.files if k.startswith("param:")}
     for key in params:
