@@ -26,7 +26,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from transformers.integrations import get_reporting_integration_callbacks
 from transformers.trainer_callback import (
     CallbackHandler,
     DefaultFlowCallback,
@@ -145,7 +144,11 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         self.current_flos = 0.0
 
         # HF's own integration callbacks (tensorboard, wandb, mlflow, ...): they only read logs, args and config.
-        default_callbacks = [DefaultFlowCallback] + get_reporting_integration_callbacks(args.report_to)
+        default_callbacks = [DefaultFlowCallback]
+        if args.report_to:  # imported only when used: transformers.integrations costs ~0.8 s of import time
+            from transformers.integrations import get_reporting_integration_callbacks
+
+            default_callbacks += get_reporting_integration_callbacks(args.report_to)
         self.callback_handler = CallbackHandler(
             default_callbacks + list(callbacks or []), self.model, processing_class, self.optimizer, self.lr_scheduler
         )
