@@ -13,6 +13,8 @@
 # (installed to /tmp/site first when present); fetch them where pip works, from the repository root:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl \
 #       flax==0.12.8 optax==0.2.8 orbax-checkpoint==0.12.8 transformers==5.24.0
+# (16 MB; checked 2026-12-03). Their own needs (huggingface_hub>=1.31,<3, tokenizers 0.23, tensorstore>=0.1.84,
+# treescope, ...) are expected on the machine; the versions printed first say what it has.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-check}
