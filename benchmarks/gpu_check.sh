@@ -8,6 +8,7 @@
 #
 #   bash benchmarks/gpu_check.sh                 # ~6-8 minutes on an H200, most of it compiling and loading
 #   STEPS=30 SYSTEMS="jtrainer" bash benchmarks/gpu_check.sh
+#   CONFIG=tiny ATTENTION_ARGS="--length 256 --heads 8 --kv-heads 2" bash benchmarks/gpu_check.sh   # a smoke test
 #
 # A machine without internet whose Python lacks jtrainer's pinned versions can take them as wheels in .whl/
 # (installed to /tmp/site first when present); fetch them where pip works, from the repository root:
@@ -21,6 +22,8 @@ OUT=${OUT:-/tmp/gpu-check}
 mkdir -p "$OUT"
 STEPS=${STEPS:-20}
 SYSTEMS=${SYSTEMS:-jtrainer hf bare}
+CONFIG=${CONFIG:-1b}
+ATTENTION_ARGS=${ATTENTION_ARGS:-}
 PYTHON=${PYTHON:-python3}
 
 {
@@ -47,9 +50,10 @@ print(f"python {sys.version.split()[0]}; " + ", ".join(versions))
 print("devices:", jax.devices())
 EOF
     echo "== attention: cuDNN vs XLA"
-    timeout 180 "$PYTHON" benchmarks/attention_check.py
-    echo "== 1B Llama, bf16"
-    # shellcheck disable=SC2086  # SYSTEMS is a list of words
-    timeout 480 "$PYTHON" benchmarks/bench_train.py --accelerator --configs 1b --systems $SYSTEMS --repeats 1 \
+    # shellcheck disable=SC2086  # ATTENTION_ARGS and SYSTEMS are lists of words
+    timeout 180 "$PYTHON" benchmarks/attention_check.py $ATTENTION_ARGS
+    echo "== Llama $CONFIG, bf16"
+    # shellcheck disable=SC2086
+    timeout 480 "$PYTHON" benchmarks/bench_train.py --accelerator --configs "$CONFIG" --systems $SYSTEMS --repeats 1 \
         --steps "$STEPS" --no-startup
 } 2>&1 | tee "$OUT/gpu_check.log"
