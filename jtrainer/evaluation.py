@@ -73,7 +73,7 @@ class EvaluationMixin:
             key = name if name.startswith("eval_") else f"eval_{name}"
             if key not in metrics:
                 raise KeyError(
-                    f"The lr scheduler reduce_lr_on_plateau needs metric {key!r}, which evaluation did not return; "
+                    f"The lr scheduler {self.args.lr_scheduler_type} needs metric {key!r}, which evaluation did not return; "
                     f"it returned {sorted(metrics)}. Set --metric_for_best_model."
                 )
             self._step_plateau(float(metrics[key]))

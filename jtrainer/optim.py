@@ -237,6 +237,85 @@ class PlateauScheduler:
         return lr
 
 
+@dataclass
+class GreedyScheduler:
+    """HF's GreedyLR (`lr_scheduler_type="greedy"`), stepped on the host once per evaluation: the rate is divided
+    by `factor` after more than `patience` improving evaluations in a row and multiplied by it after more than
+    `patience` non-improving ones (within [min_lr, max_lr]); `cooldown` / `warmup` evaluations pause the counting
+    after a decrease / an increase; after `reset_start` decreases spent at min_lr everything restarts from the
+    initial rate. `smooth` compares a rolling mean of the last `window_size` metrics. HF's defaults."""
+
+    initial_lr: float
+    mode: str = "min"
+    factor: float = 0.95
+    patience: int = 10
+    threshold: float = 1e-6
+    threshold_mode: str = "abs"
+    cooldown: int = 0
+    warmup: int = 0
+    min_lr: float = 1e-3
+    max_lr: float = 1.0
+    eps: float = 1e-8
+    verbose: bool = False
+    smooth: bool = False
+    window_size: int = 50
+    reset_start: int = 500
+
+    def __post_init__(self):
+        if self.factor >= 1.0:
+            raise ValueError("lr_scheduler_kwargs factor should be < 1.0 for the greedy scheduler.")
+        if self.mode not in ("min", "max") or self.threshold_mode not in ("rel", "abs"):
+            raise ValueError(f"greedy scheduler: mode {self.mode!r} / threshold_mode {self.threshold_mode!r} is unknown.")
+        self._reset_start_original = self.reset_start
+        self._window: list[float] = []
+        self._clear()
+
+    def _clear(self) -> None:
+        self.best = float("inf") if self.mode == "min" else float("-inf")
+        self.num_bad_epochs = self.num_good_epochs = self.cooldown_counter = self.warmup_counter = 0
+
+    def _is_better(self, current: float) -> bool:
+        rel = self.threshold_mode == "rel"
+        if self.mode == "min":
+            return current < (self.best * (1.0 - self.threshold) if rel else self.best - self.threshold)
+        return current > (self.best * (1.0 + self.threshold) if rel else self.best + self.threshold)
+
+    def step(self, metric: float, lr: float) -> float:
+        """The new learning rate after an evaluation that measured `metric`."""
+        current = float(metric)
+        if self.smooth:
+            self._window = (self._window + [current])[-self.window_size:]
+            current = sum(self._window) / len(self._window)
+        if self.cooldown_counter > 0:
+            self.cooldown_counter -= 1
+            self.num_bad_epochs = self.num_good_epochs = 0
+        elif self.warmup_counter > 0:
+            self.warmup_counter -= 1
+            self.num_bad_epochs = self.num_good_epochs = 0
+        else:
+            if self._is_better(current):
+                self.best, self.num_bad_epochs = current, 0
+                self.num_good_epochs += 1
+            else:
+                self.num_bad_epochs += 1
+                self.num_good_epochs = 0
+            if self.num_good_epochs > self.patience:
+                raised = min(lr / self.factor, self.max_lr)
+                lr = raised if raised - lr > self.eps else lr
+                self.reset_start = self._reset_start_original
+                self.warmup_counter, self.num_good_epochs = self.warmup, 0
+            elif self.num_bad_epochs > self.patience:
+                lowered = max(lr * self.factor, self.min_lr)
+                lr = lowered if lr - lowered > self.eps else lr
+                if lr <= self.min_lr:
+                    self.reset_start -= 1
+                    if self.reset_start <= 0:
+                        lr, self.reset_start, self._window = self.initial_lr, self._reset_start_original, []
+                        self._clear()
+                self.cooldown_counter, self.num_bad_epochs = self.cooldown, 0
+        return lr
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Optimizers
 

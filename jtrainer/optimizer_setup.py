@@ -62,7 +62,7 @@ class OptimizerMixin:
             self.optimizer = optax.inject_hyperparams(factory)(learning_rate=self.lr_scheduler)
             return self.optimizer
         args = self.args
-        plateau = args.lr_scheduler_type == SchedulerType.REDUCE_ON_PLATEAU
+        plateau = args.lr_scheduler_type in (SchedulerType.REDUCE_ON_PLATEAU, SchedulerType.GREEDY)
         if self._created_lr_scheduler and not plateau:
             # HF's schedule from the state's numbers: trials that change them reuse the compiled step.
             warmup, total = self._schedule_values
@@ -80,10 +80,12 @@ class OptimizerMixin:
             )
         else:
             self.optimizer = optim.make_optimizer(args, mask, learning_rate=None if plateau else self.lr_scheduler)
-        if plateau:
+        if args.lr_scheduler_type == SchedulerType.REDUCE_ON_PLATEAU:
             self._plateau = optim.PlateauScheduler(
                 mode="max" if args.greater_is_better else "min", **(args.lr_scheduler_kwargs or {})
             )
+        elif plateau:  # HF's GreedyLR: its own defaults (mode "min"), lr_scheduler_kwargs override them
+            self._plateau = optim.GreedyScheduler(initial_lr=args.learning_rate, **(args.lr_scheduler_kwargs or {}))
         return self.optimizer
 
     def create_optimizer_and_scheduler(self, num_training_steps: int) -> None:

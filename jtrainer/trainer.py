@@ -36,7 +36,7 @@ from transformers.trainer_callback import (
     TrainerControl,
     TrainerState,
 )
-from transformers.trainer_utils import IntervalStrategy, SaveStrategy, SchedulerType, TrainOutput, speed_metrics
+from transformers.trainer_utils import IntervalStrategy, SaveStrategy, TrainOutput, speed_metrics
 
 from jtrainer import batch_size, checkpoint, data, distributed, mixed_precision, optim, sharding, startup, throughput
 from jtrainer.args import TrainingArguments
@@ -106,8 +106,6 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
             raise RuntimeError("Passing both `optimizers` and `optimizer_cls_and_kwargs` arguments is incompatible.")
         if optimizers[0] is None and optimizer_cls_and_kwargs is None:
             optim.check_optimizer_name(args.optim)
-        if args.lr_scheduler_type == SchedulerType.GREEDY:
-            raise ValueError("--lr_scheduler_type greedy is not supported yet; use reduce_lr_on_plateau.")
         if args.eval_strategy != IntervalStrategy.NO and eval_dataset is None:
             raise ValueError(
                 f"You have set `args.eval_strategy` to {args.eval_strategy} but you didn't pass an `eval_dataset` "
@@ -138,7 +136,7 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         self._train_state: TrainState | None = None
         self._last_step_batch: StepBatch | None = None
         self._pending_checkpoint: checkpoint.PendingCheckpoint | None = None
-        self._plateau: optim.PlateauScheduler | None = None
+        self._plateau: optim.PlateauScheduler | optim.GreedyScheduler | None = None
         self._created_lr_scheduler = False
         self._optimizer_recipe: tuple | None = None  # what the built optimizer depends on besides numbers
         self.current_flos = 0.0

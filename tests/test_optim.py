@@ -9,6 +9,7 @@ import pytest
 from jtrainer import TrainingArguments
 from jtrainer.optim import (
     SUPPORTED_OPTIMIZERS,
+    GreedyScheduler,
     PlateauScheduler,
     decay_mask,
     find_hyperparams,
@@ -60,6 +61,29 @@ def test_plateau_matches_torch():
         ref.step(metric)
         lr = ours.step(metric, lr)
         assert lr == pytest.approx(opt.param_groups[0]["lr"])
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(patience=1, factor=0.5, min_lr=0.1, reset_start=2),
+    dict(patience=0, factor=0.8, cooldown=1, warmup=2, threshold_mode="rel", threshold=0.01, max_lr=1.5),
+    dict(patience=1, factor=0.5, smooth=True, window_size=3, mode="max"),
+])
+def test_greedy_matches_transformers(kwargs):
+    torch = pytest.importorskip("torch")
+    from transformers.optimization import GreedyLR
+
+    param = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([param], lr=1.0)
+    ref = GreedyLR(opt, **kwargs)
+    ours, lr, seen = GreedyScheduler(initial_lr=1.0, **kwargs), 1.0, [1.0]
+    sign = -1 if kwargs.get("mode") == "max" else 1  # improving, then flat, then improving again
+    metrics = [sign * m for m in [5, 4, 3, 2, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 2, 3, 0.5, 0.4, 0.3, 0.2, 0.2, 0.2]]
+    for i, metric in enumerate(metrics):
+        ref.step(metric)
+        lr = ours.step(metric, lr)
+        assert lr == pytest.approx(opt.param_groups[0]["lr"]), (i, metric)
+        seen.append(lr)
+    assert any(b > a for a, b in zip(seen, seen[1:])) and any(b < a for a, b in zip(seen, seen[1:]))
 
 
 def test_weight_decay_mask_follows_hf_rule():

@@ -107,6 +107,22 @@ def test_reduce_lr_on_plateau_steps_after_evaluation():
     assert lrs == pytest.approx([1e-3, 1e-3, 5e-4, 2.5e-4])
 
 
+def test_greedy_scheduler_steps_after_evaluation():
+    """HF's GreedyLR: more than `patience` worse evaluations in a row multiply the rate by `factor`, more than
+    `patience` better ones divide it (mode "min" by default, whatever greater_is_better says, as HF)."""
+    rows = token_rows(8)
+    scores = iter([5.0, 6.0, 4.0, 3.0, 2.0, 1.0])
+    trainer = Trainer(_model(), _args(learning_rate=1e-3, lr_scheduler_type="greedy",
+                                      lr_scheduler_kwargs={"patience": 0, "factor": 0.5, "min_lr": 1e-5},
+                                      eval_strategy="steps", eval_steps=1, max_steps=5, metric_for_best_model="score"),
+                      train_dataset=rows, eval_dataset=rows,
+                      compute_metrics=lambda pred: {"score": next(scores)})
+    trainer.train()
+    lrs = [h["learning_rate"] for h in trainer.state.log_history if "loss" in h]
+    # Evaluation 1 (5.0) improves on nothing yet: x2; 6.0 is worse: x0.5; 4.0, 3.0 improve: x2 each.
+    assert lrs == pytest.approx([1e-3, 2e-3, 1e-3, 2e-3, 4e-3])
+
+
 def test_dropout_randomness_is_derived_from_seed_and_step():
     from flax import nnx
 
