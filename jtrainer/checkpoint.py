@@ -36,6 +36,7 @@ TRAIN_STATE_DIR = "train_state"
 TRAINER_STATE_NAME = "trainer_state.json"
 TRAINING_ARGS_NAME = "training_args.json"
 MANIFEST_NAME = "manifest.json"
+SCHEDULER_NAME = "scheduler.json"  # a per-evaluation scheduler's host state (HF: scheduler.pt)
 COMMIT_NAME = "commit_success.json"
 TMP_SUFFIX = ".tmp"
 # Test seam: seconds to wait between writing everything and the commit (to kill a process mid-save).

@@ -196,8 +196,19 @@ def make_schedule(
     return schedule
 
 
+class _HostSchedulerState:
+    """state_dict / load_state_dict of a host-side scheduler (a checkpoint's scheduler.json, as HF's scheduler.pt)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {k: (list(v) if isinstance(v, list) else v) for k, v in vars(self).items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key, value in state.items():
+            setattr(self, key, value)
+
+
 @dataclass
-class PlateauScheduler:
+class PlateauScheduler(_HostSchedulerState):
     """torch's ReduceLROnPlateau with HF's defaults, stepped on the host once per evaluation."""
 
     mode: str = "min"
@@ -238,7 +249,7 @@ class PlateauScheduler:
 
 
 @dataclass
-class GreedyScheduler:
+class GreedyScheduler(_HostSchedulerState):
     """HF's GreedyLR (`lr_scheduler_type="greedy"`), stepped on the host once per evaluation: the rate is divided
     by `factor` after more than `patience` improving evaluations in a row and multiplied by it after more than
     `patience` non-improving ones (within [min_lr, max_lr]); `cooldown` / `warmup` evaluations pause the counting

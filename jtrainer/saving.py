@@ -5,6 +5,7 @@ The storage itself (atomic commit, manifest, orbax, rotation) lives in `jtrainer
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 
@@ -81,9 +82,14 @@ class SavingMixin:
             else:
                 self.state.stateful_callbacks[name] = cb_state
 
+        scheduler_state = None if self._plateau is None else self._plateau.state_dict()  # as of this step
+
         def write_files(tmp: str) -> None:
             self._write_model(tmp, tensors)
             self.state.save_to_json(os.path.join(tmp, checkpoint.TRAINER_STATE_NAME))
+            if scheduler_state is not None:
+                with open(os.path.join(tmp, checkpoint.SCHEDULER_NAME), "w") as f:
+                    json.dump(scheduler_state, f)
 
         def on_commit() -> None:
             if self.args.should_save:
@@ -124,6 +130,10 @@ class SavingMixin:
             )
             self.state.best_model_checkpoint = None
         self._warn_changed_args(folder)
+        scheduler_file = os.path.join(folder, checkpoint.SCHEDULER_NAME)
+        if self._plateau is not None and os.path.isfile(scheduler_file):
+            with open(scheduler_file) as f:
+                self._plateau.load_state_dict(json.load(f))
         if self.args.restore_callback_states_from_checkpoint:
             self._load_callback_state()
         epochs_trained = self.state.global_step // updates_per_epoch

@@ -165,3 +165,23 @@ def test_gradient_checkpointing_and_memory_report():
     assert m["train_mem_activations_bytes_per_device"] > 0 and m["train_mem_host_peak_bytes"] > 0
     with pytest.raises(ValueError, match="checkpoint_policies"):
         _model().gradient_checkpointing_enable({"policy": "save_everything_please"})
+
+
+def test_plateau_scheduler_state_is_checkpointed(tmp_path):
+    """The per-evaluation scheduler's counters resume with the checkpoint (HF's scheduler.pt): in mode "max" a
+    falling eval_loss is a bad evaluation, and with patience 1 the third one halves the rate only if the resumed
+    run remembers the second."""
+    rows = token_rows(8)
+
+    def run(out, resume=None):
+        args = _args(output_dir=str(out), lr_scheduler_type="reduce_lr_on_plateau",
+                     lr_scheduler_kwargs={"patience": 1, "factor": 0.5}, eval_strategy="steps", eval_steps=1,
+                     save_strategy="steps", save_steps=2, max_steps=5, metric_for_best_model="loss",
+                     greater_is_better=True)
+        trainer = Trainer(_model(), args, train_dataset=rows, eval_dataset=rows)
+        trainer.train(resume_from_checkpoint=resume)
+        return [h["learning_rate"] for h in trainer.state.log_history if "loss" in h]
+
+    whole = run(tmp_path / "whole")
+    assert len(set(whole)) > 1  # the rate did change
+    assert run(tmp_path / "resumed", str(tmp_path / "whole" / "checkpoint-2")) == pytest.approx(whole)
