@@ -196,6 +196,14 @@ def make_schedule(
     return schedule
 
 
+def _improves(current: float, best: float, mode: str, threshold_mode: str, threshold: float) -> bool:
+    """torch's (and GreedyLR's) test of a new best metric, with a relative or absolute threshold."""
+    rel = threshold_mode == "rel"
+    if mode == "min":
+        return current < (best * (1 - threshold) if rel else best - threshold)
+    return current > (best * (1 + threshold) if rel else best + threshold)
+
+
 class _HostSchedulerState:
     """state_dict / load_state_dict of a host-side scheduler (a checkpoint's scheduler.json, as HF's scheduler.pt)."""
 
@@ -224,12 +232,7 @@ class PlateauScheduler(_HostSchedulerState):
     cooldown_counter: int = 0
 
     def _is_better(self, current: float) -> bool:
-        if self.best is None:
-            return True
-        rel = self.threshold_mode == "rel"
-        if self.mode == "min":
-            return current < (self.best * (1 - self.threshold) if rel else self.best - self.threshold)
-        return current > (self.best * (1 + self.threshold) if rel else self.best + self.threshold)
+        return self.best is None or _improves(current, self.best, self.mode, self.threshold_mode, self.threshold)
 
     def step(self, metric: float, lr: float) -> float:
         """The new learning rate after an evaluation that measured `metric`."""
@@ -286,10 +289,7 @@ class GreedyScheduler(_HostSchedulerState):
         self.num_bad_epochs = self.num_good_epochs = self.cooldown_counter = self.warmup_counter = 0
 
     def _is_better(self, current: float) -> bool:
-        rel = self.threshold_mode == "rel"
-        if self.mode == "min":
-            return current < (self.best * (1.0 - self.threshold) if rel else self.best - self.threshold)
-        return current > (self.best * (1.0 + self.threshold) if rel else self.best + self.threshold)
+        return _improves(current, self.best, self.mode, self.threshold_mode, self.threshold)
 
     def step(self, metric: float, lr: float) -> float:
         """The new learning rate after an evaluation that measured `metric`."""
