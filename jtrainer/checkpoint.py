@@ -30,6 +30,8 @@ import optax
 import orbax.checkpoint as ocp
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
+from jtrainer.mixed_precision import LossScaleState
+
 logger = logging.getLogger(__name__)
 
 TRAIN_STATE_DIR = "train_state"
@@ -235,7 +237,8 @@ def restore_train_state(directory: str, like):
     if not os.path.isdir(path):
         raise FileNotFoundError(f"Can't find a valid checkpoint at {directory}")
     checkpointer = ocp.StandardCheckpointer()
-    saved = _shapes_by_path(checkpointer.metadata(path).item_metadata.tree["params"])
+    saved_tree = checkpointer.metadata(path).item_metadata.tree
+    saved = _shapes_by_path(saved_tree["params"])
     wanted = _shapes_by_path(like.params)
     for name, shape in wanted.items():
         if name in saved and saved[name] != shape:
@@ -246,7 +249,7 @@ def restore_train_state(directory: str, like):
     if missing:
         raise ValueError(f"Checkpoint {directory} has no parameters {missing[:5]}: it was saved from another model.")
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
-    saved_wrappers, _ = _peel_wrappers(checkpointer.metadata(path).item_metadata.tree["opt_state"])
+    saved_wrappers, _ = _peel_wrappers(saved_tree["opt_state"])
     wanted_wrappers, _ = _peel_wrappers(like.opt_state)
     if saved_wrappers == wanted_wrappers:
         return checkpointer.restore(path, abstract)
@@ -256,19 +259,18 @@ def restore_train_state(directory: str, like):
         "Checkpoint %s was saved with %s around the optimizer, this run uses %s: the optimizer's state is restored, "
         "the wrapper state starts afresh.", directory, _wrapper_names(saved_wrappers), _wrapper_names(wanted_wrappers),
     )
-    saved_opt = checkpointer.metadata(path).item_metadata.tree["opt_state"]
     _, core_abstract = _peel_wrappers(abstract.opt_state)
     replicated = jax.sharding.NamedSharding(like.step.sharding.mesh, jax.sharding.PartitionSpec())
-    restored = checkpointer.restore(path, abstract.replace(opt_state=_saved_wrappers(saved_opt, core_abstract, replicated)))
+    saved_opt = _saved_wrappers(saved_tree["opt_state"], core_abstract, replicated)
+    restored = checkpointer.restore(path, abstract.replace(opt_state=saved_opt))
     return restored.replace(opt_state=_rewrap(like.opt_state, _peel_wrappers(restored.opt_state)[1]))
 
 
-def _wrapper_fields() -> dict[frozenset, str]:
-    """Optimizer-state wrappers a resumed run may add or drop, by their fields (a saved state is a dict)."""
-    from jtrainer.mixed_precision import LossScaleState
-
-    return {frozenset(LossScaleState._fields): "fp16 loss scaling",
-            frozenset(optax.ApplyIfFiniteState._fields): "nan_inf_policy='skip'"}
+# Optimizer-state wrappers a resumed run may add or drop, by their fields (a saved state is a dict).
+_WRAPPERS: dict[frozenset, str] = {
+    frozenset(LossScaleState._fields): "fp16 loss scaling",
+    frozenset(optax.ApplyIfFiniteState._fields): "nan_inf_policy='skip'",
+}
 
 
 def _fields(node) -> frozenset:
@@ -277,21 +279,20 @@ def _fields(node) -> frozenset:
 
 def _peel_wrappers(opt_state) -> tuple[list[frozenset], object]:
     """(the wrappers' field sets, outermost first; the state under them)."""
-    known, chain = _wrapper_fields(), []
-    while _fields(opt_state) in known:
+    chain = []
+    while _fields(opt_state) in _WRAPPERS:
         chain.append(_fields(opt_state))
         opt_state = opt_state["inner_state"] if isinstance(opt_state, dict) else opt_state.inner_state
     return chain, opt_state
 
 
 def _wrapper_names(chain) -> str:
-    names = _wrapper_fields()
-    return " and ".join(names[fields] for fields in chain) or "no wrapper"
+    return " and ".join(_WRAPPERS[fields] for fields in chain) or "no wrapper"
 
 
 def _saved_wrappers(saved, core, sharding):
     """The abstract restore target of saved wrapper states (dicts of replicated scalars) around `core`."""
-    if _fields(saved) not in _wrapper_fields():
+    if _fields(saved) not in _WRAPPERS:
         return core
     return {key: _saved_wrappers(value, core, sharding) if key == "inner_state"
             else jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding) for key, value in saved.items()}
@@ -299,6 +300,6 @@ def _saved_wrappers(saved, core, sharding):
 
 def _rewrap(wrapped, core):
     """`wrapped` with the state under its wrappers replaced by `core`."""
-    if _fields(wrapped) not in _wrapper_fields():
+    if _fields(wrapped) not in _WRAPPERS:
         return core
     return wrapped._replace(inner_state=_rewrap(wrapped.inner_state, core))

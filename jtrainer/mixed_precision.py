@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jtrainer.optim import nested_states
+
 INITIAL_SCALE = 2.0**16
 GROWTH_FACTOR = 2.0
 BACKOFF_FACTOR = 0.5
@@ -70,8 +72,4 @@ def dynamic_loss_scaling(
 
 def loss_scale(opt_state) -> jax.Array | None:
     """The current loss scale of a (possibly wrapped) optimizer state; None without loss scaling."""
-    while opt_state is not None:
-        if isinstance(opt_state, LossScaleState):
-            return opt_state.scale
-        opt_state = getattr(opt_state, "inner_state", None)
-    return None
+    return next((s.scale for s in nested_states(opt_state) if isinstance(s, LossScaleState)), None)

@@ -518,14 +518,18 @@ def hyperparameter(opt_state, name: str) -> jax.Array | None:
     return None if hyper is None else hyper.get(name)
 
 
+def nested_states(opt_state):
+    """An optimizer state and the states wrapped inside it (`inner_state`: apply_if_finite, loss scaling,
+    inject_hyperparams), outermost first."""
+    while opt_state is not None:
+        yield opt_state
+        opt_state = getattr(opt_state, "inner_state", None)
+
+
 def find_hyperparams(opt_state) -> dict | None:
     """inject_hyperparams' dict of the (possibly wrapped, e.g. apply_if_finite) optimizer state."""
-    while opt_state is not None:
-        hyper = getattr(opt_state, "hyperparams", None)
-        if hyper is not None:
-            return hyper
-        opt_state = getattr(opt_state, "inner_state", None)
-    return None
+    return next((s.hyperparams for s in nested_states(opt_state) if getattr(s, "hyperparams", None) is not None),
+                None)
 
 
 def replace_hyperparam(opt_state, name: str, value):
