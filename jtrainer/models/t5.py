@@ -81,9 +81,6 @@ class T5Attention(nnx.Module):
                                            mask=mask_Bx1xLxS, scale=1.0)
         return self.o(out.reshape(b, length, self.num_heads * self.head_dim))
 
-    def __call__(self, x_BxLxD, kv_BxSxD, bias_1xNxLxS, mask_Bx1xLxS):
-        return self.attend(x_BxLxD, *self.keys_values(kv_BxSxD), bias_1xNxLxS, mask_Bx1xLxS)
-
 
 class T5DenseActDense(nnx.Module):
     def __init__(self, config: T5Config, rngs: nnx.Rngs):
@@ -112,9 +109,12 @@ class _AttentionLayer(nnx.Module):
         setattr(self, name, T5Attention(config, has_relative_bias, is_decoder, rngs))
         self.layer_norm = RMSNorm(config.d_model, config.layer_norm_epsilon)
 
-    def __call__(self, x, kv, bias, mask):
+    def __call__(self, x, kv, bias, mask, keys_values=None):
+        """`kv` None: self-attention; `keys_values`: keys and values computed already (a decoder cache's)."""
         normed = self.layer_norm(x)
-        return x + getattr(self, self.name)(normed, normed if kv is None else kv, bias, mask)
+        attention = getattr(self, self.name)
+        k, v = keys_values if keys_values is not None else attention.keys_values(normed if kv is None else kv)
+        return x + attention.attend(normed, k, v, bias, mask)
 
 
 class _FeedForwardLayer(nnx.Module):
@@ -150,9 +150,7 @@ class T5Block(nnx.Module):
         keys = jax.lax.dynamic_update_slice(keys, k.astype(keys.dtype), (0, index, 0, 0))
         values = jax.lax.dynamic_update_slice(values, v.astype(values.dtype), (0, index, 0, 0))
         x = x_BxLxD + self_layer.SelfAttention.attend(normed, keys, values, self_bias, self_mask)
-        no_bias = jnp.zeros((1, 1, 1, 1), x.dtype)
-        x = x + cross_layer.EncDecAttention.attend(cross_layer.layer_norm(x), cross_keys, cross_values, no_bias,
-                                                   cross_mask)
+        x = cross_layer(x, None, jnp.zeros((1, 1, 1, 1), x.dtype), cross_mask, (cross_keys, cross_values))
         return self.layer[-1](x), (keys, values, cross_keys, cross_values)
 
 
