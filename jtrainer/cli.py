@@ -34,9 +34,9 @@ def run_train(model_args: ModelArguments, data_args: DataArguments, training_arg
     from transformers import DataCollatorForSeq2Seq, DataCollatorWithPadding
 
     from jtrainer import Seq2SeqTrainer, Trainer
-    from jtrainer.optim import check_optimizer_name
+    from jtrainer.optim import check_optimizer
 
-    check_optimizer_name(training_args.optim)  # fail before reading text and training a tokenizer
+    check_optimizer(training_args)  # fail before reading text and training a tokenizer
     jobs.check_task(model_args)
     tokenizer, train_rows, eval_rows = jobs.build_data(model_args, data_args)
     model = jobs.build_model(model_args, len(tokenizer), jobs.special_tokens(tokenizer), training_args.seed)

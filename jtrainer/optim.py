@@ -8,6 +8,7 @@ used by each update sits in the optimizer state (what HF logs as `learning_rate`
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from collections.abc import Callable
@@ -18,7 +19,10 @@ import jax
 import jax.numpy as jnp
 import optax
 from transformers.trainer_utils import SchedulerType
-from transformers.training_args import OptimizerNames
+
+from jtrainer import torch_optimizers
+
+logger = logging.getLogger(__name__)
 
 Schedule = Callable[[jax.Array], jax.Array]
 
@@ -330,123 +334,229 @@ class GreedyScheduler(_HostSchedulerState):
 # ---------------------------------------------------------------------------------------------------------------
 # Optimizers
 
-# HF's rule (trainer_optimizer.get_decay_parameter_names): no decay for norm layers and these name patterns.
-_NO_DECAY = re.compile(r"bias|layernorm|rmsnorm|(?:^|\.)norm(?:$|\.)|_norm(?:$|\.)", re.IGNORECASE)
+# HF's name patterns (Trainer.get_decay_parameter_names): no decay for parameters whose lower-cased dotted name
+# matches one, nor for parameters of torch.nn.LayerNorm modules (`layer_norm_paths`, found by type by the caller).
+_NO_DECAY = re.compile(r"bias|layernorm|rmsnorm|(?:^|\.)norm(?:$|\.)|_norm(?:$|\.)")
 
 
-def decay_mask(param_paths: dict[str, Any], norm_module_paths: set[str]) -> dict[str, bool]:
+def decay_mask(param_paths: dict[str, Any], layer_norm_paths: set[str]) -> dict[str, bool]:
     """True for parameters that get weight decay, by HF's rule, keyed by dotted path."""
-    mask = {}
-    for path in param_paths:
-        module = path.rsplit(".", 1)[0] if "." in path else ""
-        mask[path] = not (_NO_DECAY.search(path) or module in norm_module_paths)
-    return mask
+    def in_layer_norm(path):
+        parts = path.split(".")
+        return any(".".join(parts[:i]) in layer_norm_paths for i in range(1, len(parts)))
+
+    return {path: not (_NO_DECAY.search(path.lower()) or in_layer_norm(path)) for path in param_paths}
 
 
-def parse_optim_args(optim_args: str | None) -> dict[str, Any]:
-    """HF's "momentum=0.9,nesterov=True" -> {"momentum": 0.9, "nesterov": True}."""
-    out: dict[str, Any] = {}
+def parse_optim_args(optim_args: str | None) -> dict[str, str]:
+    """HF's parsing of "momentum=0.9,nesterov=True": spaces dropped, values kept as strings (each optimizer
+    converts the keys it reads, as HF's handlers do)."""
+    out: dict[str, str] = {}
     for item in (optim_args or "").replace(" ", "").split(","):
         if not item:
             continue
-        key, _, raw = item.partition("=")
-        if raw.lower() in ("true", "false"):
-            out[key] = raw.lower() == "true"
-        else:
-            try:
-                out[key] = int(raw)
-            except ValueError:
-                out[key] = float(raw)
+        if item.count("=") != 1:
+            raise ValueError(f"optim_args entry {item!r} is not key=value: write e.g. optim_args='momentum=0.9'.")
+        key, value = item.split("=")
+        out[key] = value
     return out
 
 
-_ADAMW_NAMES = {n.value for n in OptimizerNames if n.value.startswith(("adamw", "paged_adamw"))} | {"stable_adamw"}
-_LION_NAMES = {"lion_32bit", "lion_8bit", "paged_lion_32bit", "paged_lion_8bit"}
-_ADEMAMIX_NAMES = {"ademamix", "ademamix_8bit", "paged_ademamix_32bit", "paged_ademamix_8bit"}
-SUPPORTED_OPTIMIZERS = sorted(
-    _ADAMW_NAMES
-    | _LION_NAMES
-    | _ADEMAMIX_NAMES
-    | {"adafactor", "sgd", "adagrad", "rmsprop", "schedule_free_adamw", "schedule_free_sgd"}
-)
+def _hf_bool(value: str) -> bool:
+    return value.lower() in ("true", "1", "yes")
 
 
-def _sgd(learning_rate, weight_decay, mask, momentum=0.0, nesterov=False, dampening=0.0):
-    # torch SGD: g += wd * p before momentum; the buffer accumulates g (dampening 0), p -= lr * buf.
-    return optax.chain(
-        optax.add_decayed_weights(weight_decay, mask),
-        optax.trace(decay=momentum, nesterov=nesterov) if momentum else optax.identity(),
-        optax.scale_by_learning_rate(learning_rate),
+@dataclass(frozen=True)
+class OptimizerContext:
+    """What an `optim` handler reads besides the injected numbers: HF's name, its optim_args (strings) and the
+    decay mask. The numbers (rate, weight decay, betas, epsilon, schedule-free's warmup) come as arguments."""
+
+    name: str
+    options: dict[str, str]
+    mask: Any
+
+
+Handler = Callable[..., optax.GradientTransformation]  # (ctx, learning_rate=, weight_decay=, b1=, b2=, eps=, ...)
+
+
+def _adamw(ctx, *, learning_rate, weight_decay, b1, b2, eps, **_):
+    return optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=ctx.mask)
+
+
+def _lion(ctx, *, learning_rate, weight_decay, b1, b2, **_):
+    # bitsandbytes' Lion (HF passes betas only): p *= 1 - lr * wd; p -= lr * sign(b1 m + (1 - b1) g).
+    return optax.lion(learning_rate, b1=b1, b2=b2, weight_decay=weight_decay, mask=ctx.mask)
+
+
+def _ademamix(ctx, *, learning_rate, weight_decay, b1, b2, eps, **_):
+    """bitsandbytes' AdEMAMix with HF's options, including its alpha and beta3 warm-up schedulers."""
+    opts = ctx.options
+    b1 = float(opts["beta1"]) if "beta1" in opts else b1
+    b2 = float(opts["beta2"]) if "beta2" in opts else b2
+    eps = float(opts["eps"]) if "eps" in opts else eps
+    b3 = float(opts.get("beta3", 0.9999))
+    alpha = float(opts.get("alpha", 5.0))
+    alpha_schedule, b3_schedule = alpha, b3
+    if int(opts.get("t_alpha", 0) or 0):
+        t_alpha = int(opts["t_alpha"])
+        # optax passes the count before this update (0-based); bitsandbytes uses the 1-based step.
+        alpha_schedule = lambda c: jnp.minimum((c + 1) * alpha / t_alpha, alpha)  # noqa: E731
+    if int(opts.get("t_beta3", 0) or 0):
+        t_beta3 = int(opts["t_beta3"])
+        ln_b1, ln_b3 = jnp.log(b1), math.log(b3)
+
+        def b3_schedule(c):
+            scale = (c + 1) / t_beta3
+            return jnp.minimum(jnp.exp(ln_b1 * ln_b3 / ((1 - scale) * ln_b3 + scale * ln_b1)), b3)
+
+    return optax.contrib.ademamix(
+        learning_rate, b1=b1, b2=b2, b3=b3_schedule, alpha=alpha_schedule, eps=eps,
+        weight_decay=weight_decay, mask=ctx.mask,
     )
 
 
-def _base_optimizer(name: str, extra: dict[str, Any], mask, *, learning_rate, weight_decay, b1, b2, eps):
-    wd = weight_decay
-    if name in _ADAMW_NAMES:
-        return optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=wd, mask=mask)
-    if name in _LION_NAMES:
-        return optax.lion(learning_rate, b1=b1, b2=b2, weight_decay=wd, mask=mask)
-    if name in _ADEMAMIX_NAMES:
-        return optax.contrib.ademamix(
-            learning_rate,
-            b1=b1,
-            b2=b2,
-            b3=extra.get("beta3", 0.9999),
-            alpha=extra.get("alpha", 5.0),
-            eps=eps,
-            weight_decay=wd,
-            mask=mask,
-        )
-    if name == "adafactor":
-        # HF: Adafactor(scale_parameter=False, relative_step=False) with the schedule's rate.
-        return optax.adafactor(
-            learning_rate,
-            min_dim_size_to_factor=1,
-            decay_rate=0.8,
-            multiply_by_parameter_scale=False,
-            clipping_threshold=1.0,
-            weight_decay_rate=wd,
-            weight_decay_mask=mask,
-            eps=1e-30,
-        )
-    if name == "sgd":
-        return _sgd(learning_rate, wd, mask, **extra)
-    if name == "adagrad":
-        return optax.chain(
-            optax.add_decayed_weights(wd, mask),
-            optax.scale_by_rss(initial_accumulator_value=extra.get("initial_accumulator_value", 0.0), eps=1e-10),
-            optax.scale_by_learning_rate(learning_rate),
-        )
-    if name == "rmsprop":
-        return optax.chain(
-            optax.add_decayed_weights(wd, mask),
-            optax.rmsprop(
-                learning_rate,
-                decay=extra.get("alpha", 0.99),
-                eps=extra.get("eps", 1e-8),
-                momentum=extra.get("momentum", 0.0) or None,
-                centered=extra.get("centered", False),
-                eps_in_sqrt=False,
-            ),
-        )
-    if name == "schedule_free_adamw":
-        return optax.contrib.schedule_free_adamw(
-            learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=wd
-        )
-    if name == "schedule_free_sgd":
-        return optax.contrib.schedule_free_sgd(learning_rate, b1=extra.get("momentum", 0.9), weight_decay=wd)
-    raise ValueError(
-        f"--optim {name!r} is not supported by jtrainer. Use one of: {', '.join(SUPPORTED_OPTIMIZERS)}."
+def _adafactor(ctx, *, learning_rate, weight_decay, **_):
+    return torch_optimizers.hf_adafactor(learning_rate, weight_decay, ctx.mask)
+
+
+def _sgd(ctx, *, learning_rate, weight_decay, **_):
+    opts = ctx.options
+    return torch_optimizers.torch_sgd(
+        learning_rate, weight_decay, ctx.mask,
+        momentum=float(opts.get("momentum", 0.0)),
+        dampening=float(opts.get("dampening", 0.0)),
+        nesterov=_hf_bool(opts.get("nesterov", "false")),
     )
+
+
+def _adagrad(ctx, *, learning_rate, weight_decay, **_):
+    opts = ctx.options
+    return torch_optimizers.torch_adagrad(
+        learning_rate, weight_decay, ctx.mask, lr_decay=float(opts.get("lr_decay", 0.0)),
+        eps=float(opts.get("eps", 1e-10)),
+    )
+
+
+def _rmsprop(ctx, *, learning_rate, weight_decay, **_):
+    opts = ctx.options
+    return torch_optimizers.torch_rmsprop(
+        learning_rate, weight_decay, ctx.mask,
+        alpha=float(opts.get("alpha", 0.99)),
+        eps=float(opts.get("eps", 1e-8)),
+        momentum=float(opts.get("momentum", 0.0)),
+        centered=_hf_bool(opts.get("centered", "false")),
+    )
+
+
+def _schedule_free_options(ctx):
+    return {"weight_lr_power": float(ctx.options.get("weight_lr_power", 2.0)), "r": float(ctx.options.get("r", 0.0))}
+
+
+def _schedule_free_adamw(ctx, *, learning_rate, weight_decay, b1, b2, eps, optimizer_warmup_steps, **_):
+    return torch_optimizers.schedule_free(
+        learning_rate, weight_decay, ctx.mask, b1=b1, b2=b2, eps=eps, warmup_steps=optimizer_warmup_steps,
+        **_schedule_free_options(ctx),
+    )
+
+
+def _schedule_free_sgd(ctx, *, learning_rate, weight_decay, optimizer_warmup_steps, **_):
+    # HF passes no momentum: SGDScheduleFree's default 0.9.
+    return torch_optimizers.schedule_free(
+        learning_rate, weight_decay, ctx.mask, b1=0.9, warmup_steps=optimizer_warmup_steps,
+        **_schedule_free_options(ctx),
+    )
+
+
+def _stable_adamw(ctx, *, learning_rate, weight_decay, b1, b2, eps, **_):
+    opts = ctx.options
+    max_lr = opts.get("max_lr")
+    return torch_optimizers.stable_adamw(
+        learning_rate, b1, b2, eps, weight_decay, ctx.mask,
+        decouple_lr=bool(opts.get("decouple_lr", "")),  # HF: bool() of the string, so any value turns it on
+        max_lr=None if max_lr is None else float(max_lr),
+    )
+
+
+@dataclass(frozen=True)
+class OptimizerRule:
+    handler: Handler
+    options: tuple[str, ...] = ()  # the optim_args keys HF's handler reads (others have no effect, in HF too)
+    low_bit: bool = False  # HF keeps the state in 8 or 4 bits; jtrainer keeps 32 (the same update rule)
+
+
+_BNB_ADAMW = ("adamw_bnb_8bit", "adamw_8bit", "paged_adamw_32bit", "paged_adamw_8bit")
+_TORCHAO_ADAMW = ("adamw_torch_4bit", "adamw_torch_8bit")
+_ANYPRECISION_OPTIONS = ("use_kahan_summation", "momentum_dtype", "variance_dtype", "compensation_buffer_dtype")
+_ADEMAMIX_OPTIONS = ("beta1", "beta2", "beta3", "alpha", "eps", "t_alpha", "t_beta3")
+
+# HF's `optim` name -> the rule of the optimizer it builds (transformers/trainer_optimizer.py's handler table).
+OPTIMIZERS: dict[str, OptimizerRule] = {
+    **dict.fromkeys(("adamw_torch", "adamw_torch_fused", "adamw_torch_xla", "adamw_torch_npu_fused"),
+                    OptimizerRule(_adamw)),
+    "adamw_anyprecision": OptimizerRule(_adamw, _ANYPRECISION_OPTIONS),
+    **{name: OptimizerRule(_adamw, low_bit="8bit" in name) for name in _BNB_ADAMW},
+    **{name: OptimizerRule(_adamw, ("block_size", "bf16_stochastic_round"), low_bit=True) for name in _TORCHAO_ADAMW},
+    **{name: OptimizerRule(_lion, low_bit="8bit" in name)
+       for name in ("lion_32bit", "lion_8bit", "paged_lion_32bit", "paged_lion_8bit")},
+    **{name: OptimizerRule(_ademamix, _ADEMAMIX_OPTIONS, low_bit="8bit" in name)
+       for name in ("ademamix", "ademamix_8bit", "paged_ademamix_32bit", "paged_ademamix_8bit")},
+    "adafactor": OptimizerRule(_adafactor),
+    "sgd": OptimizerRule(_sgd, ("momentum", "dampening", "nesterov")),
+    "adagrad": OptimizerRule(_adagrad, ("lr_decay", "eps")),
+    "rmsprop": OptimizerRule(_rmsprop, ("momentum", "alpha", "eps", "centered")),
+    "schedule_free_adamw": OptimizerRule(_schedule_free_adamw, ("weight_lr_power", "r")),
+    "schedule_free_sgd": OptimizerRule(_schedule_free_sgd, ("weight_lr_power", "r")),
+    "stable_adamw": OptimizerRule(_stable_adamw, ("decouple_lr", "max_lr", "kahan_sum")),
+}
+SUPPORTED_OPTIMIZERS = sorted(OPTIMIZERS)
 
 
 def check_optimizer_name(name: Any) -> str:
     name = getattr(name, "value", name)
-    if name not in SUPPORTED_OPTIMIZERS:
+    if name not in OPTIMIZERS:
         raise ValueError(
             f"--optim {name!r} is not supported by jtrainer. Use one of: {', '.join(SUPPORTED_OPTIMIZERS)}."
         )
     return name
+
+
+def check_optimizer(args) -> tuple[str, dict[str, str]]:
+    """HF's `optim` name and its optim_args, checked before anything compiles: an unknown name, or an option HF
+    would honour that jtrainer cannot reproduce, raises naming it."""
+    name = check_optimizer_name(args.optim)
+    options = parse_optim_args(args.optim_args)
+    if name == "adamw_anyprecision":
+        defaults = {"use_kahan_summation": "false", "momentum_dtype": "float32", "variance_dtype": "float32",
+                    "compensation_buffer_dtype": "bfloat16"}
+        changed = [k for k in _ANYPRECISION_OPTIONS if k in options and options[k].lower() != defaults[k]]
+        if changed:
+            raise ValueError(
+                f"optim=adamw_anyprecision with optim_args {', '.join(changed)}: torchdistx's low-precision states "
+                "and Kahan summation are not reproduced by jtrainer; drop these options (float32 AdamW)."
+            )
+    if name == "stable_adamw" and options.get("decouple_lr") and "max_lr" not in options:
+        raise ValueError("optim_args decouple_lr for stable_adamw needs max_lr=<the schedule's peak rate>.")
+    if name == "sgd" and _hf_bool(options.get("nesterov", "false")) and (
+        float(options.get("momentum", 0)) <= 0 or float(options.get("dampening", 0)) != 0
+    ):
+        raise ValueError("optim_args nesterov=True needs momentum > 0 and dampening=0 (torch's SGD refuses it).")
+    return name, options
+
+
+def optimizer_context(args, mask=None) -> OptimizerContext:
+    """The checked name and options with the decay mask; options without effect (in HF too) and low-bit names
+    (whose state jtrainer keeps in 32 bits) warn."""
+    name, options = check_optimizer(args)
+    rule = OPTIMIZERS[name]
+    for key in options:
+        if key not in rule.options:
+            logger.warning(f"optim_args {key}={options[key]} has no effect on optim={name!r} (nor in HF's Trainer).")
+    if rule.low_bit:
+        logger.warning(
+            f"optim={name!r}: jtrainer keeps the optimizer state in 32 bits and applies the same update rule; HF's "
+            "8/4-bit state differs from it by quantization error."
+        )
+    return OptimizerContext(name, options, mask)
 
 
 def make_optimizer(
@@ -467,15 +577,15 @@ def make_optimizer(
     schedule or a constant the host may change (reduce_lr_on_plateau). The state's `learning_rate` is the rate
     the last update used (what HF logs).
     """
-    name = check_optimizer_name(args.optim)
-    extra = parse_optim_args(args.optim_args)
+    ctx = optimizer_context(args, mask)
+    handler = OPTIMIZERS[ctx.name].handler
 
     # Named one by one: inject_hyperparams only injects named numeric arguments.
-    def factory(learning_rate, weight_decay, b1, b2, eps, base_learning_rate, warmup_steps, total_steps, max_grad_norm):
+    def factory(learning_rate, weight_decay, b1, b2, eps, optimizer_warmup_steps, base_learning_rate, warmup_steps,
+                total_steps, max_grad_norm):
         del base_learning_rate, warmup_steps, total_steps, max_grad_norm  # read by `scheduled` and the step
-        return _base_optimizer(
-            name, extra, mask, learning_rate=learning_rate, weight_decay=weight_decay, b1=b1, b2=b2, eps=eps
-        )
+        return handler(ctx, learning_rate=learning_rate, weight_decay=weight_decay, b1=b1, b2=b2, eps=eps,
+                       optimizer_warmup_steps=optimizer_warmup_steps)
 
     base_lr = float(args.learning_rate)
     tx = optax.inject_hyperparams(factory)(
@@ -484,6 +594,8 @@ def make_optimizer(
         b1=float(args.adam_beta1),
         b2=float(args.adam_beta2),
         eps=float(args.adam_epsilon),
+        # Schedule-free optimizers' own warmup: HF passes its `warmup_steps` argument as given.
+        optimizer_warmup_steps=float(args.warmup_steps),
         base_learning_rate=base_lr,
         warmup_steps=float(warmup_steps),
         total_steps=float(total_steps),
@@ -547,3 +659,13 @@ def current_learning_rate(opt_state) -> jax.Array | None:
 def skip_non_finite(tx: optax.GradientTransformation) -> optax.GradientTransformation:
     """Updates with a NaN or Inf are skipped (parameters and moments unchanged) and counted."""
     return optax.apply_if_finite(tx, max_consecutive_errors=2**31 - 1)
+
+
+def schedule_free_eval_params(opt_state, params):
+    """The parameters schedulefree's `optimizer.eval()` puts in the model, x = y + (1 - 1/b1)(z - y), which HF
+    evaluates and saves until the next training step; None when the optimizer is not schedule-free."""
+    for state in nested_states(opt_state):
+        if isinstance(state, torch_optimizers.ScheduleFreeState):
+            weight = 1.0 - 1.0 / state.b1
+            return jax.tree.map(lambda y, z: y + weight * (z - y), params, state.z)
+    return None

@@ -14,6 +14,11 @@ from transformers.trainer_utils import SchedulerType
 
 from jtrainer import optim
 from jtrainer.models.base import count_parameters
+from jtrainer.models.gpt2 import LayerNorm
+
+# The modules HF excludes from weight decay by type (its ALL_LAYERNORM_LAYERS is [torch.nn.LayerNorm]): flax's
+# LayerNorm and jtrainer's port of torch's. RMSNorms are matched by name only, as in HF.
+LAYER_NORM_TYPES = (nnx.LayerNorm, LayerNorm)
 
 
 def dotted(path: tuple) -> str:
@@ -24,17 +29,16 @@ def dotted(path: tuple) -> str:
 class OptimizerMixin:
     """create_optimizer / create_scheduler and friends; uses the Trainer's args, model and train state."""
 
-    def _norm_module_paths(self) -> set[str]:
-        norms = set()
-        for path, node in nnx.iter_graph(self.model):
-            if isinstance(node, nnx.Module) and "norm" in type(node).__name__.lower():
-                norms.add(".".join(map(str, path)))
-        return norms
-
     def get_decay_parameter_names(self, model=None) -> list[str]:
-        params = nnx.to_pure_dict(nnx.state(model or self.model, nnx.Param))
+        """HF's rule: every parameter but those of LayerNorm modules (torch.nn.LayerNorm's counterparts, by type)
+        and those whose names match HF's bias/norm patterns."""
+        model = model or self.model
+        layer_norms = {
+            ".".join(map(str, path)) for path, node in nnx.iter_graph(model) if isinstance(node, LAYER_NORM_TYPES)
+        }
+        params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
         paths = {dotted(p): None for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]}
-        return [p for p, decays in optim.decay_mask(paths, self._norm_module_paths()).items() if decays]
+        return [p for p, decays in optim.decay_mask(paths, layer_norms).items() if decays]
 
     def _decay_mask_tree(self, params):
         decayed = set(self.get_decay_parameter_names())

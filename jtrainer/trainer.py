@@ -105,7 +105,7 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         if optimizers[0] is not None and optimizer_cls_and_kwargs is not None:
             raise RuntimeError("Passing both `optimizers` and `optimizer_cls_and_kwargs` arguments is incompatible.")
         if optimizers[0] is None and optimizer_cls_and_kwargs is None:
-            optim.check_optimizer_name(args.optim)
+            optim.check_optimizer(args)
         if args.eval_strategy != IntervalStrategy.NO and eval_dataset is None:
             raise ValueError(
                 f"You have set `args.eval_strategy` to {args.eval_strategy} but you didn't pass an `eval_dataset` "

@@ -88,15 +88,54 @@ def test_greedy_matches_transformers(kwargs):
 
 def test_weight_decay_mask_follows_hf_rule():
     paths = ["model.layers.0.q_proj.kernel", "model.layers.0.q_proj.bias", "model.norm.weight",
-             "model.layers.0.input_layernorm.weight", "model.final_norm.weight", "encoder.ln.weight"]
-    mask = decay_mask(dict.fromkeys(paths), norm_module_paths={"encoder.ln"})
+             "model.layers.0.input_layernorm.weight", "model.final_norm.weight", "encoder.ln.weight",
+             "encoder.ln_scale.weight", "encoder.Normalizer.kernel"]
+    mask = decay_mask(dict.fromkeys(paths), layer_norm_paths={"encoder.ln"})
     assert mask == {paths[0]: True, paths[1]: False, paths[2]: False, paths[3]: False, paths[4]: False,
-                    paths[5]: False}
+                    paths[5]: False, paths[6]: True, paths[7]: True}
+
+
+_FAMILIES = {
+    "llama": ("LlamaConfig", dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                  num_attention_heads=2, num_key_value_heads=1), "AutoModelForCausalLM"),
+    "qwen3": ("Qwen3Config", dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                  num_attention_heads=2, num_key_value_heads=1, head_dim=8), "AutoModelForCausalLM"),
+    "gpt2": ("GPT2Config", dict(vocab_size=32, n_embd=16, n_layer=1, n_head=2, n_positions=16),
+             "AutoModelForCausalLM"),
+    "bert": ("BertConfig", dict(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                intermediate_size=32, max_position_embeddings=16), "AutoModelForSequenceClassification"),
+    "t5": ("T5Config", dict(vocab_size=32, d_model=16, d_ff=32, num_layers=1, num_heads=2, d_kv=8,
+                            decoder_start_token_id=0),
+           "AutoModelForSeq2SeqLM"),
+}
+
+
+@pytest.mark.parametrize("family", sorted(_FAMILIES))
+def test_decay_groups_equal_hf_on_every_family(family):
+    """jtrainer's decay groups on its models are HF's `get_decay_parameter_names` on the torch twins."""
+    pytest.importorskip("torch")
+    import transformers
+    from flax import nnx
+
+    from jtrainer import Trainer, models
+    from jtrainer.models import hf_io
+
+    config_name, kwargs, auto_name = _FAMILIES[family]
+    config = getattr(transformers, config_name)(**kwargs)
+    torch_model = getattr(transformers, auto_name).from_config(config)
+    hf_decayed = set(transformers.Trainer.get_decay_parameter_names(None, torch_model))
+    model = getattr(models, auto_name).from_config(config)
+    ours = Trainer.get_decay_parameter_names(Trainer.__new__(Trainer), model)
+    ours_hf = {hf_io._hf_name(tuple(p.split(".")))[0] for p in ours}
+    every = {hf_io._hf_name(path)[0] for path, _ in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    assert ours_hf == hf_decayed & every
+    assert any(not n.endswith("bias") for n in every - ours_hf)  # the test sees excluded norm weights
 
 
 def test_optim_args_parsing():
+    """HF's parsing: strings per key (each optimizer converts what it reads)."""
     assert parse_optim_args("momentum=0.9, nesterov=True,dampening=0") == {
-        "momentum": 0.9, "nesterov": True, "dampening": 0}
+        "momentum": "0.9", "nesterov": "True", "dampening": "0"}
 
 
 @pytest.mark.parametrize("name", SUPPORTED_OPTIMIZERS)
