@@ -96,7 +96,8 @@ class EvaluationMixin:
 
     def _current_params(self):
         if self._train_state is not None:
-            return self._train_state.params, self._train_state.model_state
+            self._optimizer_eval_mode = True  # HF's evaluation_loop: optimizer.eval()
+            return self._model_params(), self._train_state.model_state
         _, params, rest = nnx.split(self.model, nnx.Param, ...)
         return (
             jax.device_put(nnx.to_pure_dict(params), sharding.named(self.mesh, self._param_specs)),
@@ -157,10 +158,10 @@ class EvaluationMixin:
         loss_only = prediction_loss_only if prediction_loss_only is not None else args.prediction_loss_only
         generating = not loss_only and self._generates()  # predictions are generated ids (Seq2SeqTrainer)
         want_logits = not loss_only and not generating
+        params, model_state = self._current_params()
         if generating:
             self._sync_model()  # generation reads the model: give it the trained parameters
         self.callback_handler.eval_dataloader = dataloader
-        params, model_state = self._current_params()
         pad_id = getattr(self.processing_class, "pad_token_id", None) or 0
         shapes = data.ShapeKeeper(dataloader.local_rows, pad_id, agree=distributed.agree_max)
         spec, step = None, None

@@ -135,6 +135,9 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         self._trial = None
         self._train_state: TrainState | None = None
         self._last_step_batch: StepBatch | None = None
+        # HF's optimizer.eval() / .train(): schedule-free optimizers put x in the model for evaluation (and saves
+        # until the next step), y while training.
+        self._optimizer_eval_mode = False
         self._pending_checkpoint: checkpoint.PendingCheckpoint | None = None
         self._plateau: optim.PlateauScheduler | optim.GreedyScheduler | None = None
         self._created_lr_scheduler = False
@@ -373,11 +376,20 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
             return optim.skip_non_finite(self.optimizer)
         return self.optimizer
 
+    def _model_params(self):
+        """The parameters HF's model holds now: the trained ones, or, for a schedule-free optimizer after an
+        evaluation (HF's `optimizer.eval()`), its x parameters."""
+        params = self._train_state.params
+        if self._optimizer_eval_mode:
+            evaluated = optim.schedule_free_eval_params(self._train_state.opt_state, params)
+            params = params if evaluated is None else evaluated
+        return params
+
     def _sync_model(self) -> None:
         """Write (copies of) the trained parameters into `self.model`, in place, as HF trains the model given."""
         if self._train_state is not None:
             _, params, _ = nnx.split(self.model, nnx.Param, ...)
-            nnx.replace_by_pure_dict(params, jax.tree.map(jnp.copy, self._train_state.params))
+            nnx.replace_by_pure_dict(params, jax.tree.map(jnp.copy, self._model_params()))
             nnx.update(self.model, params, jax.tree.map(jnp.copy, self._train_state.model_state))
 
     # ---------------------------------------------------------------------------------------------- training
@@ -595,6 +607,7 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
                         if args.auto_find_batch_size and self.state.global_step == self._initial_global_step:
                             compiled = train_step.lower(self._train_state, step_batch).compile()
                             batch_size.check_fits(compiled, args.per_device_train_batch_size)
+                        self._optimizer_eval_mode = False  # HF's training_step: optimizer.train()
                         self._train_state, metrics = train_step(self._train_state, step_batch)
                     self._last_step_batch = step_batch
                     self._pending_losses.append(metrics["loss"])

@@ -9,8 +9,8 @@ pytest.importorskip("accelerate")
 from conftest import tiny_llama_config, token_rows, torch_rows  # noqa: E402
 
 
-def _args(cls, out):
-    return cls(
+def _args(cls, out, **over):
+    kw = dict(
         output_dir=str(out),
         per_device_train_batch_size=4,
         gradient_accumulation_steps=2,
@@ -29,6 +29,8 @@ def _args(cls, out):
         use_cpu=True,
         optim="adamw_torch",
     )
+    kw.update(over)
+    return cls(**kw)
 
 
 def test_same_run_as_transformers_trainer(tmp_path):
@@ -73,3 +75,47 @@ def test_same_run_as_transformers_trainer(tmp_path):
     assert set(got_params) <= set(ref_params)
     for name, value in got_params.items():
         np.testing.assert_allclose(value, ref_params[name], rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("optim", ["schedule_free_adamw", "schedule_free_sgd"])
+def test_schedule_free_evaluates_and_saves_x_as_transformers(tmp_path, optim):
+    """HF's evaluation_loop calls optimizer.eval(): evaluation sees schedule-free's x parameters, and the model
+    keeps them until the next training step (here the end of training, so x is what is saved)."""
+    pytest.importorskip("schedulefree")
+    import transformers
+
+    from jtrainer import Trainer, TrainingArguments
+    from jtrainer.models.hf_io import to_hf_state_dict
+    from jtrainer.models.llama import LlamaForCausalLM
+
+    config = tiny_llama_config()
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "init")
+    rows, eval_rows = token_rows(32, ragged_labels=True), token_rows(8, seed=1)
+    over = dict(optim=optim, eval_strategy="steps", eval_steps=4, num_train_epochs=1, learning_rate=1e-2,
+                warmup_steps=1, lr_scheduler_type="constant", per_device_eval_batch_size=4)
+
+    hf = transformers.Trainer(
+        model=transformers.LlamaForCausalLM.from_pretrained(tmp_path / "init"),
+        args=_args(transformers.TrainingArguments, tmp_path / "hf", **over),
+        train_dataset=torch_rows(rows), eval_dataset=torch_rows(eval_rows),
+    )
+    hf.train()
+    ours = Trainer(
+        model=LlamaForCausalLM.from_pretrained(str(tmp_path / "init")),
+        args=_args(TrainingArguments, tmp_path / "jt", **over), train_dataset=rows, eval_dataset=eval_rows,
+    )
+    ours.train()
+
+    hf_evals = [h for h in hf.state.log_history if "eval_loss" in h]
+    jt_evals = [h for h in ours.state.log_history if "eval_loss" in h]
+    assert [h["step"] for h in jt_evals] == [h["step"] for h in hf_evals] == [4]
+    np.testing.assert_allclose(jt_evals[0]["eval_loss"], hf_evals[0]["eval_loss"], rtol=1e-5)
+    for ref, got in zip([h for h in hf.state.log_history if "loss" in h],
+                        [h for h in ours.state.log_history if "loss" in h]):
+        np.testing.assert_allclose(got["loss"], ref["loss"], rtol=1e-4, err_msg=str(ref["step"]))
+    # float32 on both sides; Adam-normalised updates of rate 1e-2 leave ~1e-5 of rounding noise on a few entries,
+    # while x and y differ by ~1e-3.
+    ref_params = {k: v.detach().numpy() for k, v in hf.model.state_dict().items()}
+    for name, value in to_hf_state_dict(ours.model).items():
+        np.testing.assert_allclose(value, ref_params[name], rtol=1e-4, atol=5e-5, err_msg=name)
