@@ -83,8 +83,8 @@ class EvaluationMixin:
     def _step_plateau(self, metric: float) -> None:
         opt_state = self._train_state.opt_state
         current = optim.current_learning_rate(opt_state)
-        lr = float(current)
-        new_lr = self._plateau.step(metric, lr)
+        lr = self._plateau.last_lr  # the host's float64 rate, as torch's scheduler keeps it
+        new_lr = self._plateau.last_lr = self._plateau.step(metric, lr)
         if new_lr != lr:
             value = jax.device_put(jnp.asarray(new_lr, current.dtype), current.sharding)
             opt_state = optim.replace_hyperparam(opt_state, "learning_rate", value)

@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from transformers.trainer_utils import SchedulerType
 
@@ -32,70 +33,70 @@ Schedule = Callable[[jax.Array], jax.Array]
 # recompile.
 
 
-def _at_least_1(x):
-    return jnp.maximum(1.0, x)
+def _at_least_1(x, xp=jnp):
+    return xp.maximum(1.0, x)
 
 
-def _warmup(s, warmup):
-    return s / _at_least_1(warmup)
+def _warmup(s, warmup, xp=jnp):
+    return s / _at_least_1(warmup, xp)
 
 
-def _linear(s, *, warmup, total, base_lr):
-    decay = jnp.maximum(0.0, (total - s) / _at_least_1(total - warmup))
-    return jnp.where(s < warmup, _warmup(s, warmup), decay)
+def _linear(s, *, warmup, total, base_lr, xp=jnp):
+    decay = xp.maximum(0.0, (total - s) / _at_least_1(total - warmup, xp))
+    return xp.where(s < warmup, _warmup(s, warmup, xp), decay)
 
 
-def _cosine(s, *, warmup, total, base_lr, num_cycles=0.5, min_lr_rate=0.0, min_lr=None):
+def _cosine(s, *, warmup, total, base_lr, num_cycles=0.5, min_lr_rate=0.0, min_lr=None, xp=jnp):
     if min_lr is not None:
         min_lr_rate = min_lr / base_lr
-    progress = (s - warmup) / _at_least_1(total - warmup)
-    factor = 0.5 * (1.0 + jnp.cos(math.pi * num_cycles * 2.0 * progress))
-    factor = jnp.maximum(0.0, factor * (1 - min_lr_rate) + min_lr_rate)
-    return jnp.where(s < warmup, _warmup(s, warmup), factor)
+    progress = (s - warmup) / _at_least_1(total - warmup, xp)
+    factor = 0.5 * (1.0 + xp.cos(math.pi * num_cycles * 2.0 * progress))
+    factor = xp.maximum(0.0, factor * (1 - min_lr_rate) + min_lr_rate)
+    return xp.where(s < warmup, _warmup(s, warmup, xp), factor)
 
 
-def _cosine_with_restarts(s, *, warmup, total, base_lr, num_cycles=1):
-    progress = (s - warmup) / _at_least_1(total - warmup)
-    factor = jnp.maximum(0.0, 0.5 * (1.0 + jnp.cos(math.pi * jnp.mod(num_cycles * progress, 1.0))))
-    factor = jnp.where(progress >= 1.0, 0.0, factor)
-    return jnp.where(s < warmup, _warmup(s, warmup), factor)
+def _cosine_with_restarts(s, *, warmup, total, base_lr, num_cycles=1, xp=jnp):
+    progress = (s - warmup) / _at_least_1(total - warmup, xp)
+    factor = xp.maximum(0.0, 0.5 * (1.0 + xp.cos(math.pi * xp.mod(num_cycles * progress, 1.0))))
+    factor = xp.where(progress >= 1.0, 0.0, factor)
+    return xp.where(s < warmup, _warmup(s, warmup, xp), factor)
 
 
-def _polynomial(s, *, warmup, total, base_lr, lr_end=1e-7, power=1.0):
-    pct_remaining = 1 - (s - warmup) / _at_least_1(total - warmup)
-    decay = ((base_lr - lr_end) * jnp.maximum(pct_remaining, 0.0) ** power + lr_end) / base_lr
-    decay = jnp.where(s > total, lr_end / base_lr, decay)
-    return jnp.where(s < warmup, _warmup(s, warmup), decay)
+def _polynomial(s, *, warmup, total, base_lr, lr_end=1e-7, power=1.0, xp=jnp):
+    pct_remaining = 1 - (s - warmup) / _at_least_1(total - warmup, xp)
+    decay = ((base_lr - lr_end) * xp.maximum(pct_remaining, 0.0) ** power + lr_end) / base_lr
+    decay = xp.where(s > total, lr_end / base_lr, decay)
+    return xp.where(s < warmup, _warmup(s, warmup, xp), decay)
 
 
-def _constant(s, **_):
-    return jnp.ones_like(s)
+def _constant(s, xp=jnp, **_):
+    return xp.ones_like(s)
 
 
-def _constant_with_warmup(s, *, warmup, **_):
-    return jnp.where(s < warmup, _warmup(s, warmup), 1.0)
+def _constant_with_warmup(s, *, warmup, xp=jnp, **_):
+    return xp.where(s < warmup, _warmup(s, warmup, xp), 1.0)
 
 
-def _inverse_sqrt(s, *, warmup, timescale=None, **_):
+def _inverse_sqrt(s, *, warmup, timescale=None, xp=jnp, **_):
     if timescale is None:
-        timescale = jnp.where(warmup > 0, warmup, 10_000.0)
-    decay = 1.0 / jnp.sqrt((s + timescale - warmup) / timescale)
-    return jnp.where(s < warmup, _warmup(s, warmup), decay)
+        timescale = xp.where(warmup > 0, warmup, 10_000.0)
+    decay = 1.0 / xp.sqrt((s + timescale - warmup) / timescale)
+    return xp.where(s < warmup, _warmup(s, warmup, xp), decay)
 
 
 def _cosine_warmup_with_min_lr(
-    s, *, warmup, total, base_lr, min_lr_rate=None, min_lr=None, num_cycles=0.5, warmup_lr_rate=None
+    s, *, warmup, total, base_lr, min_lr_rate=None, min_lr=None, num_cycles=0.5, warmup_lr_rate=None, xp=jnp
 ):
     if min_lr is not None:
         min_lr_rate = min_lr / base_lr
     if warmup_lr_rate is None:
-        warm = (s + 1.0) / _at_least_1(warmup)
+        warm = (s + 1.0) / _at_least_1(warmup, xp)
     else:
-        warm = warmup_lr_rate + (1.0 - warmup_lr_rate) * s / _at_least_1(warmup - 1)
-    progress = (s - warmup + 1.0) / _at_least_1(total - warmup)
-    factor = 0.5 * (1.0 + jnp.cos(math.pi * num_cycles * 2.0 * progress))
-    factor = jnp.maximum(0.0, factor * (1 - min_lr_rate) + min_lr_rate)
-    return jnp.where(s < warmup, warm, factor)
+        warm = warmup_lr_rate + (1.0 - warmup_lr_rate) * s / _at_least_1(warmup - 1, xp)
+    progress = (s - warmup + 1.0) / _at_least_1(total - warmup, xp)
+    factor = 0.5 * (1.0 + xp.cos(math.pi * num_cycles * 2.0 * progress))
+    factor = xp.maximum(0.0, factor * (1 - min_lr_rate) + min_lr_rate)
+    return xp.where(s < warmup, warm, factor)
 
 
 _SHAPES = ("linear", "cosine", "1-sqrt")
@@ -113,29 +114,30 @@ def _wsd(
     decay_type="cosine",
     min_lr_ratio=0.0,
     num_cycles=0.5,
+    xp=jnp,
 ):
     if num_stable_steps is None:
         num_stable_steps = total - warmup - num_decay_steps
-    p_warm = s / _at_least_1(warmup)
+    p_warm = s / _at_least_1(warmup, xp)
     if warmup_type == "cosine":
-        up = 0.5 * (1.0 - jnp.cos(math.pi * p_warm))
+        up = 0.5 * (1.0 - xp.cos(math.pi * p_warm))
     elif warmup_type == "1-sqrt":
-        up = 1.0 - jnp.sqrt(jnp.clip(1.0 - p_warm, 0.0, 1.0))
+        up = 1.0 - xp.sqrt(xp.clip(1.0 - p_warm, 0.0, 1.0))
     else:
         up = p_warm
     p_decay = (s - warmup - num_stable_steps) / max(1, num_decay_steps)
     if decay_type == "cosine":
-        down = 0.5 * (1.0 + jnp.cos(math.pi * num_cycles * 2.0 * p_decay))
+        down = 0.5 * (1.0 + xp.cos(math.pi * num_cycles * 2.0 * p_decay))
     elif decay_type == "1-sqrt":
-        down = 1.0 - jnp.sqrt(jnp.clip(p_decay, 0.0, 1.0))
+        down = 1.0 - xp.sqrt(xp.clip(p_decay, 0.0, 1.0))
     else:
         down = 1.0 - p_decay
-    scale = lambda f: jnp.maximum(0.0, f * (1.0 - min_lr_ratio) + min_lr_ratio)  # noqa: E731
+    scale = lambda f: xp.maximum(0.0, f * (1.0 - min_lr_ratio) + min_lr_ratio)  # noqa: E731
     stable_end = warmup + num_stable_steps
-    return jnp.select(
+    return xp.select(
         [s < warmup, s < stable_end, s < stable_end + num_decay_steps],
-        [scale(up), jnp.ones_like(s), scale(down)],
-        min_lr_ratio * jnp.ones_like(s),
+        [scale(up), xp.ones_like(s), scale(down)],
+        min_lr_ratio * xp.ones_like(s),
     )
 
 
@@ -182,6 +184,24 @@ def schedule_multiplier(
     return lambda s, *, warmup, total, base_lr: fn(  # noqa: E731
         jnp.asarray(s, jnp.float32), warmup=warmup, total=total, base_lr=base_lr, **kw
     )
+
+
+def host_learning_rate(
+    name: str | SchedulerType,
+    base_lr: float,
+    step: int,
+    num_warmup_steps: int,
+    num_training_steps: int,
+    kwargs: dict[str, Any] | None = None,
+) -> float:
+    """HF's rate at scheduler step `step` as HF computes it (Python float64): what the logs show. The device
+    applies the float32 rounding of the same formula."""
+    schedule_multiplier(name, base_lr, kwargs)  # HF's checks
+    fn = _MULTIPLIERS[SchedulerType(name).value]
+    with np.errstate(divide="ignore", invalid="ignore"):  # branches not taken (as jnp.where) may divide by 0
+        multiplier = fn(np.float64(step), warmup=float(num_warmup_steps), total=float(num_training_steps),
+                        base_lr=float(base_lr), xp=np, **dict(kwargs or {}))
+    return float(base_lr) * float(multiplier)
 
 
 def make_schedule(
@@ -649,6 +669,12 @@ def replace_hyperparam(opt_state, name: str, value):
     if getattr(opt_state, "hyperparams", None) is not None:
         return opt_state._replace(hyperparams={**opt_state.hyperparams, name: value})
     return opt_state._replace(inner_state=replace_hyperparam(opt_state.inner_state, name, value))
+
+
+def schedule_count(opt_state) -> jax.Array | None:
+    """The number of updates inject_hyperparams has applied (skipped non-finite ones not counted): the scheduler
+    step of the next update."""
+    return next((s.count for s in nested_states(opt_state) if getattr(s, "hyperparams", None) is not None), None)
 
 
 def current_learning_rate(opt_state) -> jax.Array | None:

@@ -90,6 +90,8 @@ class OptimizerMixin:
             )
         elif plateau:  # HF's GreedyLR: its own defaults (mode "min"), lr_scheduler_kwargs override them
             self._plateau = optim.GreedyScheduler(initial_lr=args.learning_rate, **(args.lr_scheduler_kwargs or {}))
+        if plateau:
+            self._plateau.last_lr = float(args.learning_rate)  # saved and restored with the scheduler's counters
         return self.optimizer
 
     def create_optimizer_and_scheduler(self, num_training_steps: int) -> None:
@@ -99,8 +101,24 @@ class OptimizerMixin:
     def get_learning_rates(self) -> list[float]:
         if self._train_state is None:
             raise ValueError("Trainer optimizer is None, please make sure you have setup the optimizer before.")
-        lr = optim.current_learning_rate(self._train_state.opt_state)
-        return [float(lr)] if lr is not None else []
+        opt_state = self._train_state.opt_state
+        lr = optim.current_learning_rate(opt_state)
+        if lr is None:
+            return []
+        return [self._host_learning_rate(lr, optim.schedule_count(opt_state))]
+
+    def _host_learning_rate(self, device_lr, count) -> float:
+        """The rate of the last update as HF logs it: its scheduler's Python float64 value (the device stepped with
+        its float32 rounding); a user's own schedule is read from the device."""
+        args = self.args
+        if self._plateau is not None:
+            return self._plateau.last_lr
+        if self._created_lr_scheduler:
+            return optim.host_learning_rate(
+                args.lr_scheduler_type, args.learning_rate, max(int(count) - 1, 0), *self._schedule_values,
+                args.lr_scheduler_kwargs,
+            )
+        return float(device_lr)
 
     def get_optimizer_group(self, param=None):
         params = nnx.to_pure_dict(nnx.state(self.model, nnx.Param))

@@ -19,7 +19,7 @@ from flax import nnx
 
 from jtrainer.losses import IGNORE_INDEX, count_label_tokens, shift_labels, token_cross_entropy_sum
 from jtrainer.mixed_precision import loss_scale
-from jtrainer.optim import current_learning_rate, hyperparameter
+from jtrainer.optim import current_learning_rate, hyperparameter, schedule_count
 from jtrainer.state import TrainState
 
 
@@ -200,6 +200,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, spec: LossSpec, 
         lr = current_learning_rate(opt_state)
         if lr is not None:
             metrics["learning_rate"] = jnp.asarray(lr, jnp.float32)
+            metrics["schedule_count"] = schedule_count(opt_state)  # the host logs HF's float64 rate of count - 1
         if hasattr(opt_state, "total_notfinite"):
             metrics["skipped_updates"] = opt_state.total_notfinite
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state, model_state=model_state)

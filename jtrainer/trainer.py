@@ -724,7 +724,7 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
             logs = {"loss": tr_loss / (self.state.global_step - self._globalstep_last_logged)}
             logs["grad_norm"] = float(host["grad_norm"])
             if "learning_rate" in host:
-                logs["learning_rate"] = float(host["learning_rate"])
+                logs["learning_rate"] = self._host_learning_rate(host["learning_rate"], host["schedule_count"])
             if "skipped_updates" in host:
                 logs["skipped_updates"] = int(host["skipped_updates"])
             if self.args.log_throughput:

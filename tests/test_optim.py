@@ -63,6 +63,56 @@ def test_plateau_matches_torch():
         assert lr == pytest.approx(opt.param_groups[0]["lr"])
 
 
+@pytest.mark.parametrize("warmup", [0, 5, 0.2])
+@pytest.mark.parametrize("name, kwargs", SCHEDULES)
+def test_host_rate_is_hf_float64(name, kwargs, warmup):
+    """The logged rate: HF's scheduler value in float64 (1e-7 relative), warmup as a count or a ratio."""
+    torch = pytest.importorskip("torch")
+    from transformers.optimization import get_scheduler
+
+    from jtrainer.optim import host_learning_rate
+
+    base, total = 3e-4, 30
+    hf_args = __import__("transformers").TrainingArguments("o", warmup_steps=warmup, report_to="none")
+    ours_warmup = TrainingArguments("o", warmup_steps=warmup, report_to="none").get_warmup_steps(total)
+    assert ours_warmup == hf_args.get_warmup_steps(total)
+    param = torch.nn.Parameter(torch.zeros(1, dtype=torch.float64))
+    opt = torch.optim.SGD([param], lr=base)
+    sched = get_scheduler(name, opt, hf_args.get_warmup_steps(total), total, scheduler_specific_kwargs=dict(kwargs))
+    for step in range(total + 3):
+        ref = sched.get_last_lr()[0]
+        assert host_learning_rate(name, base, step, ours_warmup, total, kwargs) == pytest.approx(ref, rel=1e-7, abs=0)
+        opt.step()
+        sched.step()
+
+
+def test_logged_rates_are_hf_float64(tmp_path):
+    """End to end: a run's logged learning_rate equals HF's float64 schedule, not the device's float32."""
+    pytest.importorskip("torch")
+    import torch
+    from transformers.optimization import get_scheduler
+
+    from conftest import short_run_args, tiny_llama_config, token_rows
+    from jtrainer import Trainer
+    from jtrainer.models import LlamaForCausalLM
+
+    args = short_run_args(tmp_path, max_steps=12, lr_scheduler_type="cosine_with_restarts", warmup_steps=0.25,
+                          learning_rate=3e-3, lr_scheduler_kwargs={"num_cycles": 2})
+    trainer = Trainer(model=LlamaForCausalLM.from_config(tiny_llama_config()), args=args, train_dataset=token_rows(48))
+    trainer.train()
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=3e-3)
+    sched = get_scheduler("cosine_with_restarts", opt, 3, 12, scheduler_specific_kwargs={"num_cycles": 2})
+    expected = []
+    for _ in range(12):
+        expected.append(sched.get_last_lr()[0])
+        opt.step()
+        sched.step()
+    logged = [h["learning_rate"] for h in trainer.state.log_history if "learning_rate" in h]
+    np.testing.assert_allclose(logged, expected, rtol=1e-7, atol=0)
+    assert any(float(np.float32(e)) != e for e in expected)  # float32 rounding would show
+    assert trainer.get_learning_rates() == [pytest.approx(expected[-1], rel=1e-12)]
+
+
 @pytest.mark.parametrize("kwargs", [
     dict(patience=1, factor=0.5, min_lr=0.1, reset_start=2),
     dict(patience=0, factor=0.8, cooldown=1, warmup=2, threshold_mode="rel", threshold=0.01, max_lr=1.5),

@@ -62,8 +62,9 @@ def test_same_run_as_transformers_trainer(tmp_path):
     jt_logs = [h for h in ours.state.log_history if "loss" in h]
     assert [h["step"] for h in jt_logs] == [h["step"] for h in hf_logs] == list(range(1, 7))
     for ref, got in zip(hf_logs, jt_logs):
-        for key in ("loss", "grad_norm", "learning_rate", "epoch"):
+        for key in ("loss", "grad_norm", "epoch"):
             np.testing.assert_allclose(got[key], ref[key], rtol=1e-4, atol=1e-9, err_msg=f"{key} at {ref['step']}")
+        np.testing.assert_allclose(got["learning_rate"], ref["learning_rate"], rtol=1e-7, atol=0)  # HF's float64
     assert jt_out.global_step == hf_out.global_step
     np.testing.assert_allclose(jt_out.training_loss, hf_out.training_loss, rtol=1e-4)
     assert ours.state.total_flos == pytest.approx(hf.state.total_flos, rel=1e-6)
