@@ -134,6 +134,7 @@ class BatchLoader:
         self.row_range = row_range or (0, batch_size)
         self.sized = has_length(dataset) and hasattr(dataset, "__getitem__")
         self.epoch = 0
+        self._peeked: tuple[int, Iterator[list[Any]], tuple[Batch, int]] | None = None
 
     @property
     def local_rows(self) -> int:
@@ -188,18 +189,35 @@ class BatchLoader:
                 )
         return to_numpy_batch(self.collate(rows))
 
-    def __iter__(self) -> Iterator[tuple[Batch, int]]:
+    def _local_batch(self, group: list[Any]) -> tuple[Batch, int]:
         start, stop = self.row_range
-        for group in self._global_batches():
-            mine = group[start:stop]
-            # A process with no rows of a ragged last batch collates the first row and keeps none of it: a
-            # zero-row batch with the right columns, which padding turns into all-padding rows.
-            keep = len(mine)
-            mine = mine or group[:1]
-            if self.sized:
-                mine = [self.dataset[i] for i in mine]
-            batch = self._collate(mine)
-            yield {k: v[:keep] for k, v in batch.items()}, len(group)
+        mine = group[start:stop]
+        # A process with no rows of a ragged last batch collates the first row and keeps none of it: a
+        # zero-row batch with the right columns, which padding turns into all-padding rows.
+        keep = len(mine)
+        mine = mine or group[:1]
+        if self.sized:
+            mine = [self.dataset[i] for i in mine]
+        batch = self._collate(mine)
+        return {k: v[:keep] for k, v in batch.items()}, len(group)
+
+    def peek(self) -> Batch:
+        """This epoch's first batch, kept for the next iteration, which yields it and then goes on with the same
+        row iterator: no row of a one-shot iterable is lost and a random collator is called once per batch."""
+        if self._peeked is None:
+            groups = self._global_batches()
+            self._peeked = (self.epoch, groups, self._local_batch(next(groups)))
+        return self._peeked[2][0]
+
+    def __iter__(self) -> Iterator[tuple[Batch, int]]:
+        peeked, self._peeked = self._peeked, None
+        groups = self._global_batches()
+        # A sized dataset's order depends on the epoch; an iterable's rows may be readable only once.
+        if peeked is not None and (peeked[0] == self.epoch or not self.sized):
+            _, groups, first = peeked
+            yield first
+        for group in groups:
+            yield self._local_batch(group)
 
 
 def pad_value(key: str, pad_token_id: int) -> int:

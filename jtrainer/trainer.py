@@ -547,7 +547,7 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         pad_id = getattr(self.processing_class, "pad_token_id", None) or 0
         bucketed = args.train_sampling_strategy == "group_by_length"
         shapes = data.ShapeKeeper(loader.local_rows, pad_id, agree=distributed.agree_max, buckets=bucketed)
-        first, _ = next(iter(loader))
+        first = loader.peek()  # the next iteration yields it: no batch is lost to the probe
         spec = self._loss_spec(shapes.pad(first, shapes.sequence_length([first])))
         shapes.length = None  # the probe must not fix the sequence length
 

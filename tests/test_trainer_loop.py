@@ -148,3 +148,40 @@ def test_train_step_compiles_once_over_epochs_with_a_ragged_batch():
         trainer.train()
     assert trainer.state.global_step == 4
     assert len(compiles) == 1
+
+
+def test_shape_probe_loses_no_batch_and_collates_once(tmp_path):
+    """The probe before compiling peeks at the first batch: a one-shot iterable still trains on every row, and
+    the collator runs once per batch (a random collator draws as HF's would)."""
+    from conftest import short_run_args, tiny_llama_config, token_rows
+    from jtrainer import Trainer
+    from jtrainer.models import LlamaForCausalLM
+
+    rows = token_rows(12)
+    calls = []
+
+    def collate(batch):
+        calls.append(len(batch))
+        return {k: np.stack([r[k] for r in batch]) for k in batch[0]}
+
+    one_shot = (row for row in rows)  # iter(one_shot) is one_shot: rows read once are gone
+    args = short_run_args(tmp_path, max_steps=3, include_num_input_tokens_seen=True)
+    trainer = Trainer(model=LlamaForCausalLM.from_config(tiny_llama_config()), args=args, train_dataset=one_shot,
+                      data_collator=collate)
+    out = trainer.train()
+    assert out.global_step == 3
+    assert trainer.state.num_input_tokens_seen == 12 * 16  # every row, the first batch included
+    assert calls == [4, 4, 4]
+
+
+def test_peek_then_iterate_yields_each_batch_once():
+    from jtrainer.data import BatchLoader
+
+    rows = [{"x": np.array([i])} for i in range(10)]
+    collate = lambda b: {"x": np.stack([r["x"] for r in b])}  # noqa: E731
+    for dataset in (rows, iter(list(rows))):
+        loader = BatchLoader(dataset, 4, collate)
+        first = loader.peek()
+        seen = [b["x"].ravel().tolist() for b, _ in loader]
+        assert first["x"].ravel().tolist() == [0, 1, 2, 3]
+        assert seen == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
