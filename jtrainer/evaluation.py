@@ -170,6 +170,7 @@ class EvaluationMixin:
         include = set(args.include_for_metrics or [])
         label_name = self.label_names[0]
         for batch, rows in dataloader:
+            self._check_labels(batch)
             length = shapes.sequence_length([batch])
             sharding.check_length_divisible(length, self.mesh)
             padded = shapes.pad(batch, length)

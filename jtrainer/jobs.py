@@ -246,7 +246,9 @@ def build_data(model_args: ModelArguments, data_args: DataArguments) -> tuple[An
             pairs = split[d.text_pair_column] if d.text_pair_column else None
             encoded = tokenizer(list(split[d.text_column]), pairs and list(pairs), truncation=True,
                                 max_length=d.block_size)
-            return [{"input_ids": ids, "labels": int(label)}
+            # num_labels 1 is regression (HF's problem_type): float targets stay floats.
+            cast = float if model_args.num_labels == 1 else int
+            return [{"input_ids": ids, "labels": cast(label)}
                     for ids, label in zip(encoded["input_ids"], split[d.label_column])]
 
         return tokenizer, rows(train), rows(valid)

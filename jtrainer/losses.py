@@ -73,3 +73,19 @@ def count_label_tokens(labels: jax.Array, causal: bool) -> jax.Array:
     if causal:
         labels = labels[..., 1:]
     return jnp.sum(labels != IGNORE_INDEX)
+
+
+def check_class_labels(labels, num_classes: int, column: str) -> None:
+    """Class labels must be -100 or in [0, num_classes), as torch's cross-entropy demands (it raises; a gather on
+    the device would silently read another class or clamp). Checked on the host batch before its step."""
+    import numpy as np
+
+    labels = np.asarray(labels)
+    if not np.issubdtype(labels.dtype, np.integer) or labels.size == 0:
+        return
+    bad = labels[(labels != IGNORE_INDEX) & ((labels < 0) | (labels >= num_classes))]
+    if bad.size:
+        raise ValueError(
+            f"Label {int(bad.flat[0])} in column {column!r} is outside [0, {num_classes}) (the model has "
+            f"{num_classes} classes; -100 marks ignored positions). Fix the labels or the model's num_labels."
+        )

@@ -41,6 +41,7 @@ from transformers.trainer_utils import IntervalStrategy, SaveStrategy, TrainOutp
 from jtrainer import batch_size, checkpoint, data, distributed, mixed_precision, optim, sharding, startup, throughput
 from jtrainer.args import TrainingArguments
 from jtrainer.evaluation import EvaluationMixin
+from jtrainer.losses import check_class_labels
 from jtrainer.hpsearch import HyperparameterSearchMixin
 from jtrainer.hub import HubMixin
 from jtrainer.metrics_io import MetricsMixin
@@ -654,8 +655,28 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
                 return
             yield batches
 
+    def _num_classes(self) -> int | None:
+        """How many classes the model's logits score, for label checks (None: not a classifier, or regression /
+        multi-label targets, whose labels are floats)."""
+        config = getattr(self.model, "config", None)
+        if config is None:
+            return None
+        if "Classification" in type(self.model).__name__:
+            regression = config.num_labels == 1 or config.problem_type in ("regression", "multi_label_classification")
+            return None if regression else config.num_labels
+        return getattr(config, "vocab_size", None)
+
+    def _check_labels(self, batch: data.Batch) -> None:
+        num_classes = self._num_classes()
+        if num_classes is not None:
+            for name in self.label_names:
+                if name in batch:
+                    check_class_labels(batch[name], num_classes, name)
+
     def _step_batch(self, batches, shapes: data.ShapeKeeper, global_rows: int) -> StepBatch:
         """Pad and stack one window, then place it on the mesh as global arrays."""
+        for batch in batches:
+            self._check_labels(batch)
         stacked, weights = data.assemble_window(batches, self.args.gradient_accumulation_steps, shapes)
         sharding.check_length_divisible(shapes.length, self.mesh)
         replicated = sharding.replicated(self.mesh)
