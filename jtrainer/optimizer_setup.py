@@ -113,7 +113,8 @@ class OptimizerMixin:
         args = self.args
         if self._plateau is not None:
             return self._plateau.last_lr
-        if self._created_lr_scheduler:
+        trainer_built = self._optimizer_recipe is not None or self.optimizer_cls_and_kwargs is not None
+        if self._created_lr_scheduler and trainer_built:  # the device's rate is HF's schedule
             return optim.host_learning_rate(
                 args.lr_scheduler_type, args.learning_rate, max(int(count) - 1, 0), *self._schedule_values,
                 args.lr_scheduler_kwargs,
