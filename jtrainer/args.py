@@ -44,7 +44,6 @@ IGNORED_FIELDS: dict[str, str] = {
     "log_on_each_node": "only process 0 logs",
     "eval_use_gather_object": "predictions are gathered as global jax.Arrays",
     "hub_always_push": "every committed checkpoint is pushed (uploads run in the background, in order)",
-    "full_determinism": "jtrainer runs are deterministic for a given seed and topology already",
     "use_cpu": "set JAX_PLATFORMS=cpu to run on CPU",
     "accelerator_config": "there is no accelerate in jtrainer",
     "dataloader_num_workers": "batches are built by one background prefetch thread",

@@ -40,6 +40,7 @@ TRAINING_ARGS_NAME = "training_args.json"
 MANIFEST_NAME = "manifest.json"
 SCHEDULER_NAME = "scheduler.json"  # a per-evaluation scheduler's host state (HF: scheduler.pt)
 COMMIT_NAME = "commit_success.json"
+LOOP_STATE_NAME = "loop_state_{}.json"  # per process: host generators, padded length (HF: rng_state_{i}.pth)
 TMP_SUFFIX = ".tmp"
 # Test seam: seconds to wait between writing everything and the commit (to kill a process mid-save).
 PAUSE_ENV = "JTRAINER_TEST_PAUSE_BEFORE_COMMIT"
@@ -62,6 +63,20 @@ class CheckpointIntegrityError(ValueError):
 
 def checkpoint_folder(run_dir: str, global_step: int) -> str:
     return os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{global_step}")
+
+
+def save_loop_state(folder: str, process_index: int, state: dict) -> None:
+    with open(os.path.join(folder, LOOP_STATE_NAME.format(process_index)), "w") as f:
+        json.dump(state, f)
+
+
+def load_loop_state(folder: str, process_index: int) -> dict | None:
+    """A process's loop state from a checkpoint (None for one saved without it)."""
+    path = os.path.join(folder, LOOP_STATE_NAME.format(process_index))
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
 
 
 def _barrier(name: str) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from jtrainer import host_rng
 from jtrainer.losses import IGNORE_INDEX
 
 Batch = dict[str, np.ndarray]
@@ -125,6 +126,7 @@ class BatchLoader:
         drop_last: bool = False,
         length_column: str = "length",
         row_range: tuple[int, int] | None = None,
+        rng_stream: host_rng.RngStream | None = None,
     ):
         if has_length(dataset) and len(dataset) == 0:
             raise ValueError("The dataset is empty: pass a dataset with at least one row.")
@@ -134,6 +136,7 @@ class BatchLoader:
         self.row_range = row_range or (0, batch_size)
         self.sized = has_length(dataset) and hasattr(dataset, "__getitem__")
         self.epoch = 0
+        self.rng_stream = rng_stream  # the host generators the collator draws from (None: the process's own)
         self._peeked: tuple[int, Iterator[list[Any]], tuple[Batch, int]] | None = None
 
     @property
@@ -187,7 +190,7 @@ class BatchLoader:
                 raise ValueError(
                     f"Rows disagree on their columns: {sorted(keys)} vs {sorted(row)}. Every row needs the same keys."
                 )
-        return to_numpy_batch(self.collate(rows))
+        return to_numpy_batch(host_rng.run_collator(self.collate, rows, self.rng_stream))
 
     def _local_batch(self, group: list[Any]) -> tuple[Batch, int]:
         start, stop = self.row_range

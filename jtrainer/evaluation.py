@@ -25,7 +25,7 @@ from transformers.trainer_utils import (
 
 from jtrainer import data, distributed, optim, sharding
 from jtrainer.losses import IGNORE_INDEX
-from jtrainer.step import EvalOutputs, LossSpec, make_eval_step
+from jtrainer.step import EvalOutputs, LossSpec, batch_label_values, make_eval_step
 
 
 def concat_padded(arrays: list[np.ndarray], pad: int = IGNORE_INDEX) -> np.ndarray:
@@ -49,14 +49,38 @@ def _gather_tree(trees: list[Any]) -> Any:
     return concat_padded([np.asarray(t) for t in trees])
 
 
-def _slice_tree(tree: Any, rows: int, length: int | None) -> Any:
-    """Drop padded rows (and padded positions past the collated length) of a host pytree of arrays."""
+def _slice_tree(tree: Any, rows: int, padded_length: int | None, length: int | None) -> Any:
+    """Drop padded rows, and the positions a sequence was padded with past its collated `length`, of a host pytree
+    of arrays (dimension 1 is cut only where it is the padded sequence length: class scores keep theirs)."""
 
     def cut(x):
         x = np.asarray(x)[:rows]
-        return x[:, :length] if (length is not None and x.ndim >= 2) else x
+        if length is not None and padded_length is not None and x.ndim >= 2 and x.shape[1] == padded_length:
+            return x[:, :length]
+        return x
 
     return jax.tree.map(cut, tree)
+
+
+def _with_last(iterable):
+    """Yield (item, is_last): HF's `end_of_dataloader` for batch_eval_metrics' compute_result."""
+    iterator = iter(iterable)
+    try:
+        item = next(iterator)
+    except StopIteration:
+        return
+    for following in iterator:
+        yield item, False
+        item = following
+    yield item, True
+
+
+def _mean_loss(losses: np.ndarray, drop_non_finite: bool) -> float:
+    """HF's eval loss: the mean over rows, non-finite batch losses left out under logging_nan_inf_filter."""
+    finite = np.isfinite(losses)
+    if drop_non_finite and finite.any():
+        losses = losses[finite]
+    return float(np.mean(losses))
 
 
 # Eval steps shared by every Trainer of this process, keyed by structure.
@@ -139,17 +163,24 @@ class EvaluationMixin:
         )
         return output
 
-    def _eval_step(self, spec: LossSpec, want_logits: bool):
+    def _eval_step(self, spec: LossSpec, want_logits: bool, ignore_keys: tuple[str, ...]):
         """The jitted eval step, shared by structure like the train step (trials of a search reuse it)."""
         self.model.eval()
         graphdef = nnx.split(self.model, nnx.Param, ...)[0]
         self.model.train()
-        key = (graphdef, spec, want_logits, self.preprocess_logits_for_metrics)
+        key = (graphdef, spec, want_logits, self.preprocess_logits_for_metrics, ignore_keys)
         if key not in _SHARED_EVAL_STEPS:
             _SHARED_EVAL_STEPS[key] = jax.jit(
-                make_eval_step(graphdef, spec, want_logits, self.preprocess_logits_for_metrics)
+                make_eval_step(graphdef, spec, want_logits, self.preprocess_logits_for_metrics, ignore_keys)
             )
         return _SHARED_EVAL_STEPS[key]
+
+    def _ignore_keys(self, ignore_keys) -> tuple[str, ...]:
+        """HF's default: the config's keys_to_ignore_at_inference (["cache"] without one), none without a config."""
+        if ignore_keys is None:
+            config = getattr(self.model, "config", None)
+            ignore_keys = [] if config is None else getattr(config, "keys_to_ignore_at_inference", ["cache"])
+        return tuple(ignore_keys)
 
     def evaluation_loop(
         self, dataloader, description, prediction_loss_only=None, ignore_keys=None, metric_key_prefix="eval"
@@ -158,6 +189,7 @@ class EvaluationMixin:
         loss_only = prediction_loss_only if prediction_loss_only is not None else args.prediction_loss_only
         generating = not loss_only and self._generates()  # predictions are generated ids (Seq2SeqTrainer)
         want_logits = not loss_only and not generating
+        ignore = self._ignore_keys(ignore_keys)
         params, model_state = self._current_params()
         if generating:
             self._sync_model()  # generation reads the model: give it the trained parameters
@@ -165,71 +197,76 @@ class EvaluationMixin:
         pad_id = getattr(self.processing_class, "pad_token_id", None) or 0
         shapes = data.ShapeKeeper(dataloader.local_rows, pad_id, agree=distributed.agree_max)
         spec, step = None, None
+        # HF keeps every batch's values unless batch_eval_metrics computes metrics batch by batch (predict keeps them).
+        keep_all = not args.batch_eval_metrics or description == "Prediction"
         losses, preds, labels, inputs_seen = [], [], [], []
         num_samples = 0
+        metrics = None
         include = set(args.include_for_metrics or [])
-        label_name = self.label_names[0]
-        for batch, rows in dataloader:
+        for (batch, rows), is_last in _with_last(dataloader):
             self._check_labels(batch)
             length = shapes.sequence_length([batch])
             sharding.check_length_divisible(length, self.mesh)
             padded = shapes.pad(batch, length)
             if spec is None:
                 spec = self._loss_spec(padded, training=False)
-                step = self._eval_step(spec, want_logits)
+                step = self._eval_step(spec, want_logits, ignore)
             inputs = sharding.put_global(padded, self.mesh, row_dim=0, global_rows=dataloader.batch_size)
             with self._mesh_context():
                 out: EvalOutputs = step(params, model_state, inputs)
             collated_len = distributed.agree_max(max((v.shape[1] for v in batch.values() if v.ndim >= 2), default=0))
-            collated_len = collated_len or None
-            if out.loss is not None:
-                losses.append(np.full(rows, float(out.loss), np.float64))
-            batch_labels = padded.get(label_name)
-            if batch_labels is not None:
-                batch_labels = _slice_tree(distributed.gather_rows(batch_labels), rows, collated_len)
+
+            def host(tree):
+                return _slice_tree(jax.tree.map(distributed.gather_rows, tree), rows, length, collated_len or None)
+
+            batch_losses = None if out.loss is None else np.full(rows, float(out.loss), np.float64)
+            batch_labels = batch_label_values(padded, tuple(self.label_names))
+            batch_labels = None if batch_labels is None else host(batch_labels)
+            batch_preds = None
             if generating:
-                preds.append(self._generate_batch(padded, rows))
+                batch_preds = self._generate_batch(padded, rows)
                 if batch_labels is not None:  # the collated labels' own width, then HF's padding
-                    batch_labels = self._prediction_labels(batch_labels[:, : np.shape(batch[label_name])[-1]])
-            if want_logits and out.logits is not None:
-                logits = _slice_tree(jax.tree.map(distributed.gather_rows, out.logits), rows, collated_len)
-                if ignore_keys and isinstance(logits, dict):
-                    logits = {k: v for k, v in logits.items() if k not in ignore_keys}
-                if isinstance(logits, (tuple, list)) and len(logits) == 1:
-                    logits = logits[0]
-                if args.batch_eval_metrics and self.compute_metrics is not None:
-                    self._batch_metrics = self.compute_metrics(
-                        EvalPrediction(predictions=logits, label_ids=batch_labels), compute_result=False
-                    )
-                else:
-                    preds.append(logits)
-            if batch_labels is not None:
-                labels.append(batch_labels)
-            if "inputs" in include:
-                main = padded[getattr(self.model, "main_input_name", "input_ids")]
-                inputs_seen.append(_slice_tree(distributed.gather_rows(main), rows, collated_len))
+                    batch_labels = self._prediction_labels(batch_labels[:, : np.shape(batch[self.label_names[0]])[-1]])
+            elif want_logits and out.logits is not None:
+                batch_preds = host(out.logits)
+            main = padded.get(getattr(self.model, "main_input_name", "input_ids"))
+            batch_inputs = host(main) if ("inputs" in include and main is not None) else None
+            if batch_losses is not None:
+                losses.append(batch_losses)
+            if keep_all:
+                for kept, value in ((preds, batch_preds), (labels, batch_labels), (inputs_seen, batch_inputs)):
+                    if value is not None:
+                        kept.append(value)
             num_samples += rows
             self.control = self.callback_handler.on_prediction_step(args, self.state, self.control)
+            if args.batch_eval_metrics and self.compute_metrics is not None:
+                if batch_preds is not None and batch_labels is not None:  # HF: the last batch computes the result
+                    metrics = self.compute_metrics(
+                        EvalPrediction(
+                            predictions=batch_preds,
+                            label_ids=batch_labels,
+                            losses=batch_losses if "loss" in include else None,
+                            inputs=host(padded) if "inputs" in include else None,
+                        ),
+                        compute_result=is_last,
+                    )
 
         all_losses = np.concatenate(losses) if losses else None
         all_preds = _gather_tree(preds) if preds else None
         all_labels = _gather_tree(labels) if labels else None
-        metrics: dict[str, Any] = {}
-        if self.compute_metrics is not None and (all_preds is not None or args.batch_eval_metrics):
-            extra = {}
-            if "inputs" in include:
-                extra["inputs"] = _gather_tree(inputs_seen)
-            if "loss" in include:
-                extra["losses"] = all_losses
-            if args.batch_eval_metrics:
+        if self.compute_metrics is not None and not args.batch_eval_metrics and all_preds is not None:
+            if all_labels is not None:
                 metrics = self.compute_metrics(
-                    EvalPrediction(predictions=None, label_ids=None, **extra), compute_result=True
+                    EvalPrediction(
+                        predictions=all_preds,
+                        label_ids=all_labels,
+                        losses=all_losses if "loss" in include else None,
+                        inputs=_gather_tree(inputs_seen) if "inputs" in include else None,
+                    )
                 )
-            elif all_labels is not None:
-                metrics = self.compute_metrics(EvalPrediction(predictions=all_preds, label_ids=all_labels, **extra))
         metrics = denumpify_detensorize(metrics or {})
         if all_losses is not None:
-            metrics[f"{metric_key_prefix}_loss"] = float(np.mean(all_losses))
+            metrics[f"{metric_key_prefix}_loss"] = _mean_loss(all_losses, args.logging_nan_inf_filter)
         for key in list(metrics):
             if not key.startswith(f"{metric_key_prefix}_"):
                 metrics[f"{metric_key_prefix}_{key}"] = metrics.pop(key)

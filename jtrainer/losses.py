@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -14,6 +15,9 @@ def shift_labels(labels_BxL: jax.Array) -> jax.Array:
     """Causal LMs predict token t+1 at position t: labels move left and the last position is ignored."""
     pad = jnp.full_like(labels_BxL[:, :1], IGNORE_INDEX)
     return jnp.concatenate([labels_BxL[:, 1:], pad], axis=1)
+
+
+_shift_left = shift_labels  # LabelSmoother's argument of the same name hides the function
 
 
 def token_cross_entropy_sum(logits: jax.Array, labels: jax.Array, label_smoothing: float = 0.0) -> jax.Array:
@@ -56,6 +60,29 @@ def _cross_entropy_bwd(label_smoothing, residuals, g):
 
 
 _cross_entropy_sum.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
+
+
+@dataclasses.dataclass(frozen=True)
+class LabelSmoother:
+    """HF's LabelSmoother (Trainer.label_smoother) on jax arrays: smoothed token cross-entropy over the labels
+    that are not -100, divided by num_items_in_batch when given, else by their count."""
+
+    epsilon: float = 0.1
+    ignore_index: int = IGNORE_INDEX
+
+    def __post_init__(self):
+        if self.ignore_index != IGNORE_INDEX:
+            raise ValueError(f"LabelSmoother(ignore_index={self.ignore_index}): jtrainer's losses ignore -100 only.")
+
+    def __call__(self, model_output, labels, shift_labels: bool = False, num_items_in_batch=None) -> jax.Array:
+        if isinstance(model_output, dict):
+            logits = model_output["logits"]
+        else:
+            logits = getattr(model_output, "logits", None)
+            logits = model_output[0] if logits is None else logits
+        targets = _shift_left(labels) if shift_labels else labels
+        count = jnp.sum(targets != IGNORE_INDEX) if num_items_in_batch is None else num_items_in_batch
+        return token_cross_entropy_sum(logits, targets, self.epsilon) / count
 
 
 def token_loss(logits: jax.Array, labels: jax.Array, num_items_in_batch=None, *, causal: bool = False) -> jax.Array:

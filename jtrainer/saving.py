@@ -15,7 +15,7 @@ import numpy as np
 from transformers.trainer_callback import ExportableState, TrainerState
 from transformers.trainer_utils import SaveStrategy
 
-from jtrainer import checkpoint
+from jtrainer import checkpoint, host_rng
 from jtrainer.state import TrainState
 
 logger = logging.getLogger(__name__)
@@ -83,6 +83,7 @@ class SavingMixin:
                 self.state.stateful_callbacks[name] = cb_state
 
         scheduler_state = None if self._plateau is None else self._plateau.state_dict()  # as of this step
+        process_rng, loop_state = host_rng.capture(), getattr(self, "_loop_state", None)
 
         def write_files(tmp: str) -> None:
             self._write_model(tmp, tensors)
@@ -90,6 +91,12 @@ class SavingMixin:
             if scheduler_state is not None:
                 with open(os.path.join(tmp, checkpoint.SCHEDULER_NAME), "w") as f:
                     json.dump(scheduler_state, f)
+            checkpoint.save_loop_state(tmp, self.args.process_index, {
+                "process_rng": process_rng.to_json(),
+                "collator_rng": None if loop_state is None or loop_state.collator_rng is None
+                else loop_state.collator_rng.to_json(),
+                "padded_length": None if loop_state is None else loop_state.padded_length,
+            })
 
         def on_commit() -> None:
             if self.args.should_save:
@@ -136,11 +143,26 @@ class SavingMixin:
                 self._plateau.load_state_dict(json.load(f))
         if self.args.restore_callback_states_from_checkpoint:
             self._load_callback_state()
+        self._restore_loop_state(folder)
         epochs_trained = self.state.global_step // updates_per_epoch
         skip = 0
         if not self.args.ignore_data_skip:
             skip = (self.state.global_step % updates_per_epoch) * self.args.gradient_accumulation_steps
         return train_state, epochs_trained, skip
+
+    def _restore_loop_state(self, folder: str) -> None:
+        """HF's _load_rng_state: the host generators as at the save, and how the loop padded and drew."""
+        from jtrainer.trainer import LoopState
+
+        saved = checkpoint.load_loop_state(folder, self.args.process_index)
+        if saved is None:
+            logger.info("%s has no loop state: a random collator will not draw as the saved run did.", folder)
+            return
+        host_rng.restore(host_rng.HostRngState.from_json(saved["process_rng"]))
+        collator = saved.get("collator_rng")
+        self._resumed_loop_state = LoopState(
+            None if collator is None else host_rng.HostRngState.from_json(collator), saved.get("padded_length")
+        )
 
     def _warn_changed_args(self, folder: str) -> None:
         """HF's compare_trainer_and_checkpoint_args: warn when batch-shaping arguments changed."""

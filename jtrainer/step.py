@@ -6,6 +6,8 @@ how the loss is normalised is decided once on the host (`LossMode`) so the compi
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import enum
 import zlib
 from collections.abc import Callable
@@ -30,6 +32,7 @@ class LossMode(enum.Enum):
     CUSTOM = "custom"  # compute_loss_func(outputs, labels, num_items_in_batch)
     TRAINER = "trainer"  # the model returns logits only (or label smoothing): token CE sum / num_items
     MODEL_MEAN = "model_mean"  # the model returns its own mean loss: averaged over the window's micro-batches
+    OVERRIDE = "override"  # a Trainer subclass's compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
 
 class StepBatch(NamedTuple):
@@ -47,6 +50,18 @@ class LossSpec:
     label_smoothing: float = 0.0
     compute_loss_func: Callable | None = None
     compute_dtype: Any = None  # jnp.bfloat16 / float16: parameters are cast for compute, master weights stay fp32
+    # HF's _get_num_items_in_batch condition: the loss is handed the window's label count (else None).
+    pass_num_items: bool = True
+    # HF's loss_is_scaled_for_ga: the loss is already normalised over the window; else divided by its micro-batches.
+    scaled_for_ga: bool = True
+    compute_loss: Callable | None = None  # OVERRIDE: the subclass's bound compute_loss
+    base: "LossSpec | None" = None  # OVERRIDE: the rules its super().compute_loss follows
+
+    @property
+    def padding_neutral(self) -> bool:
+        """Whether a micro-batch of padding (labels all -100) adds exactly 0 to the loss and its gradient: true
+        of the losses jtrainer computes and of models that sum token losses over num_items_in_batch."""
+        return self.mode in (LossMode.TRAINER, LossMode.MODEL_SUM) and self.scaled_for_ga
 
 
 def split_outputs(outputs: Any) -> tuple[jax.Array | None, Any]:
@@ -80,44 +95,85 @@ def reseed_streams(model_state, key: jax.Array):
     return jax.tree_util.tree_map_with_path(reseed, model_state)
 
 
-def apply_model(graphdef, params, model_state, inputs: dict[str, jax.Array], compute_dtype=None, rng=None):
-    """Run the model on keyword inputs; returns (outputs, new non-parameter state)."""
+@contextlib.contextmanager
+def bound_model(graphdef, params, model_state, compute_dtype=None, rng=None):
+    """The nnx model with these parameters, for one traced call (NEFTune's key set for its duration)."""
     if rng is not None:
         model_state = reseed_streams(model_state, rng)
     model = nnx.merge(graphdef, _cast_floats(params, compute_dtype), model_state)
     noisy = [] if rng is None else [m for _, m in nnx.iter_graph(model) if getattr(m, "neftune_noise_alpha", None)]
     for i, module in enumerate(noisy):  # NEFTune: the step's key, handed over for this call only
         object.__setattr__(module, "_neftune_key", jax.random.fold_in(rng, i))
-    outputs = model(**inputs)
-    for module in noisy:
-        object.__delattr__(module, "_neftune_key")
-    _, _, new_state = nnx.split(model, nnx.Param, ...)
-    return outputs, new_state
+    try:
+        yield model
+    finally:
+        for module in noisy:
+            object.__delattr__(module, "_neftune_key")
 
 
-def _trainer_loss(logits, labels, spec: LossSpec) -> jax.Array:
-    targets = shift_labels(labels) if spec.causal else labels
-    return token_cross_entropy_sum(logits, targets, spec.label_smoothing)
+def model_state_of(model):
+    return nnx.split(model, nnx.Param, ...)[2]
 
 
-def micro_batch_loss(graphdef, params, model_state, inputs, num_items, micro_weight, n_micro, spec: LossSpec, rng):
-    """This micro-batch's share of the step loss; summing the shares over a window gives the step's loss."""
+def apply_model(graphdef, params, model_state, inputs: dict[str, jax.Array], compute_dtype=None, rng=None):
+    """Run the model on keyword inputs; returns (outputs, new non-parameter state)."""
+    with bound_model(graphdef, params, model_state, compute_dtype, rng) as model:
+        outputs = model(**inputs)
+        return outputs, model_state_of(model)
+
+
+_BASE_SPEC: contextvars.ContextVar[LossSpec | None] = contextvars.ContextVar("jtrainer_base_loss_spec", default=None)
+
+
+def active_base_spec() -> LossSpec | None:
+    """While a compute_loss override is traced: the rules of the Trainer's own compute_loss (its super())."""
+    return _BASE_SPEC.get()
+
+
+def default_compute_loss(model, inputs: dict[str, jax.Array], spec: LossSpec, num_items_in_batch=None):
+    """HF's Trainer.compute_loss on a bound nnx model: (loss, outputs).
+
+    Labels leave the inputs when the Trainer computes the loss (label smoothing, compute_loss_func, a model that
+    returns logits only); a model that takes loss kwargs gets num_items_in_batch and returns sum / num_items."""
     labels = inputs.get(spec.label_names[0]) if spec.label_names else None
     model_inputs = dict(inputs)
     if spec.mode in (LossMode.TRAINER, LossMode.CUSTOM):
         for name in spec.label_names:
             model_inputs.pop(name, None)
-    if spec.mode == LossMode.MODEL_SUM:
-        model_inputs["num_items_in_batch"] = num_items
-    outputs, new_state = apply_model(graphdef, params, model_state, model_inputs, spec.compute_dtype, rng)
+    if spec.mode == LossMode.MODEL_SUM and num_items_in_batch is not None:
+        model_inputs["num_items_in_batch"] = num_items_in_batch
+    outputs = model(**model_inputs)
     loss, logits = split_outputs(outputs)
-    if spec.mode == LossMode.TRAINER:
-        loss = _trainer_loss(logits, labels, spec) / num_items
+    if labels is not None and spec.mode == LossMode.TRAINER:
+        targets = shift_labels(labels) if spec.causal else labels
+        count = jnp.maximum(jnp.sum(targets != IGNORE_INDEX), 1) if num_items_in_batch is None else num_items_in_batch
+        loss = token_cross_entropy_sum(logits, targets, spec.label_smoothing) / count
     elif spec.mode == LossMode.CUSTOM:
-        loss = spec.compute_loss_func(outputs, labels, num_items_in_batch=num_items)
-    elif spec.mode == LossMode.MODEL_MEAN:
+        loss = spec.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
+    return loss, outputs
+
+
+def compute_loss(model, inputs, spec: LossSpec, num_items_in_batch=None, return_outputs=False):
+    """The loss by `spec`: the Trainer's own rules, or a subclass's compute_loss override (HF's signature)."""
+    if spec.mode != LossMode.OVERRIDE:
+        loss, outputs = default_compute_loss(model, inputs, spec, num_items_in_batch)
+        return (loss, outputs) if return_outputs else loss
+    token = _BASE_SPEC.set(spec.base)
+    try:
+        return spec.compute_loss(model, dict(inputs), return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+    finally:
+        _BASE_SPEC.reset(token)
+
+
+def micro_batch_loss(graphdef, params, model_state, inputs, num_items, micro_weight, n_micro, spec: LossSpec, rng):
+    """This micro-batch's share of the step loss; summing the shares over a window gives the step's loss."""
+    with bound_model(graphdef, params, model_state, spec.compute_dtype, rng) as model:
+        loss = compute_loss(model, inputs, spec, num_items if spec.pass_num_items else None)
+        new_state = model_state_of(model)
+    loss = jnp.asarray(loss, jnp.float32)
+    if not spec.scaled_for_ga:  # HF's training_step: a per-batch mean is divided by the window's micro-batches
         loss = loss / n_micro
-    return loss.astype(jnp.float32) * micro_weight, new_state
+    return loss * micro_weight, new_state
 
 
 def window_label_count(inputs: dict[str, jax.Array], spec: LossSpec) -> jax.Array:
@@ -166,24 +222,27 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, spec: LossSpec, 
             jnp.arange(batch.micro_weight.shape[0])
         )
 
-        def accumulate(carry, xs):
-            grads_sum, loss_sum, model_state = carry
-            inputs, weight, key_data = xs
+        zeros = jax.tree.map(jnp.zeros_like, state.params)
+
+        def micro_batch(model_state, inputs, weight, key_data):
             (_, (loss, model_state)), grads = grad_fn(
-                graphdef,
-                state.params,
-                model_state,
-                inputs,
-                num_items,
-                weight,
-                n_micro,
-                spec,
+                graphdef, state.params, model_state, inputs, num_items, weight, n_micro, spec,
                 jax.random.wrap_key_data(key_data),
             )
+            return grads, loss, model_state
+
+        def skipped(model_state, inputs, weight, key_data):
+            return zeros, jnp.zeros((), jnp.float32), model_state
+
+        def accumulate(carry, xs):
+            grads_sum, loss_sum, model_state = carry
+            if spec.padding_neutral:
+                grads, loss, model_state = micro_batch(model_state, *xs)
+            else:  # a user's loss may be NaN on a padding micro-batch (a mean over no labels): never run it
+                grads, loss, model_state = jax.lax.cond(xs[1] > 0, micro_batch, skipped, model_state, *xs)
             grads_sum = jax.tree.map(jnp.add, grads_sum, grads)
             return (grads_sum, loss_sum + loss, model_state), None
 
-        zeros = jax.tree.map(jnp.zeros_like, state.params)
         carry = (zeros, jnp.zeros((), jnp.float32), state.model_state)
         xs = (batch.inputs, batch.micro_weight, micro_keys)
         (grads, loss, model_state), _ = jax.lax.scan(accumulate, carry, xs)
@@ -211,32 +270,71 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, spec: LossSpec, 
 
 class EvalOutputs(NamedTuple):
     loss: jax.Array | None  # this batch's mean loss (HF's per-batch loss)
-    logits: Any
+    logits: Any  # HF's predictions: an array, or a tuple of them
 
 
-def make_eval_step(graphdef, spec: LossSpec, want_logits: bool, preprocess_logits: Callable | None = None):
-    """A pure evaluation step on one batch [rows, ...]: the batch's mean loss and (optionally) its logits."""
+def _output_items(outputs: Any) -> list[tuple[str, Any]] | None:
+    """(key, value) pairs of a dict or ModelOutput-like output, None-valued fields left out (as HF's ModelOutput)."""
+    if isinstance(outputs, dict):
+        return [(k, v) for k, v in outputs.items() if v is not None]
+    if hasattr(outputs, "keys") and hasattr(outputs, "__getitem__"):
+        return [(k, outputs[k]) for k in outputs.keys()]
+    return None
+
+
+def prediction_values(outputs: Any, labelled: bool, ignore_keys: tuple[str, ...]) -> Any:
+    """HF's prediction_step: the model's outputs that are predictions.
+
+    A dict or ModelOutput gives every value whose key is not in `ignore_keys` (nor "loss" when the batch had
+    labels); a tuple gives `outputs[1:]` when the batch had labels (its first element is the loss), else all of
+    it. One prediction is returned bare, several as a tuple (EvalPrediction.predictions)."""
+    items = _output_items(outputs)
+    if items is not None:
+        skip = set(ignore_keys) | ({"loss"} if labelled else set())
+        values = tuple(v for k, v in items if k not in skip)
+    elif isinstance(outputs, (tuple, list)):
+        # A jtrainer model may return logits only and leave the loss to the Trainer: nothing to drop then.
+        carries_loss = labelled and len(outputs) > 1 and jnp.ndim(outputs[0]) == 0
+        values = tuple(outputs[1:] if carries_loss else outputs)
+    else:
+        values = (outputs,)
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else values
+
+
+def batch_label_values(inputs: dict[str, Any], label_names: tuple[str, ...]) -> Any:
+    """HF's labels of a batch: the one label column, a tuple of several, None unless every one is present."""
+    if not label_names or any(inputs.get(name) is None for name in label_names):
+        return None
+    values = tuple(inputs[name] for name in label_names)
+    return values[0] if len(values) == 1 else values
+
+
+def make_eval_step(
+    graphdef,
+    spec: LossSpec,
+    want_logits: bool,
+    preprocess_logits: Callable | None = None,
+    ignore_keys: tuple[str, ...] = (),
+):
+    """A pure evaluation step on one batch [rows, ...]: the batch's mean loss and (optionally) its predictions,
+    chosen from the outputs by HF's prediction_step rules (`prediction_values`)."""
 
     def eval_step(params, model_state, inputs: dict[str, jax.Array]) -> EvalOutputs:
         labels = inputs.get(spec.label_names[0]) if spec.label_names else None
-        model_inputs = dict(inputs)
-        if spec.mode in (LossMode.TRAINER, LossMode.CUSTOM):
-            for name in spec.label_names:
-                model_inputs.pop(name, None)
-        outputs, _ = apply_model(graphdef, params, model_state, model_inputs, spec.compute_dtype)
-        loss, logits = split_outputs(outputs)
-        if labels is not None and spec.mode == LossMode.TRAINER:
-            targets = shift_labels(labels) if spec.causal else labels
-            count = jnp.maximum(jnp.sum(targets != IGNORE_INDEX), 1)
-            loss = token_cross_entropy_sum(logits, targets, spec.label_smoothing) / count
-        elif labels is not None and spec.mode == LossMode.CUSTOM:
-            loss = spec.compute_loss_func(outputs, labels, num_items_in_batch=None)
-        if labels is None:
-            loss = None
-        if not want_logits:
-            logits = None
-        elif preprocess_logits is not None:
-            logits = preprocess_logits(logits, labels)
-        return EvalOutputs(None if loss is None else loss.astype(jnp.float32), logits)
+        all_labels = batch_label_values(inputs, spec.label_names)
+        with bound_model(graphdef, params, model_state, spec.compute_dtype) as model:
+            if labels is None:  # HF: no loss, the model alone
+                loss, outputs = None, model(**{k: v for k, v in inputs.items() if k not in spec.label_names})
+            else:  # HF 5.x counts the batch's items in evaluation too
+                num_items = count_label_tokens(labels, spec.causal) if spec.pass_num_items else None
+                loss, outputs = compute_loss(model, inputs, spec, num_items, return_outputs=True)
+        predictions = None
+        if want_logits:
+            predictions = prediction_values(outputs, all_labels is not None, ignore_keys)
+            if preprocess_logits is not None and predictions is not None:
+                predictions = preprocess_logits(predictions, all_labels)
+        return EvalOutputs(None if loss is None else jnp.mean(loss).astype(jnp.float32), predictions)
 
     return eval_step

@@ -10,6 +10,7 @@ dispatches steps, reads metrics when it logs, and runs HF's callbacks.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import logging
 import math
@@ -19,7 +20,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -38,18 +39,24 @@ from transformers.trainer_callback import (
 )
 from transformers.trainer_utils import IntervalStrategy, SaveStrategy, TrainOutput, speed_metrics
 
-from jtrainer import batch_size, checkpoint, data, distributed, mixed_precision, optim, sharding, startup, throughput
+from jtrainer import (
+    batch_size, checkpoint, data, distributed, host_rng, mixed_precision, optim, sharding, startup, throughput,
+)
 from jtrainer.args import TrainingArguments
 from jtrainer.evaluation import EvaluationMixin
-from jtrainer.losses import check_class_labels
 from jtrainer.hpsearch import HyperparameterSearchMixin
 from jtrainer.hub import HubMixin
+from jtrainer.losses import LabelSmoother, check_class_labels, count_label_tokens
 from jtrainer.metrics_io import MetricsMixin
 from jtrainer.models.base import set_neftune
 from jtrainer.optimizer_setup import OptimizerMixin
+from jtrainer.overrides import check_overrides, overrides
 from jtrainer.saving import SavingMixin
 from jtrainer.state import TrainState
-from jtrainer.step import LossMode, LossSpec, StepBatch, apply_model, make_train_step, split_outputs
+from jtrainer.step import (
+    LossMode, LossSpec, StepBatch, active_base_spec, apply_model, bound_model, make_train_step, split_outputs,
+)
+from jtrainer.step import compute_loss as step_compute_loss
 
 logger = logging.getLogger(__name__)
 
@@ -62,14 +69,48 @@ def _is_causal_lm(model: Any) -> bool:
 
 
 def _accepts_loss_kwargs(model: Any) -> bool:
+    """HF's model_accepts_loss_kwargs: the model's own flag, else whether its call takes **kwargs."""
     if hasattr(model, "accepts_loss_kwargs"):
         return bool(model.accepts_loss_kwargs)
-    return "num_items_in_batch" in inspect.signature(model.__call__).parameters
+    params = inspect.signature(model.__call__).parameters.values()
+    return any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params)
 
 
 def _takes_labels(model: Any, label_names: list[str]) -> bool:
     params = inspect.signature(model.__call__).parameters
     return label_names[0] in params or any(p.kind == p.VAR_KEYWORD for p in params.values())
+
+
+def _check_deterministic_backend() -> None:
+    """full_determinism: XLA is deterministic on CPU and TPU; on GPU only with its deterministic-ops flag, which
+    must be set before jax starts."""
+    if jax.default_backend() == "gpu" and "xla_gpu_deterministic_ops=true" not in os.environ.get("XLA_FLAGS", ""):
+        raise ValueError(
+            "full_determinism=True on GPU needs XLA's deterministic kernels: start the script with "
+            "XLA_FLAGS=--xla_gpu_deterministic_ops=true (it is read when jax starts)."
+        )
+
+
+def _default_label_names(model: Any) -> list[str]:
+    """HF's find_labels: the model's arguments named like labels (QA models: also start/end positions). A model
+    taking none (its loss left to the Trainer) keeps ["labels"]."""
+    params = inspect.signature(model.__call__).parameters
+    qa = "QuestionAnswering" in type(model).__name__
+    found = [p for p in params if "label" in p or (qa and p in ("start_positions", "end_positions"))]
+    return found or ["labels"]
+
+
+class LoopState(NamedTuple):
+    """The host side of a step that its checkpoint keeps, so that a resumed run goes on exactly as this one."""
+
+    collator_rng: host_rng.HostRngState | None  # the training collator's generators after this step's batches
+    padded_length: int | None  # the padded sequence length reached (a resumed run pads the same)
+
+
+class PreparedWindow(NamedTuple):
+    batches: list[data.Batch]  # this process's micro-batches, as collated
+    step_batch: StepBatch  # the same, padded and placed on the mesh
+    loop_state: LoopState
 
 
 # Train steps shared by every Trainer of this process, keyed by structure (see `_compiled_train_step`).
@@ -98,6 +139,8 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         if args is None:
             args = TrainingArguments(output_dir="trainer_output")
         self.args = args
+        # HF seeds python, numpy and torch first thing (a random collator or model_init draws from them).
+        host_rng.set_seed(args.seed, deterministic=args.full_determinism)
         if model_init is not None and optimizers[0] is not None:
             raise RuntimeError(
                 "Passing a `model_init` is incompatible with providing the `optimizers` argument. "
@@ -126,7 +169,13 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
         self.optimizer, self.lr_scheduler = optimizers
         self.optimizer_cls_and_kwargs = optimizer_cls_and_kwargs
-        self.label_names = list(args.label_names) if args.label_names else ["labels"]
+        self.label_names = list(args.label_names) if args.label_names is not None else _default_label_names(model)
+        self.model_accepts_loss_kwargs = _accepts_loss_kwargs(model)
+        self.label_smoother = LabelSmoother(args.label_smoothing_factor) if args.label_smoothing_factor else None
+        self.loss_is_scaled_for_ga: bool | None = None  # HF 5.x: set by a compute_loss override that normalises
+        check_overrides(self)
+        if args.full_determinism:
+            _check_deterministic_backend()
         self.mesh = sharding.make_mesh(sharding.resolve_mesh_shape(args, jax.device_count()))
         self.axis_rules = sharding.merged_rules(args.logical_axis_rules)
         self._check_layout()
@@ -260,10 +309,50 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
 
     # ---------------------------------------------------------------------------------------------- the step
     def _loss_spec(self, sample: data.Batch, training: bool = True) -> LossSpec:
-        """Decide, before compiling, how the loss is computed and normalised (HF's rules).
+        """Decide, before compiling, how the loss is computed and normalised (HF's rules); a subclass's
+        compute_loss override runs inside the step, its super() with the Trainer's own rules."""
+        base = self._default_loss_spec(sample, training)
+        if not overrides(self, "compute_loss"):
+            return base
+        has_labels = "labels" in sample  # HF's _get_num_items_in_batch looks for "labels" itself
+        pass_num_items = has_labels and (self.model_accepts_loss_kwargs or self.compute_loss_func is not None)
+        scaled = self.loss_is_scaled_for_ga
+        if scaled is None:
+            scaled = (self.model_accepts_loss_kwargs and pass_num_items) or self.compute_loss_func is not None
+        spec = dataclasses.replace(
+            base, mode=LossMode.OVERRIDE, compute_loss=self.compute_loss, base=base,
+            pass_num_items=pass_num_items, scaled_for_ga=bool(scaled),
+        )
+        self._probe_compute_loss(spec, sample)
+        return spec
 
-        Without labels, evaluation and prediction still run (no loss), as in HF; training fails here, named.
-        """
+    def _probe_compute_loss(self, spec: LossSpec, sample: data.Batch) -> None:
+        """Trace the override once on the batch's shapes, before compiling: code that cannot run on traced jax
+        arrays (torch ops, numpy conversions, float()) fails here with its name, as does a non-scalar loss."""
+        graphdef, params, rest = nnx.split(self.model, nnx.Param, ...)
+        probe = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in sample.items()}
+
+        def loss_of(p, s, inputs):
+            with bound_model(graphdef, p, s, spec.compute_dtype) as model:
+                num_items = count_label_tokens(inputs["labels"], spec.causal) if spec.pass_num_items else None
+                return step_compute_loss(model, inputs, spec, num_items)
+
+        name = f"{type(self).__name__}.compute_loss"
+        try:
+            with self._mesh_context():
+                loss = jax.eval_shape(loss_of, params, rest, probe)
+        except (TypeError, AttributeError) as error:
+            raise TypeError(
+                f"{name} cannot run inside the compiled train step: {str(error).splitlines()[0]}. Write it with "
+                "jax.numpy on the arrays it receives (no torch, numpy conversion or float()), calling `model`, "
+                "not `self.model`."
+            ) from error
+        if getattr(loss, "shape", None) != ():
+            raise ValueError(f"{name} must return a scalar loss; it returned {loss!r}.")
+
+    def _default_loss_spec(self, sample: data.Batch, training: bool) -> LossSpec:
+        """The Trainer's own loss. Without labels, evaluation and prediction still run (no loss), as in HF;
+        training fails here, named."""
         causal = _is_causal_lm(self.model)
         has_labels = any(name in sample for name in self.label_names)
         smoothing = self.args.label_smoothing_factor
@@ -277,7 +366,11 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
                     f"label_smoothing_factor={smoothing} smooths class labels, but the {self.label_names[0]!r} column "
                     f"holds {labels.dtype} values (regression or multi-label targets). Set label_smoothing_factor=0."
                 )
-            return LossSpec(LossMode.TRAINER, label_smoothing=smoothing, **common)
+            # HF's label smoother gets num_items_in_batch only from a model taking loss kwargs; else it is a
+            # per-batch mean, divided by the window's micro-batches.
+            counted = self.model_accepts_loss_kwargs
+            return LossSpec(LossMode.TRAINER, label_smoothing=smoothing, pass_num_items=counted, scaled_for_ga=counted,
+                            **common)
         if has_labels and not _takes_labels(self.model, self.label_names):
             return LossSpec(LossMode.TRAINER, **common)
         graphdef, params, rest = nnx.split(self.model, nnx.Param, ...)
@@ -286,8 +379,9 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
             out_shape = jax.eval_shape(lambda p, s, x: apply_model(graphdef, p, s, x)[0], params, rest, probe)
         loss, _ = split_outputs(out_shape)
         if loss is not None:
-            mode = LossMode.MODEL_SUM if (has_labels and _accepts_loss_kwargs(self.model)) else LossMode.MODEL_MEAN
-            return LossSpec(mode, **common)
+            if has_labels and self.model_accepts_loss_kwargs:
+                return LossSpec(LossMode.MODEL_SUM, **common)
+            return LossSpec(LossMode.MODEL_MEAN, pass_num_items=False, scaled_for_ga=False, **common)
         if has_labels or not training:
             return LossSpec(LossMode.TRAINER, **common)
         raise ValueError(
@@ -295,6 +389,16 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
             f"{self.label_names}: its columns are {sorted(sample)}. Add a 'labels' column (or set "
             "--label_names), or pass compute_loss_func."
         )
+
+    def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
+        """HF's compute_loss: the loss of `model` (a bound nnx model) on `inputs` (jax arrays), with its outputs
+        when `return_outputs`. Subclass and override it, as with HF: the override runs inside the compiled step
+        (use `model`, not `self.model`, and jax.numpy). If the loss you return is a per-batch mean, leave
+        `loss_is_scaled_for_ga` as None or False; if it is already normalised by num_items_in_batch, set True."""
+        spec = active_base_spec()
+        if spec is None:  # called by hand, outside a step
+            spec = self._default_loss_spec({k: np.asarray(v) for k, v in inputs.items()}, training=True)
+        return step_compute_loss(model, inputs, spec, num_items_in_batch, return_outputs)
 
     def _state_shardings(self, tx: optax.GradientTransformation, params) -> TrainState:
         """NamedShardings of the train state: parameters and their optimizer moments by the logical rules."""
@@ -400,9 +504,10 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         self._hp_search_setup(trial)
         args = self.args
         if self.model_init is not None:
-            np.random.seed(args.seed)  # HF seeds before model_init; nnx models take their seed from nnx.Rngs
+            host_rng.set_seed(args.seed, args.full_determinism)  # HF seeds again before model_init
             self.model = self.call_model_init(trial)
             self.callback_handler.model = self.model
+            self.model_accepts_loss_kwargs = _accepts_loss_kwargs(self.model)
             self.optimizer = self.lr_scheduler = None
             self._created_lr_scheduler, self._optimizer_recipe = False, None
             self._train_state = None
@@ -545,6 +650,11 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         self.state.is_local_process_zero = self.is_local_process_zero()
         self.state.is_world_process_zero = self.is_world_process_zero()
 
+        # The training collator draws from its own stream of host randomness, so its draws do not depend on how
+        # far ahead the prefetch thread runs; each step remembers the stream's state after its batches.
+        loader.rng_stream = host_rng.RngStream(host_rng.capture())
+        self._loop_state: LoopState | None = None
+        self._resumed_loop_state: LoopState | None = None
         pad_id = getattr(self.processing_class, "pad_token_id", None) or 0
         bucketed = args.train_sampling_strategy == "group_by_length"
         shapes = data.ShapeKeeper(loader.local_rows, pad_id, agree=distributed.agree_max, buckets=bucketed)
@@ -584,17 +694,19 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
             self.control = self.callback_handler.on_epoch_begin(args, self.state, self.control)
             loader.set_epoch(epoch)
             skip = micro_steps_to_skip if epoch == epochs_trained else 0
-            windows = self._windows(loader, updates_per_epoch, steps_in_epoch, skip)
+            windows = self._windows(loader, shapes, updates_per_epoch, steps_in_epoch, skip)
             # With many processes, agreeing on shapes is a collective: it must run on the main thread, in step
             # order with the train steps. On one process the background thread also pads and places batches.
             in_background = jax.process_count() == 1
             if in_background:
-                windows = ((b, self._step_batch(b, shapes, loader.batch_size)) for b in windows)
+                windows = (self._prepare_window(b, rng, shapes, loader.batch_size) for b, rng in windows)
             step = skip - 1
             prefetch = data.Prefetcher(windows, args.prefetch_batches)
             try:
                 for item in prefetch:
-                    batches, step_batch = item if in_background else (item, self._step_batch(item, shapes, loader.batch_size))
+                    window = item if in_background else self._prepare_window(*item, shapes, loader.batch_size)
+                    batches, step_batch = window.batches, window.step_batch
+                    self._loop_state = window.loop_state  # as of this step: what its checkpoint saves
                     for i, batch in enumerate(batches):
                         step += 1
                         if i == 0:
@@ -636,12 +748,22 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
                 break
         return self._finalize_training(trial, num_train_samples, start_time)
 
-    def _windows(self, loader, updates_per_epoch, steps_in_epoch, skip):
-        """Yield each optimizer step's micro-batches (this process's rows) for one epoch: HF's get_batch_samples."""
+    def _prepare_window(self, batches, collator_rng, shapes: data.ShapeKeeper, global_rows: int) -> "PreparedWindow":
+        step_batch = self._step_batch(batches, shapes, global_rows)
+        return PreparedWindow(batches, step_batch, LoopState(collator_rng, shapes.length))
+
+    def _windows(self, loader, shapes, updates_per_epoch, steps_in_epoch, skip):
+        """Yield each optimizer step's micro-batches (this process's rows) for one epoch, HF's get_batch_samples,
+        with the collator's host generator state after them."""
         ga = self.args.gradient_accumulation_steps
         iterator = iter(loader)
         for _ in range(skip):
             next(iterator, None)
+        resumed, self._resumed_loop_state = self._resumed_loop_state, None
+        if resumed is not None:  # resumed: draw on from where the checkpoint's step left off
+            if resumed.collator_rng is not None:
+                loader.rng_stream.state = resumed.collator_rng
+            shapes.length = resumed.padded_length  # pad as the run did (shapes change XLA's summation order)
         remainder = steps_in_epoch % ga or ga
         for update_step in range(skip // ga, updates_per_epoch):
             wanted = ga if update_step != updates_per_epoch - 1 else remainder
@@ -653,7 +775,7 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
                 batches.append(item[0])
             if not batches:
                 return
-            yield batches
+            yield batches, loader.rng_stream.state if loader.rng_stream is not None else None
 
     def _num_classes(self) -> int | None:
         """How many classes the model's logits score, for label checks (None: not a classifier, or regression /

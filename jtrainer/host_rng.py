@@ -1,0 +1,121 @@
+"""Host randomness as HF handles it: seeded when the Trainer is built, saved in every checkpoint, restored on resume.
+
+The host generators are python's `random`, numpy's global generator and torch's (when the script uses torch): a
+collator that masks tokens (HF's DataCollatorForLanguageModeling) draws from them. jtrainer collates training
+batches on a background thread, ahead of the step; so that the draws do not depend on how far ahead it runs, the
+training collator draws from its own `RngStream`: the generators' state is swapped in around each call and out
+again, under one lock that every collator call takes. Evaluation batches and user code draw from the process's
+generators as usual.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import importlib.util
+import json
+import os
+import random
+import sys
+import threading
+from typing import Any
+
+import numpy as np
+
+# Held by every collator call: a swapped-in training stream is never seen by another collator.
+_LOCK = threading.RLock()
+
+
+def _torch(imported_only: bool):
+    if "torch" in sys.modules:
+        return sys.modules["torch"]
+    if imported_only or importlib.util.find_spec("torch") is None:
+        return None
+    import torch
+
+    return torch
+
+
+@dataclasses.dataclass(frozen=True)
+class HostRngState:
+    """The state of python's, numpy's and (if in use) torch's global generators."""
+
+    python: Any
+    numpy: Any
+    torch: bytes | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        version, internal, gauss = self.python
+        kind, keys, pos, has_gauss, cached = self.numpy
+        return {
+            "python": [version, list(internal), gauss],
+            "numpy": [kind, np.asarray(keys).tolist(), int(pos), int(has_gauss), float(cached)],
+            "torch": None if self.torch is None else base64.b64encode(self.torch).decode("ascii"),
+        }
+
+    @classmethod
+    def from_json(cls, value: dict[str, Any]) -> "HostRngState":
+        version, internal, gauss = value["python"]
+        kind, keys, pos, has_gauss, cached = value["numpy"]
+        torch_state = value.get("torch")
+        return cls(
+            python=(version, tuple(internal), gauss),
+            numpy=(kind, np.asarray(keys, np.uint32), pos, has_gauss, cached),
+            torch=None if torch_state is None else base64.b64decode(torch_state),
+        )
+
+
+def capture() -> HostRngState:
+    """The generators' state now (torch's only if torch has been imported: otherwise nothing draws from it)."""
+    torch = _torch(imported_only=True)
+    torch_state = None if torch is None else bytes(torch.get_rng_state().numpy().tobytes())
+    return HostRngState(python=random.getstate(), numpy=np.random.get_state(), torch=torch_state)
+
+
+def restore(state: HostRngState) -> None:
+    random.setstate(state.python)
+    np.random.set_state(state.numpy)
+    if state.torch is not None:
+        torch = _torch(imported_only=False)
+        if torch is not None:
+            torch.set_rng_state(torch.frombuffer(bytearray(state.torch), dtype=torch.uint8))
+
+
+def set_seed(seed: int, deterministic: bool = False) -> None:
+    """HF's transformers.set_seed: python, numpy and torch seeded with `seed`; with `deterministic`
+    (full_determinism), also torch's deterministic algorithms, as HF's enable_full_determinism. torch only when the
+    script has imported it (a collator drawing from torch has): jtrainer itself never loads it."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch = _torch(imported_only=True)
+    if torch is not None:
+        torch.manual_seed(seed)
+        if deterministic:
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":16:8")
+            torch.use_deterministic_algorithms(True)
+
+
+class RngStream:
+    """A separate sequence of host draws: `run(fn, ...)` calls fn with the process's generators set to this
+    stream's state, then puts the process's state back. `state` is the stream's state after the last call."""
+
+    def __init__(self, state: HostRngState):
+        self.state = state
+
+    def run(self, fn, *args):
+        with _LOCK:
+            outside = capture()
+            restore(self.state)
+            try:
+                return fn(*args)
+            finally:
+                self.state = capture()
+                restore(outside)
+
+
+def run_collator(fn, rows, stream: RngStream | None):
+    """Call a collator: on `stream` if given, else on the process's generators (under the same lock)."""
+    if stream is not None:
+        return stream.run(fn, rows)
+    with _LOCK:
+        return fn(rows)

@@ -1,0 +1,45 @@
+"""Which of HF's Trainer override points a subclass may use here, and a clear error for those it may not.
+
+jtrainer calls `compute_loss` inside its compiled step, and calls `evaluation_loop`, `create_optimizer`,
+`create_scheduler`, `get_*_dataloader`, `log`, `evaluate`, `predict`, `save_model` ... by name as HF does, so
+overriding those works. HF's per-batch torch hooks (`training_step`, `prediction_step`, `_prepare_inputs`, ...)
+have no place in one compiled step: a subclass overriding one would be silently ignored, so construction refuses it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# HF's torch-side hooks -> what to override instead.
+UNSUPPORTED_OVERRIDES: dict[str, str] = {
+    "training_step": "compute_loss (it runs inside the compiled train step; the backward pass and the optimizer "
+    "update are jax.grad and optax)",
+    "prediction_step": "compute_loss (evaluation calls it with return_outputs=True) or preprocess_logits_for_metrics",
+    "_prepare_inputs": "the data collator",
+    "_prepare_input": "the data collator",
+    "compute_loss_context_manager": "TrainingArguments bf16/fp16 (mixed precision is a cast inside the step)",
+    "autocast_smart_context_manager": "TrainingArguments bf16/fp16 (mixed precision is a cast inside the step)",
+    "get_batch_samples": "get_train_dataloader (returning a jtrainer.data.BatchLoader)",
+    "_get_num_items_in_batch": "compute_loss (it receives num_items_in_batch)",
+    "_wrap_model": "the mesh arguments (mesh_shape, logical_axis_rules)",
+    "_clip_grad_norm": "max_grad_norm, or an optax chain passed as optimizers=(tx, None)",
+    "_get_grad_norm": "max_grad_norm, or an optax chain passed as optimizers=(tx, None)",
+}
+
+
+def overrides(trainer: Any, name: str) -> bool:
+    """Whether `trainer`'s class replaces the jtrainer Trainer's own method `name` (or defines one it lacks)."""
+    from jtrainer.trainer import Trainer
+
+    mine = getattr(type(trainer), name, None)
+    return mine is not None and mine is not getattr(Trainer, name, None)
+
+
+def check_overrides(trainer: Any) -> None:
+    """Raise, naming the method and the supported alternative, when a subclass overrides a hook never called."""
+    for name, instead in UNSUPPORTED_OVERRIDES.items():
+        if overrides(trainer, name):
+            raise TypeError(
+                f"{type(trainer).__name__}.{name} overrides a hook of transformers.Trainer that jtrainer does not "
+                f"call (training is one compiled JAX step): it would be silently ignored. Override {instead} instead."
+            )

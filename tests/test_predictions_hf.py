@@ -1,0 +1,163 @@
+"""Prediction outputs against transformers.Trainer: tuples, dicts, ignore_keys, several label names and
+batch_eval_metrics, on the same weights and rows (a torch nn.Module and its nnx twin)."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("accelerate")
+
+from flax import nnx  # noqa: E402
+
+from conftest import torch_rows  # noqa: E402
+
+
+def _rows(n, seed=0):
+    rng = np.random.RandomState(seed)
+    return [
+        {
+            "x": rng.randn(3).astype(np.float32),
+            "labels": rng.randn(2).astype(np.float32),
+            "aux_labels": rng.randn(2).astype(np.float32),
+        }
+        for _ in range(n)
+    ]
+
+
+class TorchTwoHeads(torch.nn.Module):
+    """Returns (loss, y, tanh(y)) or a dict {"loss", "output", "aux"}; the loss is its own mean (MSE)."""
+
+    def __init__(self, dict_output: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(3, 2)
+        self.dict_output = dict_output
+
+    def forward(self, x, labels=None, aux_labels=None):
+        y = self.lin(x)
+        z = torch.tanh(y)
+        loss = None
+        if labels is not None:
+            loss = ((y - labels) ** 2).mean()
+            if aux_labels is not None:
+                loss = loss + ((z - aux_labels) ** 2).mean()
+        if self.dict_output:
+            out = {"output": y, "aux": z}
+            return out if loss is None else {"loss": loss, **out}
+        return (y, z) if loss is None else (loss, y, z)
+
+
+class NnxTwoHeads(nnx.Module):
+    def __init__(self, torch_model: TorchTwoHeads):
+        self.lin = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+        self.lin.kernel[...] = torch_model.lin.weight.detach().numpy().T.copy()
+        self.lin.bias[...] = torch_model.lin.bias.detach().numpy().copy()
+        self.dict_output = torch_model.dict_output
+
+    def __call__(self, x, labels=None, aux_labels=None):
+        import jax.numpy as jnp
+
+        y = self.lin(x)
+        z = jnp.tanh(y)
+        loss = None
+        if labels is not None:
+            loss = jnp.mean((y - labels) ** 2)
+            if aux_labels is not None:
+                loss = loss + jnp.mean((z - aux_labels) ** 2)
+        if self.dict_output:
+            out = {"output": y, "aux": z}
+            return out if loss is None else {"loss": loss, **out}
+        return (y, z) if loss is None else (loss, y, z)
+
+
+class MetricCalls:
+    """compute_metrics that records what it was given (and returns the mean prediction)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, pred, compute_result=None):
+        preds = pred.predictions
+        first = preds[0] if isinstance(preds, tuple) else preds
+        labels = pred.label_ids
+        self.calls.append(
+            {
+                "compute_result": compute_result,
+                "preds": [np.asarray(p) for p in (preds if isinstance(preds, tuple) else (preds,))],
+                "labels": [np.asarray(v) for v in (labels if isinstance(labels, tuple) else (labels,))],
+            }
+        )
+        return {"mean_prediction": float(np.mean(np.asarray(first)))}
+
+
+def _both(tmp_path, dict_output, rows, **over):
+    import transformers
+
+    from jtrainer import Trainer, TrainingArguments
+
+    kw = dict(per_device_eval_batch_size=8, report_to="none", disable_tqdm=True, use_cpu=True)
+    kw.update(over)
+    torch_model = TorchTwoHeads(dict_output)
+    hf_metrics, jt_metrics = MetricCalls(), MetricCalls()
+    hf = transformers.Trainer(
+        model=torch_model,
+        args=transformers.TrainingArguments(output_dir=str(tmp_path / "hf"), **kw),
+        compute_metrics=hf_metrics,
+    )
+    ours = Trainer(
+        model=NnxTwoHeads(torch_model),
+        args=TrainingArguments(output_dir=str(tmp_path / "jt"), **kw),
+        compute_metrics=jt_metrics,
+    )
+    return (hf, hf_metrics), (ours, jt_metrics), torch_rows(rows)
+
+
+def _assert_tree_close(got, ref):
+    if isinstance(ref, tuple):
+        assert isinstance(got, tuple) and len(got) == len(ref), (type(got), type(ref))
+        for g, r in zip(got, ref):
+            _assert_tree_close(g, r)
+    else:
+        assert not isinstance(got, tuple)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "dict_output, label_names, ignore_keys",
+    [(False, ["labels"], None), (True, None, None), (True, None, ["aux"]), (False, None, None)],
+    ids=["tuple-one-label", "dict", "dict-ignore-aux", "tuple-two-labels"],
+)
+def test_predict_outputs_as_transformers(tmp_path, dict_output, label_names, ignore_keys):
+    rows = _rows(32)
+    over = {} if label_names is None else {"label_names": label_names}
+    (hf, _), (ours, _), torch_data = _both(tmp_path, dict_output, rows, **over)
+    ref = hf.predict(torch_data, ignore_keys=ignore_keys)
+    got = ours.predict(rows, ignore_keys=ignore_keys)
+    _assert_tree_close(got.predictions, ref.predictions)
+    _assert_tree_close(got.label_ids, ref.label_ids)
+    assert set(got.metrics) - {"test_model_preparation_time"} >= {"test_loss", "test_mean_prediction"}
+    for key in ("test_loss", "test_mean_prediction"):
+        np.testing.assert_allclose(got.metrics[key], ref.metrics[key], rtol=1e-5, err_msg=key)
+
+
+@pytest.mark.parametrize("description", ["evaluate", "predict"])
+def test_batch_eval_metrics_calls_as_transformers(tmp_path, description):
+    """Each batch computes metrics with compute_result=False and the last with True and that batch's values;
+    evaluate returns the last call's metrics, predict still keeps every prediction."""
+    rows = _rows(40)
+    (hf, hf_calls), (ours, jt_calls), torch_data = _both(tmp_path, False, rows, batch_eval_metrics=True)
+    if description == "evaluate":
+        ref, got = hf.evaluate(torch_data), ours.evaluate(rows)
+    else:
+        ref_out, got_out = hf.predict(torch_data), ours.predict(rows)
+        _assert_tree_close(got_out.predictions, ref_out.predictions)
+        ref, got = ref_out.metrics, got_out.metrics
+    assert [c["compute_result"] for c in jt_calls.calls] == [c["compute_result"] for c in hf_calls.calls]
+    assert [c["compute_result"] for c in jt_calls.calls] == [False] * 4 + [True]
+    for mine, theirs in zip(jt_calls.calls, hf_calls.calls):
+        for key in ("preds", "labels"):
+            for g, r in zip(mine[key], theirs[key]):
+                np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
+    prefix = "eval" if description == "evaluate" else "test"
+    np.testing.assert_allclose(got[f"{prefix}_mean_prediction"], ref[f"{prefix}_mean_prediction"], rtol=1e-5)
+    np.testing.assert_allclose(got[f"{prefix}_loss"], ref[f"{prefix}_loss"], rtol=1e-5)
