@@ -13,7 +13,7 @@ from jtrainer import startup  # noqa: E402
 
 startup.apply_default()  # the persistent compilation cache, before anything compiles
 
-from transformers.trainer_utils import EvalPrediction, PredictionOutput, TrainOutput, get_last_checkpoint
+from transformers.trainer_utils import EvalPrediction, PredictionOutput, TrainOutput
 
 from jtrainer.args import TrainingArguments  # noqa: E402
 from jtrainer.callbacks import (
@@ -27,6 +27,7 @@ from jtrainer.callbacks import (
     TrainerState,
 )
 from jtrainer.trainer import Trainer
+from jtrainer.checkpoint import get_last_checkpoint  # noqa: E402  (the verified one)
 from jtrainer.seq2seq import Seq2SeqTrainer, Seq2SeqTrainingArguments  # noqa: E402
 
 __version__ = "0.1.0"

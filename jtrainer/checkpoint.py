@@ -16,19 +16,22 @@ the next start.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import re
+import itertools
 import shutil
+import threading
 import time
 from collections.abc import Callable
 
 import jax
 import optax
 import orbax.checkpoint as ocp
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from jtrainer.mixed_precision import LossScaleState
 
@@ -50,6 +53,8 @@ __all__ = [
     "checkpoint_folder",
     "get_last_checkpoint",
     "restore_train_state",
+    "checkpoint_folders",
+    "remove_checkpoint",
     "rotate_checkpoints",
     "PendingCheckpoint",
     "save_checkpoint",
@@ -79,11 +84,17 @@ def load_loop_state(folder: str, process_index: int) -> dict | None:
         return json.load(f)
 
 
-def _barrier(name: str) -> None:
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
+_BARRIER_CALLS: dict[str, itertools.count] = {}  # per name: every process waits on it in the same order
 
-        multihost_utils.sync_global_devices(name)
+
+def _barrier(name: str, timeout_s: int = 1800) -> None:
+    """Wait for every process, through jax's coordination service: no device computation, so a background
+    thread may wait while the main thread runs train steps."""
+    if jax.process_count() > 1:
+        from jax._src import distributed
+
+        key = f"{name}_{next(_BARRIER_CALLS.setdefault(name, itertools.count()))}"
+        distributed.global_state.client.wait_at_barrier(key, timeout_in_ms=timeout_s * 1000)
 
 
 def _sha256(path: str) -> str:
@@ -120,10 +131,14 @@ def verify_checkpoint(folder: str) -> None:
     manifest_path = os.path.join(folder, MANIFEST_NAME)
     if not os.path.isfile(manifest_path):
         raise CheckpointIntegrityError(f"Checkpoint {folder} has no {MANIFEST_NAME}.")
-    with open(manifest_path) as f:
-        manifest = json.load(f)
+    manifest = _read_json(folder, MANIFEST_NAME)
+    if not isinstance(manifest, dict):
+        raise CheckpointIntegrityError(f"Checkpoint {folder}: {MANIFEST_NAME} is not a mapping of files.")
     for rel, entry in manifest.items():
         path = os.path.join(folder, rel)
+        inside = os.path.realpath(path).startswith(os.path.realpath(folder) + os.sep)
+        if os.path.isabs(rel) or not inside:
+            raise CheckpointIntegrityError(f"Checkpoint {folder}: {MANIFEST_NAME} names {rel!r}, outside the folder.")
         if not os.path.isfile(path):
             raise CheckpointIntegrityError(f"Checkpoint {folder}: file {rel} is missing.")
         size = os.path.getsize(path)
@@ -133,18 +148,60 @@ def verify_checkpoint(folder: str) -> None:
             )
         if _sha256(path) != entry["sha256"]:
             raise CheckpointIntegrityError(f"Checkpoint {folder}: file {rel} does not match its checksum.")
+        if rel.endswith(".json"):
+            _read_json(folder, rel)  # every JSON file must parse: resume falls back past one that does not
+
+
+def _read_json(folder: str, rel: str):
+    try:
+        with open(os.path.join(folder, rel)) as f:
+            return json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise CheckpointIntegrityError(f"Checkpoint {folder}: {rel} cannot be read ({error}).") from error
 
 
 class PendingCheckpoint:
-    """A checkpoint whose arrays orbax is still writing in the background; `commit()` waits and commits it."""
+    """A checkpoint whose arrays orbax writes in the background. A committer thread commits it as soon as the
+    last byte is written (manifest, commit marker, rename, then `on_commit`), independent of the next save;
+    `commit()` waits for that (and re-raises its error); `done` says whether it has happened."""
 
     def __init__(self, folder: str, checkpointer, is_main: bool, step: int, on_commit: Callable[[], None]):
         self.folder, self.checkpointer, self.is_main, self.step = folder, checkpointer, is_main, step
         self.on_commit = on_commit
+        self._finished = threading.Event()
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
 
-    def commit(self) -> None:
+    def commit_in_background(self) -> None:
+        self._thread = threading.Thread(target=self._commit_recording, name=f"jtrainer-commit-{self.step}", daemon=True)
+        self._thread.start()
+
+    @property
+    def done(self) -> bool:
+        return self._finished.is_set()
+
+    def commit(self, timeout: float | None = None) -> None:
+        """Commit now, or wait (at most `timeout` seconds) for the background commit."""
+        if self._thread is None:
+            self._commit_recording()
+        # An Event, not Thread.join: a join interrupted by Ctrl-C can report the thread finished (Python < 3.13).
+        elif not self._finished.wait(timeout):
+            raise TimeoutError(f"Checkpoint {self.folder} was still being written after {timeout:.0f} s.")
+        if self._error is not None:
+            raise self._error
+
+    def _commit_recording(self) -> None:
+        try:
+            self._commit()
+        except BaseException as error:  # raised by commit() in the main thread
+            self._error = error
+        finally:
+            self._finished.set()
+
+    def _commit(self) -> None:
         if self.checkpointer is not None:
             self.checkpointer.wait_until_finished()
+            self.checkpointer.close()
         _barrier(f"jtrainer_ckpt_written_{self.step}")
         tmp = self.folder + TMP_SUFFIX
         if self.is_main:
@@ -175,8 +232,8 @@ def save_checkpoint(
     """Write a checkpoint into `folder.tmp`, then commit it by renaming to `folder` (see the module doc).
 
     With `asynchronous`, orbax writes the arrays in the background (after copying them off the devices) and the
-    returned PendingCheckpoint must be committed later; `on_commit` runs after the rename (rotation goes there,
-    so nothing is deleted before its successor exists).
+    returned PendingCheckpoint commits itself when they are written; `on_commit` runs after the rename (rotation
+    goes there, so nothing is deleted before its successor exists).
     """
     tmp = folder + TMP_SUFFIX
     if is_main:
@@ -191,6 +248,7 @@ def save_checkpoint(
         write_files(tmp)
     pending = PendingCheckpoint(folder, checkpointer, is_main, step, on_commit)
     if asynchronous:
+        pending.commit_in_background()
         return pending
     pending.commit()
     return None
@@ -218,16 +276,50 @@ def remove_uncommitted(run_dir: str) -> list[str]:
     return removed
 
 
-def get_last_checkpoint(folder: str) -> str | None:
-    """HF's get_last_checkpoint, skipping checkpoints that are not committed or fail their checksums."""
-    if not os.path.isdir(folder):
-        return None
-    pattern = re.compile(r"^" + PREFIX_CHECKPOINT_DIR + r"\-(\d+)$")
-    candidates = sorted(
-        (int(m.group(1)), name) for name in os.listdir(folder) if (m := pattern.match(name))
+_CHECKPOINT_NAME = re.compile(r"^" + PREFIX_CHECKPOINT_DIR + r"-(\d+)$")
+
+
+def checkpoint_folders(run_dir: str) -> list[str]:
+    """The run's `checkpoint-N` folders (exactly that name: not `checkpoint-4-backup`), oldest step first."""
+    if not os.path.isdir(run_dir):
+        return []
+    found = sorted(
+        (int(m.group(1)), name) for name in os.listdir(run_dir)
+        if (m := _CHECKPOINT_NAME.match(name)) and os.path.isdir(os.path.join(run_dir, name))
     )
-    for _, name in reversed(candidates):
-        path = os.path.join(folder, name)
+    return [os.path.join(run_dir, name) for _, name in found]
+
+
+def remove_checkpoint(path: str) -> None:
+    if os.path.islink(path):  # a symlinked checkpoint: drop the link, never what it points to
+        os.unlink(path)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def rotate_checkpoints(run_dir: str, save_total_limit: int | None, best_model_checkpoint: str | None = None) -> None:
+    """HF's rotate_checkpoints (keep `save_total_limit`, never the newest nor the best), on exact names only."""
+    if save_total_limit is None or save_total_limit <= 0:
+        return
+    folders = checkpoint_folders(run_dir)
+    if len(folders) <= save_total_limit:
+        return
+    protected = {folders[-1]}
+    if best_model_checkpoint is not None:
+        protected.add(os.path.join(run_dir, os.path.basename(os.path.normpath(best_model_checkpoint))))
+    remaining = len(folders)
+    for folder in folders:
+        if remaining <= max(save_total_limit, len(protected)):
+            break
+        if folder not in protected:
+            remove_checkpoint(folder)
+            remaining -= 1
+
+
+def get_last_checkpoint(folder: str) -> str | None:
+    """HF's get_last_checkpoint, skipping checkpoints that are not committed or fail their checks (what
+    `from jtrainer import get_last_checkpoint` gives HF scripts)."""
+    for path in reversed(checkpoint_folders(folder)):
         try:
             verify_checkpoint(path)
         except CheckpointIntegrityError as e:
@@ -246,12 +338,37 @@ def _shapes_by_path(tree) -> dict[str, tuple]:
 
 
 def restore_train_state(directory: str, like):
-    """Read a train state saved by `save_checkpoint`, placed (and resharded) like the pytree `like`."""
+    """Read a train state saved by `save_checkpoint`, placed (and resharded) like the pytree `like`; its
+    parameters and optimizer state must be finite (a damaged but re-hashed array is an integrity error)."""
+    restored = _restore_train_state(directory, like)
+    _check_finite(directory, restored)
+    return restored
+
+
+def _check_finite(directory: str, state) -> None:
+    floats = [(path, leaf) for path, leaf in jax.tree_util.tree_flatten_with_path((state.params, state.opt_state))[0]
+              if hasattr(leaf, "dtype") and jax.numpy.issubdtype(leaf.dtype, jax.numpy.floating)]
+    finite = jax.jit(lambda xs: jax.numpy.stack([jax.numpy.all(jax.numpy.isfinite(x)) for x in xs]))(
+        [leaf for _, leaf in floats]) if floats else []
+    for (path, _), ok in zip(floats, jax.device_get(finite)):
+        if not ok:
+            where = "params" if path[0].idx == 0 else "optimizer state"
+            raise CheckpointIntegrityError(
+                f"Checkpoint {directory}: {where} array {jax.tree_util.keystr(path[1:])} is not finite (NaN or Inf); "
+                "resume from an earlier checkpoint."
+            )
+
+
+def _restore_train_state(directory: str, like):
     verify_checkpoint(directory)
     path = os.path.abspath(os.path.join(directory, TRAIN_STATE_DIR))
     if not os.path.isdir(path):
         raise FileNotFoundError(f"Can't find a valid checkpoint at {directory}")
-    checkpointer = ocp.StandardCheckpointer()
+    with contextlib.closing(ocp.StandardCheckpointer()) as checkpointer:
+        return _restore_with(checkpointer, directory, path, like)
+
+
+def _restore_with(checkpointer, directory: str, path: str, like):
     saved_tree = checkpointer.metadata(path).item_metadata.tree
     saved = _shapes_by_path(saved_tree["params"])
     wanted = _shapes_by_path(like.params)

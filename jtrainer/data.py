@@ -7,10 +7,11 @@ sequences to a high-water mark that only grows by powers of two), so the step co
 from __future__ import annotations
 
 import inspect
+import logging
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -18,6 +19,8 @@ from jtrainer import host_rng
 from jtrainer.losses import IGNORE_INDEX
 
 Batch = dict[str, np.ndarray]
+
+logger = logging.getLogger(__name__)
 
 
 def has_length(dataset: Any) -> bool:
@@ -127,6 +130,7 @@ class BatchLoader:
         length_column: str = "length",
         row_range: tuple[int, int] | None = None,
         rng_stream: host_rng.RngStream | None = None,
+        complete_last: bool = False,
     ):
         if has_length(dataset) and len(dataset) == 0:
             raise ValueError("The dataset is empty: pass a dataset with at least one row.")
@@ -137,6 +141,9 @@ class BatchLoader:
         self.sized = has_length(dataset) and hasattr(dataset, "__getitem__")
         self.epoch = 0
         self.rng_stream = rng_stream  # the host generators the collator draws from (None: the process's own)
+        # HF on several data shards (accelerate's even_batches): a short last batch is completed with the epoch's
+        # first rows, so every shard gets a full batch; only its real rows count as seen.
+        self.complete_last = complete_last
         self._peeked: tuple[int, Iterator[list[Any]], tuple[Batch, int]] | None = None
 
     @property
@@ -160,8 +167,9 @@ class BatchLoader:
             return list(ds[self.length_column])
         return [len(ds[i]["input_ids"]) for i in range(len(ds))]
 
-    def _global_batches(self) -> Iterator[list[Any]]:
-        """Lists of up to batch_size items: row indices for sized datasets, rows themselves for iterables."""
+    def _global_batches(self) -> Iterator[tuple[list[Any], int]]:
+        """(items, real) per batch: up to batch_size items (row indices for sized datasets, rows themselves for
+        iterables), of which the first `real` are this batch's own (the rest complete a short last batch)."""
         if self.sized:
             order = index_order(
                 len(self.dataset),
@@ -175,13 +183,19 @@ class BatchLoader:
         else:
             items = iter(self.dataset)
         group: list[Any] = []
+        first: list[Any] = []  # the epoch's first rows, to complete a short last batch with
         for item in items:
             group.append(item)
+            if len(first) < self.batch_size:
+                first.append(item)
             if len(group) == self.batch_size:
-                yield group
+                yield group, len(group)
                 group = []
         if group and not self.drop_last:
-            yield group
+            real = len(group)
+            while self.complete_last and len(group) < self.batch_size:
+                group += first[: self.batch_size - len(group)]
+            yield group, real
 
     def _collate(self, rows: list[dict]) -> Batch:
         keys = set(rows[0]) if isinstance(rows[0], dict) else None
@@ -192,7 +206,7 @@ class BatchLoader:
                 )
         return to_numpy_batch(host_rng.run_collator(self.collate, rows, self.rng_stream))
 
-    def _local_batch(self, group: list[Any]) -> tuple[Batch, int]:
+    def _local_batch(self, group: list[Any], real: int) -> tuple[Batch, int]:
         start, stop = self.row_range
         mine = group[start:stop]
         # A process with no rows of a ragged last batch collates the first row and keeps none of it: a
@@ -202,14 +216,14 @@ class BatchLoader:
         if self.sized:
             mine = [self.dataset[i] for i in mine]
         batch = self._collate(mine)
-        return {k: v[:keep] for k, v in batch.items()}, len(group)
+        return {k: v[:keep] for k, v in batch.items()}, real
 
     def peek(self) -> Batch:
         """This epoch's first batch, kept for the next iteration, which yields it and then goes on with the same
         row iterator: no row of a one-shot iterable is lost and a random collator is called once per batch."""
         if self._peeked is None:
             groups = self._global_batches()
-            self._peeked = (self.epoch, groups, self._local_batch(next(groups)))
+            self._peeked = (self.epoch, groups, self._local_batch(*next(groups)))
         return self._peeked[2][0]
 
     def __iter__(self) -> Iterator[tuple[Batch, int]]:
@@ -219,8 +233,8 @@ class BatchLoader:
         if peeked is not None and (peeked[0] == self.epoch or not self.sized):
             _, groups, first = peeked
             yield first
-        for group in groups:
-            yield self._local_batch(group)
+        for group, real in groups:
+            yield self._local_batch(group, real)
 
 
 def pad_value(key: str, pad_token_id: int) -> int:
@@ -273,8 +287,9 @@ class ShapeKeeper:
             self.length = 1 << (longest - 1).bit_length()
         return self.length
 
-    def pad(self, batch: Batch, length: int | None) -> Batch:
-        """The batch padded to the static shape (a zero-row batch becomes all padding)."""
+    def pad(self, batch: Batch, length: int | None, pad_rows: bool = True) -> Batch:
+        """The batch padded to the static shape (a zero-row batch becomes all padding); with pad_rows=False only
+        its sequences are padded (a ragged batch keeps its rows)."""
         n = next(iter(batch.values())).shape[0]
         if n > self.rows:
             raise ValueError(f"A batch has {n} rows, more than the batch size {self.rows}.")
@@ -286,7 +301,7 @@ class ShapeKeeper:
                     "must return arrays with one row per example."
                 )
             seq = length if (value.ndim >= 2 and value.dtype.kind in "iub") else None
-            out[key] = _pad_to(value, self.rows, seq, pad_value(key, self.pad_token_id))
+            out[key] = _pad_to(value, self.rows if pad_rows else n, seq, pad_value(key, self.pad_token_id))
         return out
 
 
@@ -299,22 +314,40 @@ def check_same_keys(batches: Sequence[Batch]) -> None:
             )
 
 
+class Window(NamedTuple):
+    """One optimizer step's micro-batches, padded to static shapes (numpy, this process's rows)."""
+
+    stacked: Batch  # [micro_batches, rows, ...]
+    weights: np.ndarray  # [micro_batches]: 1 for real micro-batches, 0 for fillers of a short window
+    tail: Batch | None = None  # a ragged last micro-batch kept at its own rows [rows', ...] (see assemble_window)
+
+
 def assemble_window(
-    batches: Sequence[Batch], accumulation_steps: int, shapes: ShapeKeeper
-) -> tuple[Batch, np.ndarray]:
+    batches: Sequence[Batch], accumulation_steps: int, shapes: ShapeKeeper, ragged_tail: bool = False
+) -> Window:
     """One optimizer step's micro-batches stacked to [accumulation_steps, rows, ...], padded, and their weights.
 
-    A short window (the end of an epoch) is filled with all-padding micro-batches of weight 0.
+    A short window (the end of an epoch) is filled with all-padding micro-batches of weight 0. With
+    `ragged_tail`, a last micro-batch with fewer rows than the batch is not padded with rows but kept apart at
+    its own size (a loss the model averages over rows would count padding rows): the stack then holds
+    accumulation_steps - 1 micro-batches.
     """
     check_same_keys(batches)
     length = shapes.sequence_length(batches)
+    tail = None
+    last_rows = next(iter(batches[-1].values())).shape[0]
+    if ragged_tail and last_rows < shapes.rows:
+        tail = shapes.pad(batches[-1], length, pad_rows=False)
+        batches, accumulation_steps = batches[:-1], accumulation_steps - 1
     padded = [shapes.pad(b, length) for b in batches]
-    filler = {k: np.full_like(v, pad_value(k, shapes.pad_token_id)) for k, v in padded[0].items()}
+    template = padded[0] if padded else shapes.pad(tail, length)
+    filler = {k: np.full_like(v, pad_value(k, shapes.pad_token_id)) for k, v in template.items()}
     padded += [filler] * (accumulation_steps - len(padded))
-    stacked = {k: np.stack([p[k] for p in padded]) for k in padded[0]}
+    stacked = {k: np.stack([p[k] for p in padded]) if padded else np.zeros((0, *v.shape), v.dtype)
+               for k, v in template.items()}
     weights = np.zeros(accumulation_steps, np.float32)
     weights[: len(batches)] = 1.0
-    return stacked, weights
+    return Window(stacked, weights, tail)
 
 
 class Prefetcher:
@@ -329,23 +362,27 @@ class Prefetcher:
             return
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread = threading.Thread(target=self._run, name="jtrainer-prefetch", daemon=True)
         self._thread.start()
+
+    def _put(self, item) -> bool:
+        """Hand an item over unless the consumer has stopped (never blocks past a stop)."""
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
 
     def _run(self):
         try:
             for item in self._source:
-                while not self._stop.is_set():
-                    try:
-                        self._queue.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if self._stop.is_set():
+                if not self._put(item):
                     return
-            self._queue.put(self._END)
+            self._put(self._END)
         except BaseException as e:  # handed to the consumer thread
-            self._queue.put(e)
+            self._put(e)
 
     def __iter__(self):
         return self
@@ -360,6 +397,11 @@ class Prefetcher:
             raise item
         return item
 
-    def close(self):
-        if self.depth > 0:
+    def close(self, timeout: float = 120.0):
+        """Stop the producer and wait for it: a thread still inside a jax call when the interpreter exits can
+        abort the process (exit code 134) after a good run. It finishes at most the item it is building."""
+        if self.depth > 0 and self._thread.is_alive():
             self._stop.set()
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                logger.warning("The batch prefetch thread did not stop within %.0f s (its data source blocks).", timeout)

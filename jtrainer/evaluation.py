@@ -25,7 +25,8 @@ from transformers.trainer_utils import (
 
 from jtrainer import data, distributed, optim, sharding
 from jtrainer.losses import IGNORE_INDEX
-from jtrainer.step import EvalOutputs, LossSpec, batch_label_values, make_eval_step
+from jtrainer.overrides import check_loader
+from jtrainer.step import EvalOutputs, LossSpec, batch_label_values, make_eval_step, make_shard_loss_step
 
 
 def concat_padded(arrays: list[np.ndarray], pad: int = IGNORE_INDEX) -> np.ndarray:
@@ -138,13 +139,15 @@ class EvaluationMixin:
                     self.evaluate(dataset if override else name, ignore_keys, f"{metric_key_prefix}_{name}")
                 )
             return metrics
-        output = self._timed_loop(self.get_eval_dataloader(eval_dataset), "Evaluation", ignore_keys, metric_key_prefix)
+        loader = check_loader(self, self.get_eval_dataloader(eval_dataset), "get_eval_dataloader")
+        output = self._timed_loop(loader, "Evaluation", ignore_keys, metric_key_prefix)
         self.log(output.metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, output.metrics)
         return output.metrics
 
     def predict(self, test_dataset, ignore_keys=None, metric_key_prefix: str = "test") -> PredictionOutput:
-        output = self._timed_loop(self.get_test_dataloader(test_dataset), "Prediction", ignore_keys, metric_key_prefix)
+        loader = check_loader(self, self.get_test_dataloader(test_dataset), "get_test_dataloader")
+        output = self._timed_loop(loader, "Prediction", ignore_keys, metric_key_prefix)
         self.control = self.callback_handler.on_predict(self.args, self.state, self.control, output.metrics)
         return PredictionOutput(predictions=output.predictions, label_ids=output.label_ids, metrics=output.metrics)
 
@@ -175,6 +178,27 @@ class EvaluationMixin:
             )
         return _SHARED_EVAL_STEPS[key]
 
+    def _eval_ragged_rows(self, spec: LossSpec, dataloader) -> bool:
+        """Whether a ragged last batch runs at its own rows (one data shard, a loss padding would change), as in
+        training. On several data shards the loader completes it with the first rows, as HF's distributed loader
+        does, whatever the loss (dropped again before metrics; its loss is HF's per-process one, `_shard_losses`)."""
+        # Padding rows of -100 labels add nothing to jtrainer's own losses; several shards complete the batch.
+        return sharding.data_parallel_size(self.mesh) == 1 and not spec.padding_neutral
+
+    def _shard_losses(self, spec: LossSpec, params, model_state, inputs, rows: int, global_rows: int) -> np.ndarray:
+        """HF's losses of a completed last batch on several processes: each process's batch loss, repeated
+        over its rows, the first `rows` of them kept (accelerate's gather_for_metrics)."""
+        shards = sharding.data_parallel_size(self.mesh)
+        self.model.eval()
+        graphdef = nnx.split(self.model, nnx.Param, ...)[0]
+        self.model.train()
+        key = ("shard_losses", graphdef, spec, shards)
+        if key not in _SHARED_EVAL_STEPS:
+            _SHARED_EVAL_STEPS[key] = jax.jit(make_shard_loss_step(graphdef, spec, shards))
+        with self._mesh_context():
+            per_shard = np.asarray(jax.device_get(_SHARED_EVAL_STEPS[key](params, model_state, inputs)), np.float64)
+        return np.repeat(per_shard, global_rows // shards)[:rows]
+
     def _ignore_keys(self, ignore_keys) -> tuple[str, ...]:
         """HF's default: the config's keys_to_ignore_at_inference (["cache"] without one), none without a config."""
         if ignore_keys is None:
@@ -203,15 +227,19 @@ class EvaluationMixin:
         num_samples = 0
         metrics = None
         include = set(args.include_for_metrics or [])
+        num_classes = self._num_classes()
         for (batch, rows), is_last in _with_last(dataloader):
-            self._check_labels(batch)
+            self._check_labels(batch, num_classes)
             length = shapes.sequence_length([batch])
             sharding.check_length_divisible(length, self.mesh)
-            padded = shapes.pad(batch, length)
             if spec is None:
-                spec = self._loss_spec(padded, training=False)
+                spec = self._loss_spec(shapes.pad(batch, length), training=False)
                 step = self._eval_step(spec, want_logits, ignore)
-            inputs = sharding.put_global(padded, self.mesh, row_dim=0, global_rows=dataloader.batch_size)
+                ragged_rows = self._eval_ragged_rows(spec, dataloader)
+            # A ragged last batch keeps its own rows where padding rows would enter the loss (one more compile).
+            padded = shapes.pad(batch, length, pad_rows=not ragged_rows)
+            global_rows = dataloader.batch_size if not ragged_rows else rows
+            inputs = sharding.put_global(padded, self.mesh, row_dim=0, global_rows=global_rows)
             with self._mesh_context():
                 out: EvalOutputs = step(params, model_state, inputs)
             collated_len = distributed.agree_max(max((v.shape[1] for v in batch.values() if v.ndim >= 2), default=0))
@@ -220,6 +248,8 @@ class EvaluationMixin:
                 return _slice_tree(jax.tree.map(distributed.gather_rows, tree), rows, length, collated_len or None)
 
             batch_losses = None if out.loss is None else np.full(rows, float(out.loss), np.float64)
+            if batch_losses is not None and dataloader.complete_last and rows < global_rows:
+                batch_losses = self._shard_losses(spec, params, model_state, inputs, rows, global_rows)
             batch_labels = batch_label_values(padded, tuple(self.label_names))
             batch_labels = None if batch_labels is None else host(batch_labels)
             batch_preds = None

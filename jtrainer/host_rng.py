@@ -13,7 +13,6 @@ from __future__ import annotations
 import base64
 import dataclasses
 import importlib.util
-import json
 import os
 import random
 import sys

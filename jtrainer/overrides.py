@@ -43,3 +43,29 @@ def check_overrides(trainer: Any) -> None:
                 f"{type(trainer).__name__}.{name} overrides a hook of transformers.Trainer that jtrainer does not "
                 f"call (training is one compiled JAX step): it would be silently ignored. Override {instead} instead."
             )
+
+
+def check_loader(trainer: Any, loader: Any, method: str):
+    """A dataloader method (perhaps overridden) must give a jtrainer BatchLoader: batches are padded to static
+    shapes and split over the mesh, which a torch DataLoader's batches are not."""
+    from jtrainer.data import BatchLoader
+
+    if not isinstance(loader, BatchLoader):
+        raise TypeError(
+            f"{type(trainer).__name__}.{method} returned a {type(loader).__name__}; jtrainer needs a "
+            "jtrainer.data.BatchLoader (static shapes, split over the mesh). Return "
+            "jtrainer.data.BatchLoader(dataset, batch_size, collate, ...) or pass data_collator= instead."
+        )
+    return loader
+
+
+def check_optimizer_override(trainer: Any) -> None:
+    """create_optimizer (perhaps overridden) must leave an optax transformation: the update runs in the step."""
+    import optax
+
+    if not isinstance(trainer.optimizer, optax.GradientTransformation):
+        raise TypeError(
+            f"{type(trainer).__name__}.create_optimizer set self.optimizer to a {type(trainer.optimizer).__name__}; "
+            "jtrainer needs an optax.GradientTransformation (the update runs inside the compiled step). Build it "
+            "with optax, or pass optimizers=(tx, None) / optimizer_cls_and_kwargs."
+        )

@@ -5,6 +5,7 @@ The storage itself (atomic commit, manifest, orbax, rotation) lives in `jtrainer
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -52,11 +53,42 @@ class SavingMixin:
             return True
         return False
 
-    def _commit_pending_checkpoint(self) -> None:
-        """Wait for the checkpoint being written in the background, then commit (and rotate)."""
+    def _commit_pending_checkpoint(self, timeout: float | None = None) -> None:
+        """Wait until the checkpoint being written in the background is committed (and rotated), then deliver
+        its on_save."""
         if self._pending_checkpoint is not None:
-            pending, self._pending_checkpoint = self._pending_checkpoint, None
-            pending.commit()
+            self._pending_checkpoint.commit(timeout)  # kept pending until it succeeds (Ctrl-C may interrupt it)
+            self._pending_checkpoint = None
+        self._deliver_on_save()
+
+    def _announce_save(self) -> None:
+        """HF's on_save ("after a checkpoint save"), once the checkpoint is committed: at once when it was
+        committed in the step (async_checkpointing=False, HF's event order), else at the first step boundary
+        after its background commit, with the TrainerState as it was at the save."""
+        self._on_save_state = copy.deepcopy(self.state)
+        if self._pending_checkpoint is None:
+            self._deliver_on_save()
+
+    def _deliver_on_save(self) -> None:
+        saved_state, self._on_save_state = getattr(self, "_on_save_state", None), None
+        if saved_state is not None:
+            state = self.state if saved_state.global_step == self.state.global_step else saved_state
+            self.control = self.callback_handler.on_save(self.args, state, self.control)
+
+    def _poll_pending_checkpoint(self) -> None:
+        """At a step boundary: a background commit that has finished delivers its on_save (or its error)."""
+        if self._pending_checkpoint is not None and self._pending_checkpoint.done:
+            self._commit_pending_checkpoint()
+
+    def _finish_checkpoint_after_error(self, timeout: float = 600.0) -> None:
+        """On an exception, Ctrl-C or a failed step: commit the checkpoint in flight (bounded wait) so a
+        finished write is never lost; the error then goes on (its on_save is not delivered)."""
+        pending, self._pending_checkpoint, self._on_save_state = self._pending_checkpoint, None, None
+        if pending is not None:
+            try:
+                pending.commit(timeout)
+            except Exception as error:
+                logger.error("Could not commit %s after the error: %s", pending.folder, error)
 
     def _save_checkpoint(self, trial) -> None:
         self._commit_pending_checkpoint()

@@ -213,13 +213,9 @@ def batch_spec(ndim: int, row_dim: int, token_level: bool) -> P:
     return P(*entries)
 
 
-def is_token_level(array: np.ndarray) -> bool:
-    return array.ndim >= 2 and array.dtype.kind in "iub"
-
-
 def batch_shardings(mesh: Mesh, batch: dict[str, np.ndarray], row_dim: int) -> dict[str, NamedSharding]:
     return {
-        k: NamedSharding(mesh, batch_spec(v.ndim, row_dim, is_token_level(v[(0,) * row_dim])))
+        k: NamedSharding(mesh, batch_spec(v.ndim, row_dim, v.ndim - row_dim >= 2 and v.dtype.kind in "iub"))
         for k, v in batch.items()
     }
 

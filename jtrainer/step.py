@@ -40,6 +40,9 @@ class StepBatch(NamedTuple):
 
     inputs: dict[str, jax.Array]
     micro_weight: jax.Array  # [micro_batches]: 1 for real micro-batches, 0 for padding of a short window
+    # A ragged last micro-batch at its own rows [rows', ...], run after the others (its own compilation), when
+    # padding rows would enter the loss (see LossSpec.padding_neutral).
+    tail: dict[str, jax.Array] | None = None
 
 
 @dataclass(frozen=True)
@@ -54,14 +57,13 @@ class LossSpec:
     pass_num_items: bool = True
     # HF's loss_is_scaled_for_ga: the loss is already normalised over the window; else divided by its micro-batches.
     scaled_for_ga: bool = True
+    accepts_loss_kwargs: bool = False  # HF's model_accepts_loss_kwargs
     compute_loss: Callable | None = None  # OVERRIDE: the subclass's bound compute_loss
     base: "LossSpec | None" = None  # OVERRIDE: the rules its super().compute_loss follows
 
-    @property
-    def padding_neutral(self) -> bool:
-        """Whether a micro-batch of padding (labels all -100) adds exactly 0 to the loss and its gradient: true
-        of the losses jtrainer computes and of models that sum token losses over num_items_in_batch."""
-        return self.mode in (LossMode.TRAINER, LossMode.MODEL_SUM) and self.scaled_for_ga
+    # Whether padding (rows whose labels are all -100) adds exactly 0 to the loss and its gradient: true of the
+    # token losses jtrainer computes and of its models' own (sum / num_items_in_batch), decided by the Trainer.
+    padding_neutral: bool = False
 
 
 def split_outputs(outputs: Any) -> tuple[jax.Array | None, Any]:
@@ -125,6 +127,11 @@ def apply_model(graphdef, params, model_state, inputs: dict[str, jax.Array], com
 _BASE_SPEC: contextvars.ContextVar[LossSpec | None] = contextvars.ContextVar("jtrainer_base_loss_spec", default=None)
 
 
+# HF's compute_loss multiplies a loss normalised by the all-process num_items_in_batch by the process count
+# (average_tokens_across_devices); 1 except while shard_losses traces one data shard's loss.
+_PROCESS_SCALE: contextvars.ContextVar[int] = contextvars.ContextVar("jtrainer_process_scale", default=1)
+
+
 def active_base_spec() -> LossSpec | None:
     """While a compute_loss override is traced: the rules of the Trainer's own compute_loss (its super())."""
     return _BASE_SPEC.get()
@@ -150,6 +157,8 @@ def default_compute_loss(model, inputs: dict[str, jax.Array], spec: LossSpec, nu
         loss = token_cross_entropy_sum(logits, targets, spec.label_smoothing) / count
     elif spec.mode == LossMode.CUSTOM:
         loss = spec.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
+    if num_items_in_batch is not None and (spec.accepts_loss_kwargs or spec.compute_loss_func is not None):
+        loss = loss * _PROCESS_SCALE.get()
     return loss, outputs
 
 
@@ -176,13 +185,14 @@ def micro_batch_loss(graphdef, params, model_state, inputs, num_items, micro_wei
     return loss * micro_weight, new_state
 
 
-def window_label_count(inputs: dict[str, jax.Array], spec: LossSpec) -> jax.Array:
-    """HF's num_items_in_batch over the whole window [micro_batches, rows, ...] (1 without labels)."""
-    labels = inputs.get(spec.label_names[0]) if spec.label_names else None
-    if labels is None:
+def window_label_count(inputs: dict[str, jax.Array], spec: LossSpec, tail: dict[str, jax.Array] | None = None):
+    """HF's num_items_in_batch over the whole window [micro_batches, rows, ...] and its ragged tail (1 without
+    labels)."""
+    name = spec.label_names[0] if spec.label_names else None
+    if name is None or name not in inputs:
         return jnp.ones((), jnp.int32)
-    per_micro = jax.vmap(lambda lab: count_label_tokens(lab, spec.causal))(labels)
-    return jnp.sum(per_micro)
+    count = jnp.sum(jax.vmap(lambda lab: count_label_tokens(lab, spec.causal))(inputs[name]))
+    return count if tail is None else count + count_label_tokens(tail[name], spec.causal)
 
 
 def clip_by_global_norm(grads, max_norm):
@@ -206,8 +216,8 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, spec: LossSpec, 
     """
 
     def train_step(state: TrainState, batch: StepBatch) -> tuple[TrainState, dict[str, jax.Array]]:
-        num_items = jnp.maximum(window_label_count(batch.inputs, spec), 1).astype(jnp.float32)
-        n_micro = jnp.maximum(jnp.sum(batch.micro_weight), 1.0)
+        num_items = jnp.maximum(window_label_count(batch.inputs, spec, batch.tail), 1).astype(jnp.float32)
+        n_micro = jnp.maximum(jnp.sum(batch.micro_weight) + (batch.tail is not None), 1.0)
         scale = loss_scale(state.opt_state)
 
         def objective(*args):
@@ -218,9 +228,8 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, spec: LossSpec, 
 
         # Step randomness is derived: fold the step, then the micro-batch index, into the run's key.
         step_key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
-        micro_keys = jax.vmap(lambda i: jax.random.key_data(jax.random.fold_in(step_key, i)))(
-            jnp.arange(batch.micro_weight.shape[0])
-        )
+        n_stacked = batch.micro_weight.shape[0]
+        micro_keys = jax.vmap(lambda i: jax.random.key_data(jax.random.fold_in(step_key, i)))(jnp.arange(n_stacked))
 
         zeros = jax.tree.map(jnp.zeros_like, state.params)
 
@@ -246,6 +255,11 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, spec: LossSpec, 
         carry = (zeros, jnp.zeros((), jnp.float32), state.model_state)
         xs = (batch.inputs, batch.micro_weight, micro_keys)
         (grads, loss, model_state), _ = jax.lax.scan(accumulate, carry, xs)
+        if batch.tail is not None:  # the ragged last micro-batch, at its own rows, keyed as the next one
+            index = jnp.sum(batch.micro_weight).astype(jnp.int32)  # after the real micro-batches before it
+            tail_key = jax.random.key_data(jax.random.fold_in(step_key, index))
+            tail_grads, tail_loss, model_state = micro_batch(model_state, batch.tail, jnp.ones(()), tail_key)
+            grads, loss = jax.tree.map(jnp.add, grads, tail_grads), loss + tail_loss
         if scale is not None:
             grads = jax.tree.map(lambda g: g / scale, grads)
         if max_grad_norm > 0:
@@ -338,3 +352,23 @@ def make_eval_step(
         return EvalOutputs(None if loss is None else jnp.mean(loss).astype(jnp.float32), predictions)
 
     return eval_step
+
+
+def make_shard_loss_step(graphdef, spec: LossSpec, shards: int):
+    """HF's per-process losses of one evaluation batch [shards * rows, ...] on `shards` processes: each data
+    shard's compute_loss on its own rows, with num_items_in_batch counted over every shard and a default loss
+    scaled by the shard count (average_tokens_across_devices), as each of HF's processes computes it."""
+
+    def shard_losses(params, model_state, inputs: dict[str, jax.Array]) -> jax.Array:
+        labels = inputs[spec.label_names[0]]
+        num_items = count_label_tokens(labels, spec.causal) if spec.pass_num_items else None
+        split = jax.tree.map(lambda v: v.reshape(shards, v.shape[0] // shards, *v.shape[1:]), inputs)
+        with bound_model(graphdef, params, model_state, spec.compute_dtype) as model:
+            token = _PROCESS_SCALE.set(shards)
+            try:
+                losses = jax.vmap(lambda x: jnp.mean(compute_loss(model, x, spec, num_items)))(split)
+            finally:
+                _PROCESS_SCALE.reset(token)
+        return losses.astype(jnp.float32)
+
+    return shard_losses

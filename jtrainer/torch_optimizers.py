@@ -20,12 +20,9 @@ def _decay_tree(decays, params):
     return jax.tree.map(lambda _: True, params) if decays is None else decays
 
 
-def _decay_factor(decays, weight_decay):
+def _decay_rate(weight_decay):
+    """Per parameter: its weight decay if it is in a decay group, else 0."""
     return lambda decayed: jnp.where(decayed, weight_decay, 0.0)
-
-
-def _count_inc(count):
-    return optax.safe_int32_increment(count)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -40,15 +37,13 @@ class SGDState(NamedTuple):
 def torch_sgd(learning_rate, weight_decay, decays, momentum=0.0, dampening=0.0, nesterov=False):
     """torch.optim.SGD: g += wd * p; buf = g on the first step, then momentum * buf + (1 - dampening) * g;
     nesterov steps along g + momentum * buf; p -= lr * (that)."""
-    if nesterov and (momentum <= 0 or dampening != 0):
-        raise ValueError("optim_args: Nesterov momentum requires a momentum and zero dampening (torch's SGD rule).")
 
     def init(params):
         buf = jax.tree.map(jnp.zeros_like, params) if momentum else None
         return SGDState(jnp.zeros([], jnp.int32), buf)
 
     def update(grads, state, params):
-        wd = _decay_factor(decays, weight_decay)
+        wd = _decay_rate(weight_decay)
         grads = jax.tree.map(lambda g, p, d: g + wd(d) * p, grads, params, _decay_tree(decays, params))
         buf = state.momentum_buffer
         if momentum:
@@ -58,7 +53,7 @@ def torch_sgd(learning_rate, weight_decay, decays, momentum=0.0, dampening=0.0, 
             )
             grads = jax.tree.map(lambda g, b: g + momentum * b, grads, buf) if nesterov else buf
         updates = jax.tree.map(lambda g: -learning_rate * g, grads)
-        return updates, SGDState(_count_inc(state.count), buf)
+        return updates, SGDState(optax.safe_int32_increment(state.count), buf)
 
     return optax.GradientTransformation(init, update)
 
@@ -80,12 +75,12 @@ def torch_adagrad(learning_rate, weight_decay, decays, lr_decay=0.0, eps=1e-10):
         return AdagradState(jnp.zeros([], jnp.int32), jax.tree.map(jnp.zeros_like, params))
 
     def update(grads, state, params):
-        wd = _decay_factor(decays, weight_decay)
+        wd = _decay_rate(weight_decay)
         grads = jax.tree.map(lambda g, p, d: g + wd(d) * p, grads, params, _decay_tree(decays, params))
         sums = jax.tree.map(lambda s, g: s + g * g, state.sum, grads)
         clr = learning_rate / (1.0 + state.count * lr_decay)
         updates = jax.tree.map(lambda g, s: -clr * g / (jnp.sqrt(s) + eps), grads, sums)
-        return updates, AdagradState(_count_inc(state.count), sums)
+        return updates, AdagradState(optax.safe_int32_increment(state.count), sums)
 
     return optax.GradientTransformation(init, update)
 
@@ -110,7 +105,7 @@ def torch_rmsprop(learning_rate, weight_decay, decays, alpha=0.99, eps=1e-8, mom
         return RMSpropState(zeros(), zeros() if centered else None, zeros() if momentum else None)
 
     def update(grads, state, params):
-        wd = _decay_factor(decays, weight_decay)
+        wd = _decay_rate(weight_decay)
         grads = jax.tree.map(lambda g, p, d: g + wd(d) * p, grads, params, _decay_tree(decays, params))
         square_avg = jax.tree.map(lambda v, g: alpha * v + (1.0 - alpha) * g * g, state.square_avg, grads)
         grad_avg = state.grad_avg
@@ -161,7 +156,7 @@ def hf_adafactor(learning_rate, weight_decay, decays, eps1=1e-30, clip_threshold
         )
 
     def update(grads, state, params):
-        count = _count_inc(state.count)
+        count = optax.safe_int32_increment(state.count)
         beta2t = 1.0 - count.astype(jnp.float32) ** decay_rate
 
         def one(g, p, row, col, full, decayed):
@@ -206,15 +201,13 @@ def stable_adamw(learning_rate, b1, b2, eps, weight_decay, decays, decouple_lr=F
     """torch-optimi's StableAdamW: AdamW with debiased betas whose rate is divided, per tensor, by
     max(1, RMS(g / sqrt(max(v, eps^2)))); weight decay `p *= 1 - lr_t * wd` (or `1 - lr_t / max_lr * wd` with
     decouple_lr)."""
-    if decouple_lr and max_lr is None:
-        raise ValueError("optim_args decouple_lr for stable_adamw needs max_lr=<the schedule's peak rate>.")
 
     def init(params):
         zeros = lambda: jax.tree.map(jnp.zeros_like, params)  # noqa: E731
         return StableAdamWState(jnp.zeros([], jnp.int32), zeros(), zeros())
 
     def update(grads, state, params):
-        count = _count_inc(state.count)
+        count = optax.safe_int32_increment(state.count)
         step = count.astype(jnp.float32)
         beta1_hat, beta2_hat = _debias_beta(b1, step), _debias_beta(b2, step)
 
@@ -289,7 +282,7 @@ def schedule_free(
             exp_avg_sq = jax.tree.map(lambda v, g: b2 * v + (1.0 - b2) * g * g, exp_avg_sq, grads)
             bias_correction2 = 1.0 - b2 ** (k + 1.0)
             grads = jax.tree.map(lambda g, v: g / (jnp.sqrt(v / bias_correction2) + eps), grads, exp_avg_sq)
-        wd = _decay_factor(decays, weight_decay)
+        wd = _decay_rate(weight_decay)
         grads = jax.tree.map(lambda g, y, d: g + wd(d) * y, grads, params, _decay_tree(decays, params))
 
         def new_y(y, z, g):
@@ -297,6 +290,6 @@ def schedule_free(
 
         updates = jax.tree.map(lambda y, z, g: new_y(y, z, g) - y, params, state.z, grads)
         z = jax.tree.map(lambda z, g: z - lr * g, state.z, grads)
-        return updates, ScheduleFreeState(_count_inc(state.count), weight_sum, lr_max, z, exp_avg_sq, state.b1)
+        return updates, ScheduleFreeState(optax.safe_int32_increment(state.count), weight_sum, lr_max, z, exp_avg_sq, state.b1)
 
     return optax.GradientTransformation(init, update)

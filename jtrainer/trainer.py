@@ -48,9 +48,9 @@ from jtrainer.hpsearch import HyperparameterSearchMixin
 from jtrainer.hub import HubMixin
 from jtrainer.losses import LabelSmoother, check_class_labels, count_label_tokens
 from jtrainer.metrics_io import MetricsMixin
-from jtrainer.models.base import set_neftune
+from jtrainer.models.base import PretrainedMixin, set_neftune
 from jtrainer.optimizer_setup import OptimizerMixin
-from jtrainer.overrides import check_overrides, overrides
+from jtrainer.overrides import check_loader, check_optimizer_override, check_overrides, overrides
 from jtrainer.saving import SavingMixin
 from jtrainer.state import TrainState
 from jtrainer.step import (
@@ -105,6 +105,21 @@ class LoopState(NamedTuple):
 
     collator_rng: host_rng.HostRngState | None  # the training collator's generators after this step's batches
     padded_length: int | None  # the padded sequence length reached (a resumed run pads the same)
+
+
+@dataclasses.dataclass
+class TrainingRun:
+    """What one train() call's epochs share (HF passes these to _run_epoch one by one)."""
+
+    loader: data.BatchLoader
+    shapes: data.ShapeKeeper
+    train_step: Callable
+    updates_per_epoch: int
+    epochs_trained: int = 0  # when resuming: whole epochs already done
+    skip: int = 0  # when resuming: micro-batches of the resumed epoch already trained
+    epochs: int = 0
+    steps_in_epoch: int = 0
+    start_time: float = 0.0
 
 
 class PreparedWindow(NamedTuple):
@@ -177,6 +192,12 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         if args.full_determinism:
             _check_deterministic_backend()
         self.mesh = sharding.make_mesh(sharding.resolve_mesh_shape(args, jax.device_count()))
+        if not args.average_tokens_across_devices and sharding.data_parallel_size(self.mesh) > 1:
+            raise ValueError(
+                "average_tokens_across_devices=False normalises each data shard's loss by its own label count (HF's "
+                "per-process rule), which one global step does not reproduce: leave it True (HF's default) on "
+                f"{sharding.data_parallel_size(self.mesh)} data shards."
+            )
         self.axis_rules = sharding.merged_rules(args.logical_axis_rules)
         self._check_layout()
         self.neftune_noise_alpha = None
@@ -189,6 +210,9 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         # until the next step), y while training.
         self._optimizer_eval_mode = False
         self._pending_checkpoint: checkpoint.PendingCheckpoint | None = None
+        self._on_save_state: TrainerState | None = None  # a save whose on_save waits for its commit
+        self._ragged_tail = False  # set per run by _prepare_for_training (see _keeps_ragged_rows)
+        self._label_classes: int | None = None  # the class count labels are checked against, per run
         self._plateau: optim.PlateauScheduler | optim.GreedyScheduler | None = None
         self._created_lr_scheduler = False
         self._optimizer_recipe: tuple | None = None  # what the built optimizer depends on besides numbers
@@ -287,6 +311,7 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
             drop_last=self.args.dataloader_drop_last,
             length_column=self.args.length_column_name,
             row_range=sharding.process_row_range(self.mesh, rows),
+            complete_last=sharding.data_parallel_size(self.mesh) > 1,  # HF's DistributedSampler / even_batches
         )
 
     def get_eval_dataloader(self, eval_dataset: Any = None) -> data.BatchLoader:
@@ -302,6 +327,7 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
             self._collator(),
             drop_last=self.args.dataloader_drop_last,
             row_range=sharding.process_row_range(self.mesh, rows),
+            complete_last=sharding.data_parallel_size(self.mesh) > 1,  # HF's even_batches; dropped before metrics
         )
 
     def get_test_dataloader(self, test_dataset: Any) -> data.BatchLoader:
@@ -321,7 +347,7 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
             scaled = (self.model_accepts_loss_kwargs and pass_num_items) or self.compute_loss_func is not None
         spec = dataclasses.replace(
             base, mode=LossMode.OVERRIDE, compute_loss=self.compute_loss, base=base,
-            pass_num_items=pass_num_items, scaled_for_ga=bool(scaled),
+            pass_num_items=pass_num_items, scaled_for_ga=bool(scaled), padding_neutral=False,
         )
         self._probe_compute_loss(spec, sample)
         return spec
@@ -356,7 +382,8 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         causal = _is_causal_lm(self.model)
         has_labels = any(name in sample for name in self.label_names)
         smoothing = self.args.label_smoothing_factor
-        common = dict(label_names=tuple(self.label_names), causal=causal, compute_dtype=self.args.compute_dtype(training))
+        common = dict(label_names=tuple(self.label_names), causal=causal, compute_dtype=self.args.compute_dtype(training),
+                      accepts_loss_kwargs=self.model_accepts_loss_kwargs)
         if has_labels and self.compute_loss_func is not None:
             return LossSpec(LossMode.CUSTOM, compute_loss_func=self.compute_loss_func, **common)
         if has_labels and smoothing > 0:
@@ -370,9 +397,9 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
             # per-batch mean, divided by the window's micro-batches.
             counted = self.model_accepts_loss_kwargs
             return LossSpec(LossMode.TRAINER, label_smoothing=smoothing, pass_num_items=counted, scaled_for_ga=counted,
-                            **common)
+                            padding_neutral=counted, **common)
         if has_labels and not _takes_labels(self.model, self.label_names):
-            return LossSpec(LossMode.TRAINER, **common)
+            return LossSpec(LossMode.TRAINER, padding_neutral=True, **common)
         graphdef, params, rest = nnx.split(self.model, nnx.Param, ...)
         probe = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in sample.items()}
         with self._mesh_context():
@@ -380,10 +407,11 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         loss, _ = split_outputs(out_shape)
         if loss is not None:
             if has_labels and self.model_accepts_loss_kwargs:
-                return LossSpec(LossMode.MODEL_SUM, **common)
+                # jtrainer's models leave -100 labels out of their sums; a user's model may not.
+                return LossSpec(LossMode.MODEL_SUM, padding_neutral=isinstance(self.model, PretrainedMixin), **common)
             return LossSpec(LossMode.MODEL_MEAN, pass_num_items=False, scaled_for_ga=False, **common)
         if has_labels or not training:
-            return LossSpec(LossMode.TRAINER, **common)
+            return LossSpec(LossMode.TRAINER, padding_neutral=True, **common)
         raise ValueError(
             f"The model did not return a loss from the inputs, and the batch has no label column "
             f"{self.label_names}: its columns are {sorted(sample)}. Add a 'labels' column (or set "
@@ -534,6 +562,9 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
                 if args.auto_find_batch_size:
                     return self._train_with_batch_size_search(resume_from_checkpoint or None, trial, ignore_keys_for_eval)
                 return self._inner_training_loop(resume_from_checkpoint or None, trial, ignore_keys_for_eval)
+        except BaseException:  # an exception in user code, Ctrl-C, a failed step: keep the finished checkpoint
+            self._finish_checkpoint_after_error()
+            raise
         finally:
             if self.neftune_noise_alpha is not None:  # as HF, the noise is for training only
                 set_neftune(self.model, None)
@@ -605,14 +636,14 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         pending = self._pending_checkpoint is not None and self._pending_checkpoint.folder == folder
         if not pending and not os.path.isdir(folder):
             self._save_checkpoint(trial)
-            self.control = self.callback_handler.on_save(self.args, self.state, self.control)
+            self._announce_save()
         self._commit_pending_checkpoint()
         logger.warning("Preempted: saved %s; resume with train(resume_from_checkpoint=True).", folder)
         raise SystemExit(0)
 
-    def _training_values(self, loader: data.BatchLoader) -> tuple[int, int, int, int, int]:
+    def set_initial_training_values(self, args: TrainingArguments, loader: data.BatchLoader) -> tuple[int, int, int, int, int]:
         """HF's set_initial_training_values: (epochs, updates/epoch, micro-batches/epoch, max_steps, samples)."""
-        args, ga = self.args, self.args.gradient_accumulation_steps
+        ga = args.gradient_accumulation_steps
         total_batch = loader.batch_size * ga
         if loader.sized:
             n_batches = len(loader)
@@ -635,49 +666,21 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         return sys.maxsize, max_steps, max_steps * ga, max_steps, max_steps * total_batch
 
     def _inner_training_loop(self, resume_from_checkpoint, trial, ignore_keys_for_eval) -> TrainOutput:
+        """HF 5.x's loop, by the same named steps: set_initial_training_values, _init_training_state,
+        _prepare_for_training, _run_epoch per epoch, _finalize_training."""
         args = self.args
-        loader = self.get_train_dataloader()
-        epochs, updates_per_epoch, steps_in_epoch, max_steps, num_train_samples = self._training_values(loader)
-
-        self.state = TrainerState(
-            stateful_callbacks=[
-                cb for cb in self.callback_handler.callbacks + [self.control] if isinstance(cb, ExportableState)
-            ]
+        loader = check_loader(self, self.get_train_dataloader(), "get_train_dataloader")
+        epochs, updates_per_epoch, steps_in_epoch, max_steps, num_train_samples = self.set_initial_training_values(
+            args, loader
         )
-        self.state.is_hyper_param_search = trial is not None
-        self.state.train_batch_size = loader.batch_size // args.world_size
-        self.state.compute_steps(args, max_steps)
-        self.state.is_local_process_zero = self.is_local_process_zero()
-        self.state.is_world_process_zero = self.is_world_process_zero()
-
-        # The training collator draws from its own stream of host randomness, so its draws do not depend on how
-        # far ahead the prefetch thread runs; each step remembers the stream's state after its batches.
-        loader.rng_stream = host_rng.RngStream(host_rng.capture())
-        self._loop_state: LoopState | None = None
-        self._resumed_loop_state: LoopState | None = None
-        pad_id = getattr(self.processing_class, "pad_token_id", None) or 0
-        bucketed = args.train_sampling_strategy == "group_by_length"
-        shapes = data.ShapeKeeper(loader.local_rows, pad_id, agree=distributed.agree_max, buckets=bucketed)
-        first = loader.peek()  # the next iteration yields it: no batch is lost to the probe
-        spec = self._loss_spec(shapes.pad(first, shapes.sequence_length([first])))
-        shapes.length = None  # the probe must not fix the sequence length
-
-        self.create_optimizer_and_scheduler(max_steps)
-        self.callback_handler.optimizer, self.callback_handler.lr_scheduler = self.optimizer, self.lr_scheduler
-        tx = self._step_optimizer()
-        train_state, state_shardings = self._initial_train_state(tx)
-        epochs_trained, micro_steps_to_skip = 0, 0
-        if resume_from_checkpoint is not None:
-            train_state, epochs_trained, micro_steps_to_skip = self._resume(
-                resume_from_checkpoint, train_state, updates_per_epoch
-            )
-        self._train_state = train_state
-        train_step = self._compiled_train_step(tx, spec, state_shardings)
-        self._train_step = train_step
+        self._init_training_state(max_steps, loader, trial)
+        run = self._prepare_for_training(max_steps, loader, resume_from_checkpoint, updates_per_epoch)
+        run.epochs, run.steps_in_epoch = epochs, steps_in_epoch
+        self._log_training_banner(run, resume_from_checkpoint)
 
         self.callback_handler.train_dataloader = loader
         self.state.init_training_references(self, max_steps, epochs, trial)
-        start_time = time.time()
+        run.start_time = time.time()
         self._initial_num_input_tokens_seen = self.state.num_input_tokens_seen
         self._initial_global_step = self.state.global_step
         self._pending_losses: list[jax.Array] = []
@@ -689,64 +692,132 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         if args.eval_on_start:
             self._evaluate(trial, ignore_keys_for_eval, skip_scheduler=True)
 
-        metrics = None
-        for epoch in range(epochs_trained, epochs):
+        for epoch in range(run.epochs_trained, epochs):
             self.control = self.callback_handler.on_epoch_begin(args, self.state, self.control)
-            loader.set_epoch(epoch)
-            skip = micro_steps_to_skip if epoch == epochs_trained else 0
-            windows = self._windows(loader, shapes, updates_per_epoch, steps_in_epoch, skip)
-            # With many processes, agreeing on shapes is a collective: it must run on the main thread, in step
-            # order with the train steps. On one process the background thread also pads and places batches.
-            in_background = jax.process_count() == 1
-            if in_background:
-                windows = (self._prepare_window(b, rng, shapes, loader.batch_size) for b, rng in windows)
-            step = skip - 1
-            prefetch = data.Prefetcher(windows, args.prefetch_batches)
-            try:
-                for item in prefetch:
-                    window = item if in_background else self._prepare_window(*item, shapes, loader.batch_size)
-                    batches, step_batch = window.batches, window.step_batch
-                    self._loop_state = window.loop_state  # as of this step: what its checkpoint saves
-                    for i, batch in enumerate(batches):
-                        step += 1
-                        if i == 0:
-                            self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
-                        self.current_flos += float(self.floating_point_ops(batch))
-                        self._track_num_input_tokens(batch)
-                        self._count_throughput_tokens(batch)
-                        if i < len(batches) - 1:
-                            self.control = self.callback_handler.on_substep_end(args, self.state, self.control)
-                    with self._mesh_context():
-                        if args.auto_find_batch_size and self.state.global_step == self._initial_global_step:
-                            compiled = train_step.lower(self._train_state, step_batch).compile()
-                            batch_size.check_fits(compiled, args.per_device_train_batch_size)
-                        self._optimizer_eval_mode = False  # HF's training_step: optimizer.train()
-                        self._train_state, metrics = train_step(self._train_state, step_batch)
-                    self._last_step_batch = step_batch
-                    self._pending_losses.append(metrics["loss"])
-                    self.control = self.callback_handler.on_pre_optimizer_step(args, self.state, self.control)
-                    self.control = self.callback_handler.on_optimizer_step(args, self.state, self.control)
-                    self.state.global_step += 1
-                    self.state.epoch = epoch + (step + 1) / steps_in_epoch
-                    self.control = self.callback_handler.on_step_end(args, self.state, self.control)
-                    self._maybe_log_save_evaluate(metrics, trial, epoch, ignore_keys_for_eval, start_time)
-                    self._exit_if_preempted(trial)
-                    if self.control.should_epoch_stop or self.control.should_training_stop:
-                        break
-            finally:
-                prefetch.close()
-            if step < 0:
-                logger.warning(
-                    "There seems not to be a single sample in your epoch_iterator, stopping training at step "
-                    f"{self.state.global_step}! This is expected if you're using an IterableDataset and set "
-                    f"num_steps ({self.state.max_steps}) higher than the number of available samples."
-                )
-                self.control.should_training_stop = True
-            self.control = self.callback_handler.on_epoch_end(args, self.state, self.control)
-            self._maybe_log_save_evaluate(metrics, trial, epoch, ignore_keys_for_eval, start_time)
+            self._run_epoch(run, epoch, trial, ignore_keys_for_eval)
             if self.control.should_training_stop:
                 break
-        return self._finalize_training(trial, num_train_samples, start_time)
+        return self._finalize_training(trial, num_train_samples, run.start_time)
+
+    def _init_training_state(self, max_steps: int, loader: data.BatchLoader, trial) -> None:
+        """A fresh TrainerState for this run (a resume replaces it in _prepare_for_training)."""
+        self.state = TrainerState(
+            stateful_callbacks=[
+                cb for cb in self.callback_handler.callbacks + [self.control] if isinstance(cb, ExportableState)
+            ]
+        )
+        self.state.is_hyper_param_search = trial is not None
+        self.state.train_batch_size = loader.batch_size // self.args.world_size
+        self.state.compute_steps(self.args, max_steps)
+        self.state.is_local_process_zero = self.is_local_process_zero()
+        self.state.is_world_process_zero = self.is_world_process_zero()
+
+    def _prepare_for_training(self, max_steps, loader, resume_from_checkpoint, updates_per_epoch) -> "TrainingRun":
+        """Probe the first batch for the loss rules, build the optimizer and the train state (restored when
+        resuming) and the compiled step."""
+        args = self.args
+        # The training collator draws from its own stream of host randomness, so its draws do not depend on how
+        # far ahead the prefetch thread runs; each step remembers the stream's state after its batches.
+        loader.rng_stream = host_rng.RngStream(host_rng.capture())
+        self._loop_state: LoopState | None = None
+        self._resumed_loop_state: LoopState | None = None
+        pad_id = getattr(self.processing_class, "pad_token_id", None) or 0
+        bucketed = args.train_sampling_strategy == "group_by_length"
+        shapes = data.ShapeKeeper(loader.local_rows, pad_id, agree=distributed.agree_max, buckets=bucketed)
+        first = loader.peek()  # the next iteration yields it: no batch is lost to the probe
+        spec = self._loss_spec(shapes.pad(first, shapes.sequence_length([first])))
+        self._ragged_tail = self._keeps_ragged_rows(spec)
+        self._label_classes = self._num_classes()
+        shapes.length = None  # the probe must not fix the sequence length
+
+        self.create_optimizer_and_scheduler(max_steps)
+        check_optimizer_override(self)
+        self.callback_handler.optimizer, self.callback_handler.lr_scheduler = self.optimizer, self.lr_scheduler
+        tx = self._step_optimizer()
+        train_state, state_shardings = self._initial_train_state(tx)
+        epochs_trained, skip = 0, 0
+        if resume_from_checkpoint is not None:
+            train_state, epochs_trained, skip = self._resume(resume_from_checkpoint, train_state, updates_per_epoch)
+        self._train_state = train_state
+        self._train_step = self._compiled_train_step(tx, spec, state_shardings)
+        return TrainingRun(loader, shapes, self._train_step, updates_per_epoch, epochs_trained, skip)
+
+    def _log_training_banner(self, run: "TrainingRun", resume_from_checkpoint) -> None:
+        """HF's "***** Running training *****" summary."""
+        args, loader = self.args, run.loader
+        logger.info("***** Running training *****")
+        if loader.sized:
+            logger.info(f"  Num examples = {len(loader.dataset):,}")
+        logger.info(f"  Num Epochs = {run.epochs:,}")
+        logger.info(f"  Num update steps per epoch = {run.updates_per_epoch:,}")
+        logger.info(f"  Instantaneous batch size per device = {args.per_device_train_batch_size:,}")
+        total = loader.batch_size * args.gradient_accumulation_steps
+        logger.info(f"  Total train batch size (w. parallel, distributed & accumulation) = {total:,}")
+        logger.info(f"  Gradient Accumulation steps = {args.gradient_accumulation_steps}")
+        logger.info(f"  Total optimization steps = {self.state.max_steps:,}")
+        count = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self._train_state.params))
+        logger.info(f"  Number of trainable parameters = {count:,}")
+        if resume_from_checkpoint is not None:
+            logger.info(f"  Resuming training from checkpoint with epoch {run.epochs_trained} and global step "
+                        f"{self.state.global_step}")
+
+    def _run_epoch(self, run: "TrainingRun", epoch: int, trial, ignore_keys_for_eval) -> None:
+        """One pass over the train dataloader (HF's _run_epoch): a compiled step per accumulation window."""
+        args, loader, shapes = self.args, run.loader, run.shapes
+        loader.set_epoch(epoch)
+        skip = run.skip if epoch == run.epochs_trained else 0
+        windows = self._windows(loader, shapes, run.updates_per_epoch, run.steps_in_epoch, skip)
+        # With many processes, agreeing on shapes is a collective: it must run on the main thread, in step
+        # order with the train steps. On one process the background thread also pads and places batches.
+        in_background = jax.process_count() == 1
+        if in_background:
+            windows = (self._prepare_window(b, rng, shapes, loader.batch_size) for b, rng in windows)
+        step = skip - 1
+        metrics = None
+        prefetch = data.Prefetcher(windows, args.prefetch_batches)
+        try:
+            for item in prefetch:
+                window = item if in_background else self._prepare_window(*item, shapes, loader.batch_size)
+                batches, step_batch = window.batches, window.step_batch
+                self._loop_state = window.loop_state  # as of this step: what its checkpoint saves
+                for i, batch in enumerate(batches):
+                    step += 1
+                    if i == 0:
+                        self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
+                    self.current_flos += float(self.floating_point_ops(batch))
+                    self._track_num_input_tokens(batch)
+                    self._count_throughput_tokens(batch)
+                    if i < len(batches) - 1:
+                        self.control = self.callback_handler.on_substep_end(args, self.state, self.control)
+                with self._mesh_context():
+                    if args.auto_find_batch_size and self.state.global_step == self._initial_global_step:
+                        compiled = run.train_step.lower(self._train_state, step_batch).compile()
+                        batch_size.check_fits(compiled, args.per_device_train_batch_size)
+                    self._optimizer_eval_mode = False  # HF's training_step: optimizer.train()
+                    self._train_state, metrics = run.train_step(self._train_state, step_batch)
+                self._last_step_batch = step_batch
+                self._pending_losses.append(metrics["loss"])
+                self.control = self.callback_handler.on_pre_optimizer_step(args, self.state, self.control)
+                self.control = self.callback_handler.on_optimizer_step(args, self.state, self.control)
+                self.state.global_step += 1
+                self.state.epoch = epoch + (step + 1) / run.steps_in_epoch
+                self.control = self.callback_handler.on_step_end(args, self.state, self.control)
+                self._maybe_log_save_evaluate(metrics, trial, epoch, ignore_keys_for_eval, run.start_time)
+                self._poll_pending_checkpoint()
+                self._exit_if_preempted(trial)
+                if self.control.should_epoch_stop or self.control.should_training_stop:
+                    break
+        finally:
+            prefetch.close()
+        if step < 0:
+            logger.warning(
+                "There seems not to be a single sample in your epoch_iterator, stopping training at step "
+                f"{self.state.global_step}! This is expected if you're using an IterableDataset and set "
+                f"num_steps ({self.state.max_steps}) higher than the number of available samples."
+            )
+            self.control.should_training_stop = True
+        self.control = self.callback_handler.on_epoch_end(args, self.state, self.control)
+        self._maybe_log_save_evaluate(metrics, trial, epoch, ignore_keys_for_eval, run.start_time)
 
     def _prepare_window(self, batches, collator_rng, shapes: data.ShapeKeeper, global_rows: int) -> "PreparedWindow":
         step_batch = self._step_batch(batches, shapes, global_rows)
@@ -788,23 +859,35 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
             return None if regression else config.num_labels
         return getattr(config, "vocab_size", None)
 
-    def _check_labels(self, batch: data.Batch) -> None:
-        num_classes = self._num_classes()
+    def _check_labels(self, batch: data.Batch, num_classes: int | None) -> None:
+        """Class labels must lie in [0, num_classes) (the loop computes `_num_classes()` once)."""
         if num_classes is not None:
             for name in self.label_names:
                 if name in batch:
                     check_class_labels(batch[name], num_classes, name)
 
+    def _keeps_ragged_rows(self, spec: LossSpec) -> bool:
+        """HF on one device sees a ragged last batch at its own rows. Padding rows is exact only for a loss
+        that ignores them; otherwise, on one data shard, that batch runs at its own rows (one more compilation,
+        kept by the persistent cache). Several data shards complete it with the epoch's first rows instead, as
+        HF's distributed sampler does (`BatchLoader.complete_last`)."""
+        return not spec.padding_neutral and sharding.data_parallel_size(self.mesh) == 1
+
     def _step_batch(self, batches, shapes: data.ShapeKeeper, global_rows: int) -> StepBatch:
         """Pad and stack one window, then place it on the mesh as global arrays."""
         for batch in batches:
-            self._check_labels(batch)
-        stacked, weights = data.assemble_window(batches, self.args.gradient_accumulation_steps, shapes)
+            self._check_labels(batch, self._label_classes)
+        window = data.assemble_window(batches, self.args.gradient_accumulation_steps, shapes, self._ragged_tail)
         sharding.check_length_divisible(shapes.length, self.mesh)
         replicated = sharding.replicated(self.mesh)
+        tail = None
+        if window.tail is not None:
+            rows = next(iter(window.tail.values())).shape[0]
+            tail = sharding.put_global(window.tail, self.mesh, row_dim=0, global_rows=rows)
         return StepBatch(
-            inputs=sharding.put_global(stacked, self.mesh, row_dim=1, global_rows=global_rows),
-            micro_weight=jax.make_array_from_process_local_data(replicated, weights, weights.shape),
+            inputs=sharding.put_global(window.stacked, self.mesh, row_dim=1, global_rows=global_rows),
+            micro_weight=jax.make_array_from_process_local_data(replicated, window.weights, window.weights.shape),
+            tail=tail,
         )
 
     def _track_num_input_tokens(self, batch: data.Batch) -> None:
@@ -883,7 +966,7 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
                 self.control.should_save = is_new_best
         if self.control.should_save:
             self._save_checkpoint(trial)
-            self.control = self.callback_handler.on_save(self.args, self.state, self.control)
+            self._announce_save()
 
     def _finalize_training(self, trial, num_train_samples, start_time) -> TrainOutput:
         self._total_loss_scalar += self._logged_loss()
@@ -907,13 +990,9 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
             self._load_best_model()
         run_dir = self._get_output_dir(trial)
         if self.args.should_save and self.state.best_model_checkpoint is not None and self.args.save_total_limit == 1:
-            import shutil
-
-            from transformers.trainer_utils import sort_checkpoints
-
-            for folder in sort_checkpoints(run_dir, best_model_checkpoint=self.state.best_model_checkpoint):
+            for folder in checkpoint.checkpoint_folders(run_dir):  # HF: only the best is left
                 if not os.path.samefile(folder, self.state.best_model_checkpoint):
-                    shutil.rmtree(folder, ignore_errors=True)
+                    checkpoint.remove_checkpoint(folder)
         self.control = self.callback_handler.on_train_end(self.args, self.state, self.control)
         return TrainOutput(self.state.global_step, train_loss, metrics)
 

@@ -1,7 +1,8 @@
 """A training run for the checkpoint/preemption tests, in its own process (to be killed or sent SIGTERM).
 
     python tests/ckpt_job.py OUT_DIR MAX_STEPS SAVE_STEPS EVAL(0|1) [MESH_JSON GLOBAL_BATCH [RESUME_FROM]]
-Touches OUT_DIR/step (the global step) after every step, and OUT_DIR/evaluating during evaluations.
+Touches OUT_DIR/step (the global step) after every step, and OUT_DIR/evaluating during evaluations;
+with CKPT_JOB_RAISE_AT_STEP=N a callback raises after step N.
 """
 
 import os
@@ -27,6 +28,8 @@ class Marker(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         with open(os.path.join(self.out, "step"), "w") as f:
             f.write(str(state.global_step))
+        if str(state.global_step) == os.environ.get("CKPT_JOB_RAISE_AT_STEP"):
+            raise RuntimeError(f"a callback failed at step {state.global_step}")
 
     def on_prediction_step(self, args, state, control, **kwargs):
         open(os.path.join(self.out, "evaluating"), "w").close()
@@ -57,7 +60,9 @@ def make_trainer(out, max_steps, save_steps, evaluate, mesh_shape=None, global_b
     return Trainer(
         model=LlamaForCausalLM.from_config(tiny_llama_config()),
         args=args,
-        train_dataset=token_rows(20, length=16, ragged_labels=True),
+        # Five full global batches an epoch: runs on other meshes see the same batches (a ragged last batch
+        # would be completed from the first rows on several data shards, as HF's distributed sampler does).
+        train_dataset=token_rows(5 * global_batch, length=16, ragged_labels=True),
         eval_dataset=token_rows(200, length=16, seed=9) if evaluate else None,
         callbacks=[Marker(out)],
     )
@@ -65,6 +70,9 @@ def make_trainer(out, max_steps, save_steps, evaluate, mesh_shape=None, global_b
 
 if __name__ == "__main__":
     import json
+    import signal
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, even when started in background
 
     out, max_steps, save_steps, evaluate = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
     mesh = json.loads(sys.argv[5]) if len(sys.argv) > 5 else None

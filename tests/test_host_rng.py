@@ -63,7 +63,7 @@ def test_trainer_construction_seeds_the_host_generators(tmp_path):
     assert (random.random(), np.random.rand()) == expected
 
 
-@pytest.mark.parametrize("prefetch", [0, 3])
+@pytest.mark.parametrize("prefetch", [3])  # deeper than the eval interval: the case that raced
 def test_random_collator_runs_repeat_and_resume_bit_identical(tmp_path, prefetch):
     from jtrainer.models.hf_io import to_hf_state_dict
 

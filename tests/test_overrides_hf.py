@@ -144,3 +144,45 @@ def test_untraceable_compute_loss_fails_before_compiling(tmp_path):
     with count_compiles() as compiles, pytest.raises(TypeError, match=r"TorchStyle\.compute_loss cannot run inside"):
         trainer.train()
     assert compiles == []
+
+
+def test_create_optimizer_and_dataloader_overrides(tmp_path):
+    """Overrides jtrainer calls by name are honoured (an optax optimizer of one's own); ones written for torch
+    (a torch optimizer, a torch DataLoader) are refused, naming the method."""
+    import optax
+
+    from jtrainer import Trainer, TrainingArguments
+    from jtrainer.models.hf_io import to_hf_state_dict
+    from jtrainer.models.llama import LlamaForCausalLM
+
+    def build(cls):
+        return cls(model=LlamaForCausalLM.from_config(tiny_llama_config()),
+                   args=TrainingArguments(output_dir=str(tmp_path), report_to="none", max_steps=2,
+                                          save_strategy="no", per_device_train_batch_size=4),
+                   train_dataset=token_rows(8))
+
+    class FrozenOptimizer(Trainer):
+        def create_optimizer(self):
+            self.optimizer = optax.sgd(0.0)
+            return self.optimizer
+
+    trainer = build(FrozenOptimizer)
+    before = to_hf_state_dict(trainer.model)
+    trainer.train()
+    after = to_hf_state_dict(trainer.model)
+    assert all(np.array_equal(before[k], after[k]) for k in before)
+
+    class TorchOptimizer(Trainer):
+        def create_optimizer(self):
+            self.optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+            return self.optimizer
+
+    with pytest.raises(TypeError, match=r"TorchOptimizer\.create_optimizer set self\.optimizer to a SGD"):
+        build(TorchOptimizer).train()
+
+    class TorchLoader(Trainer):
+        def get_train_dataloader(self):
+            return torch.utils.data.DataLoader(torch_rows(token_rows(8)), batch_size=4)
+
+    with pytest.raises(TypeError, match=r"TorchLoader\.get_train_dataloader returned a DataLoader"):
+        build(TorchLoader).train()

@@ -89,6 +89,10 @@ class TensorFiles:
         elif os.path.exists(index_path):
             with open(index_path) as f:
                 weight_map = json.load(f)["weight_map"]
+            root = os.path.realpath(directory)
+            for file in set(weight_map.values()):
+                if os.path.isabs(file) or not os.path.realpath(os.path.join(directory, file)).startswith(root + os.sep):
+                    raise ValueError(f"{index_path}: weight_map names {file!r}, a file outside {directory}.")
             self.files = {name: os.path.join(directory, file) for name, file in weight_map.items()}
         else:
             raise FileNotFoundError(f"No {WEIGHTS_NAME} or {WEIGHTS_INDEX_NAME} in {directory}.")

@@ -1,0 +1,117 @@
+"""Checkpoints are committed when written, whatever happens next (kill -9, Ctrl-C, an exception in a callback),
+on_save sees its checkpoint complete, and a run leaves no thread behind (no exit code 134 after success)."""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from ckpt_job import make_trainer
+from jtrainer import TrainerCallback, checkpoint
+
+HERE = os.path.dirname(__file__)
+
+
+def _spawn(out, *args, env=None):
+    return subprocess.Popen(
+        [sys.executable, os.path.join(HERE, "ckpt_job.py"), str(out), *map(str, args)],
+        env=dict(os.environ, JAX_PLATFORMS="cpu", **(env or {})),
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )
+
+
+def _wait(condition, proc, what, timeout=180):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+        assert time.monotonic() < deadline, f"{what} never happened"
+        time.sleep(0.1)
+
+
+def _step(out):
+    try:
+        return int((out / "step").read_text() or 0)
+    except (FileNotFoundError, ValueError):
+        return 0
+
+
+def _params_equal(a, b):
+    return all(np.array_equal(np.asarray(x), np.asarray(y))
+               for x, y in zip(jax.tree.leaves(a._train_state.params), jax.tree.leaves(b._train_state.params)))
+
+
+def _resumes_exactly(out, tmp_path, folder, steps=6):
+    checkpoint.verify_checkpoint(str(folder))
+    resumed = make_trainer(str(out), steps, 0, False)
+    resumed.train(resume_from_checkpoint=str(folder))
+    reference = make_trainer(str(tmp_path / "reference"), steps, 0, False)
+    reference.train()
+    assert _params_equal(resumed, reference)
+
+
+def test_kill_after_a_finished_save_keeps_it(tmp_path):
+    """kill -9 two steps after checkpoint-2 was written, long before the next save: it is committed already."""
+    out = tmp_path / "run"
+    proc = _spawn(out, 10_000, 2, 0)
+    _wait(lambda: _step(out) >= 3, proc, "step 3")  # checkpoint-2's write had time to finish
+    _wait(lambda: (out / "checkpoint-2" / checkpoint.COMMIT_NAME).exists(), proc, "the commit of checkpoint-2")
+    proc.kill()
+    proc.wait()
+    assert checkpoint.get_last_checkpoint(str(out)) is not None
+    _resumes_exactly(out, tmp_path, out / "checkpoint-2")
+
+
+@pytest.mark.parametrize("failure", ["sigint", "callback"])
+def test_an_interrupt_or_error_commits_the_save_in_flight(tmp_path, failure):
+    """Ctrl-C, or an exception in a callback, while checkpoint-2 is being committed (held open for 4 s): the
+    commit finishes, then the error ends the run with its own exit code."""
+    out = tmp_path / "run"
+    env = {checkpoint.PAUSE_ENV: "2:4"}
+    if failure == "callback":
+        env["CKPT_JOB_RAISE_AT_STEP"] = "3"
+    proc = _spawn(out, 10_000, 2, 0, env=env)
+    _wait(lambda: (out / "checkpoint-2.tmp" / "paused").exists(), proc, "the pause before the commit")
+    if failure == "sigint":
+        proc.send_signal(signal.SIGINT)
+    code = proc.wait(timeout=120)
+    assert code == (130 if failure == "sigint" else 1) or (failure == "sigint" and code == -signal.SIGINT)
+    if failure == "callback":
+        assert b"a callback failed at step 3" in proc.stderr.read()
+    assert not (out / "checkpoint-2.tmp").exists()
+    _resumes_exactly(out, tmp_path, out / "checkpoint-2")
+
+
+@pytest.mark.parametrize("asynchronous", [True, False])
+def test_on_save_finds_its_checkpoint_committed(tmp_path, asynchronous):
+    seen = []
+
+    class Check(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+            seen.append((state.global_step, os.path.isfile(os.path.join(folder, checkpoint.COMMIT_NAME))))
+
+    trainer = make_trainer(str(tmp_path / "run"), 6, 2, False)
+    trainer.args.async_checkpointing = asynchronous
+    trainer.add_callback(Check())
+    trainer.train()
+    assert seen == [(2, True), (4, True), (6, True)]
+
+
+def test_training_leaves_no_thread_behind(tmp_path):
+    before = set(threading.enumerate())
+    make_trainer(str(tmp_path / "run"), 4, 2, True).train()
+    left = [t.name for t in set(threading.enumerate()) - before if t.is_alive() and not t.name.startswith("asyncio")]
+    assert not [name for name in left if "jtrainer" in name or name.startswith("Thread-")], left
+
+
+def test_clean_runs_exit_zero(tmp_path):
+    """A finished run's process exits 0 every time (a live prefetch thread at exit used to abort one in three)."""
+    procs = [_spawn(tmp_path / f"run{i}", 3, 2, 0) for i in range(3)]
+    for proc in procs:
+        assert proc.wait(timeout=300) == 0, proc.stderr.read().decode()[-2000:]
