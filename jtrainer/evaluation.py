@@ -194,7 +194,8 @@ class EvaluationMixin:
         self.model.train()
         key = ("shard_losses", graphdef, spec, shards)
         if key not in _SHARED_EVAL_STEPS:
-            _SHARED_EVAL_STEPS[key] = jax.jit(make_shard_loss_step(graphdef, spec, shards))
+            _SHARED_EVAL_STEPS[key] = jax.jit(make_shard_loss_step(graphdef, spec, shards),
+                                              out_shardings=sharding.replicated(self.mesh))  # every process reads it
         with self._mesh_context():
             per_shard = np.asarray(jax.device_get(_SHARED_EVAL_STEPS[key](params, model_state, inputs)), np.float64)
         return np.repeat(per_shard, global_rows // shards)[:rows]
