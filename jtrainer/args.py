@@ -126,8 +126,8 @@ class TrainingArguments(transformers.TrainingArguments):
     async_checkpointing: bool = field(
         default=True,
         metadata={
-            "help": "Write checkpoints in the background: training continues while orbax writes; a checkpoint "
-            "folder appears (committed) when the next save starts, when training ends, or on preemption."
+            "help": "Write checkpoints in the background: training continues while orbax writes, and a committer "
+            "thread commits each checkpoint (checkpoint-N appears) as soon as its last byte is written."
         },
     )
     prefetch_batches: int = field(

@@ -4,6 +4,7 @@ optax, and the parameter/FLOP counts HF reports."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -21,9 +22,26 @@ from jtrainer.models.gpt2 import LayerNorm
 LAYER_NORM_TYPES = (nnx.LayerNorm, LayerNorm)
 
 
+def _like(array: jax.Array, value: float) -> jax.Array:
+    """`value` as an array of `array`'s dtype and sharding (a hyperparameter replaced between steps)."""
+    return jax.device_put(np.asarray(value, array.dtype), array.sharding)
+
+
 def dotted(path: tuple) -> str:
     """A pytree path as HF's dotted parameter name."""
     return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+@dataclass(frozen=True)
+class ResumedSchedule:
+    """A resumed run whose schedule changed (max_steps, epochs, warmup): the first update after the checkpoint
+    still applies the rate saved with the optimizer (torch steps its scheduler after the update), logged as
+    `first_rate`; after it the state takes this run's warmup and length."""
+
+    first_count: int  # the schedule count after that first update
+    first_rate: float  # its rate, HF's float64 value of the saved schedule
+    warmup_steps: int
+    total_steps: int
 
 
 class OptimizerMixin:
@@ -49,6 +67,7 @@ class OptimizerMixin:
         if self.lr_scheduler is None:
             args = self.args
             self._schedule_values = (args.get_warmup_steps(num_training_steps), num_training_steps)
+            self._schedule_base = float(args.learning_rate)
             self.lr_scheduler = optim.make_schedule(
                 args.lr_scheduler_type, args.learning_rate, *self._schedule_values, args.lr_scheduler_kwargs
             )
@@ -115,11 +134,53 @@ class OptimizerMixin:
             return self._plateau.last_lr
         trainer_built = self._optimizer_recipe is not None or self.optimizer_cls_and_kwargs is not None
         if self._created_lr_scheduler and trainer_built:  # the device's rate is HF's schedule
+            resumed = self._resumed_schedule
+            if resumed is not None and int(count) == resumed.first_count:
+                return resumed.first_rate
             return optim.host_learning_rate(
-                args.lr_scheduler_type, args.learning_rate, max(int(count) - 1, 0), *self._schedule_values,
+                args.lr_scheduler_type, self._schedule_base, max(int(count) - 1, 0), *self._schedule_values,
                 args.lr_scheduler_kwargs,
             )
         return float(device_lr)
+
+    def _resumed_optimizer_state(self, opt_state):
+        """The restored optimizer state under this run's arguments, as HF resumes: torch loads the saved param
+        groups and scheduler state, so weight decay, betas, epsilon and the schedule's base rate stay the
+        checkpoint's, while the schedule's shape (its rebuilt lambda: warmup, length, kwargs) and max_grad_norm
+        (read each step) are this run's. A changed shape takes effect after the first resumed update."""
+        args, hyper = self.args, optim.find_hyperparams(opt_state)
+        self._resumed_schedule, self._schedule_switch_pending = None, False
+        if hyper is None:
+            return opt_state
+        if "max_grad_norm" in hyper:
+            opt_state = optim.replace_hyperparam(opt_state, "max_grad_norm",
+                                                 _like(hyper["max_grad_norm"], args.max_grad_norm or 0.0))
+        if not (self._created_lr_scheduler and self._optimizer_recipe is not None):
+            return opt_state
+        saved_base = float(hyper["base_learning_rate"])
+        # The float64 rate HF keeps when it is this run's (the state holds its float32 rounding).
+        same_rate = np.float32(args.learning_rate) == np.float32(saved_base)
+        self._schedule_base = float(args.learning_rate) if same_rate else saved_base
+        saved = (int(hyper["warmup_steps"]), int(hyper["total_steps"]))
+        if saved != tuple(self._schedule_values):
+            count = int(optim.schedule_count(opt_state))
+            first = optim.host_learning_rate(args.lr_scheduler_type, self._schedule_base, count, *saved,
+                                             args.lr_scheduler_kwargs)
+            self._resumed_schedule = ResumedSchedule(count + 1, first, *self._schedule_values)
+            self._schedule_switch_pending = True
+        return opt_state
+
+    def _follow_resumed_schedule(self, train_state):
+        """Called after each update; after the first resumed one, this run's warmup and length replace the
+        checkpoint's (once: no device read)."""
+        if not self._schedule_switch_pending:
+            return train_state
+        self._schedule_switch_pending = False
+        resumed = self._resumed_schedule
+        opt_state, hyper = train_state.opt_state, optim.find_hyperparams(train_state.opt_state)
+        for name, value in (("warmup_steps", resumed.warmup_steps), ("total_steps", resumed.total_steps)):
+            opt_state = optim.replace_hyperparam(opt_state, name, _like(hyper[name], value))
+        return train_state.replace(opt_state=opt_state)
 
     def get_optimizer_group(self, param=None):
         params = nnx.to_pure_dict(nnx.state(self.model, nnx.Param))

@@ -216,6 +216,8 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         self._plateau: optim.PlateauScheduler | optim.GreedyScheduler | None = None
         self._created_lr_scheduler = False
         self._optimizer_recipe: tuple | None = None  # what the built optimizer depends on besides numbers
+        self._resumed_schedule = None  # set by _resumed_optimizer_state when a resume changes the schedule
+        self._schedule_switch_pending = False
         self.current_flos = 0.0
 
         # HF's own integration callbacks (tensorboard, wandb, mlflow, ...): they only read logs, args and config.
@@ -736,8 +738,12 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         tx = self._step_optimizer()
         train_state, state_shardings = self._initial_train_state(tx)
         epochs_trained, skip = 0, 0
+        self._resumed_schedule, self._schedule_switch_pending = None, False
+        if self._created_lr_scheduler:
+            self._schedule_base = float(args.learning_rate)
         if resume_from_checkpoint is not None:
             train_state, epochs_trained, skip = self._resume(resume_from_checkpoint, train_state, updates_per_epoch)
+            train_state = train_state.replace(opt_state=self._resumed_optimizer_state(train_state.opt_state))
         self._train_state = train_state
         self._train_step = self._compiled_train_step(tx, spec, state_shardings)
         return TrainingRun(loader, shapes, self._train_step, updates_per_epoch, epochs_trained, skip)
@@ -795,6 +801,7 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
                         batch_size.check_fits(compiled, args.per_device_train_batch_size)
                     self._optimizer_eval_mode = False  # HF's training_step: optimizer.train()
                     self._train_state, metrics = run.train_step(self._train_state, step_batch)
+                    self._train_state = self._follow_resumed_schedule(self._train_state)
                 self._last_step_batch = step_batch
                 self._pending_losses.append(metrics["loss"])
                 self.control = self.callback_handler.on_pre_optimizer_step(args, self.state, self.control)
