@@ -381,6 +381,12 @@ def _check_best_model_strategies(args: TrainingArguments) -> None:
 _warned: set[str] = set()
 
 
+def honour_fields(*names: str) -> None:
+    """The caller gives these IGNORED_FIELDS their HF meaning (`jtrainer train` passes resume_from_checkpoint to
+    train(), as HF's scripts do): no "has no effect" warning for them."""
+    _warned.update(names)
+
+
 def warn_ignored_fields(args: TrainingArguments) -> list[str]:
     """Warn once per field name about fields set away from HF's default that have no JAX meaning."""
     defaults = {f.name: f for f in dataclasses.fields(transformers.TrainingArguments)}

@@ -16,6 +16,7 @@ from transformers.modelcard import TrainingSummary
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, HubStrategy, SaveStrategy
 
 from jtrainer import checkpoint
+from jtrainer.run_lock import LOCK_NAME
 
 MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json")
 
@@ -114,7 +115,7 @@ class HubMixin:
             commit_message=commit_message,
             token=token,
             run_as_future=not blocking,
-            ignore_patterns=["_*", f"{PREFIX_CHECKPOINT_DIR}-*"],
+            ignore_patterns=["_*", f"{PREFIX_CHECKPOINT_DIR}-*", f"{LOCK_NAME}*"],
             revision=revision if revision is not None else self.args.hub_revision,
         )
 
@@ -137,7 +138,8 @@ class HubMixin:
             message = f"Training in progress, epoch {int(self.state.epoch)}"
         common = dict(repo_id=self.hub_model_id, token=args.hub_token, run_as_future=True, revision=args.hub_revision)
         jobs = [_api().upload_folder(folder_path=args.output_dir, commit_message=message,
-                                     ignore_patterns=["_*", f"{PREFIX_CHECKPOINT_DIR}-*"], **common)]
+                                     ignore_patterns=["_*", f"{PREFIX_CHECKPOINT_DIR}-*", f"{LOCK_NAME}*"],
+                                     **common)]
         if args.hub_strategy in (HubStrategy.CHECKPOINT, HubStrategy.ALL_CHECKPOINTS):
             in_repo = "last-checkpoint" if args.hub_strategy == HubStrategy.CHECKPOINT else Path(folder).name
             jobs.append(_api().upload_folder(folder_path=folder, path_in_repo=in_repo,

@@ -206,10 +206,11 @@ def special_tokens(tokenizer) -> dict[str, int]:
             "pad_token_id": tokenizer.pad_token_id}
 
 
-def _tokenizer_for(model_args: ModelArguments, data_args: DataArguments, texts: list[str]):
+def _tokenizer_for(model_args: ModelArguments, data_args: DataArguments, texts: list[str],
+                   saved_tokenizer: str | None = None):
     from transformers import AutoTokenizer
 
-    source = model_args.tokenizer_name or model_args.model_name_or_path
+    source = model_args.tokenizer_name or model_args.model_name_or_path or saved_tokenizer
     if source:
         return AutoTokenizer.from_pretrained(source)
     return train_tokenizer(texts, data_args.tokenizer_vocab_size)
@@ -222,25 +223,27 @@ def _columns(dataset, *names) -> None:
                          "Set --text_column / --label_column / --target_column.")
 
 
-def build_data(model_args: ModelArguments, data_args: DataArguments) -> tuple[Any, list, list]:
-    """(tokenizer, train rows, eval rows) for the task."""
+def build_data(model_args: ModelArguments, data_args: DataArguments,
+               saved_tokenizer: str | None = None) -> tuple[Any, list, list]:
+    """(tokenizer, train rows, eval rows) for the task; `saved_tokenizer`: a folder with the tokenizer an earlier
+    run of this job trained (used instead of training one)."""
     check_task(model_args)
     d = data_args
     if model_args.task == "causal_lm" and not (d.dataset_name or d.train_file):
         texts = read_text_files(d.text_dir, d.max_chars)
         n_eval = max(1, int(len(texts) * d.eval_fraction))
-        tokenizer = _tokenizer_for(model_args, d, texts[:-n_eval])
+        tokenizer = _tokenizer_for(model_args, d, texts[:-n_eval], saved_tokenizer)
         return tokenizer, token_blocks(texts[:-n_eval], tokenizer, d.block_size), token_blocks(
             texts[-n_eval:], tokenizer, d.block_size)
     train, valid = load_splits(d)
     if model_args.task == "causal_lm":
         _columns(train, d.text_column)
-        tokenizer = _tokenizer_for(model_args, d, list(train[d.text_column]))
+        tokenizer = _tokenizer_for(model_args, d, list(train[d.text_column]), saved_tokenizer)
         return (tokenizer, token_blocks(list(train[d.text_column]), tokenizer, d.block_size),
                 token_blocks(list(valid[d.text_column]), tokenizer, d.block_size))
     if model_args.task == "sequence_classification":
         _columns(train, d.text_column, d.text_pair_column, d.label_column)
-        tokenizer = _tokenizer_for(model_args, d, list(train[d.text_column]))
+        tokenizer = _tokenizer_for(model_args, d, list(train[d.text_column]), saved_tokenizer)
 
         def rows(split):
             pairs = split[d.text_pair_column] if d.text_pair_column else None
@@ -253,7 +256,8 @@ def build_data(model_args: ModelArguments, data_args: DataArguments) -> tuple[An
 
         return tokenizer, rows(train), rows(valid)
     _columns(train, d.text_column, d.target_column)
-    tokenizer = _tokenizer_for(model_args, d, list(train[d.text_column]) + list(train[d.target_column]))
+    tokenizer = _tokenizer_for(model_args, d, list(train[d.text_column]) + list(train[d.target_column]),
+                               saved_tokenizer)
 
     def pairs(split):
         sources = tokenizer([d.source_prefix + t for t in split[d.text_column]], truncation=True,

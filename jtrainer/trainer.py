@@ -40,7 +40,8 @@ from transformers.trainer_callback import (
 from transformers.trainer_utils import IntervalStrategy, SaveStrategy, TrainOutput, speed_metrics
 
 from jtrainer import (
-    batch_size, checkpoint, data, distributed, host_rng, mixed_precision, optim, sharding, startup, throughput,
+    batch_size, checkpoint, data, distributed, host_rng, mixed_precision, optim, run_lock, sharding, startup,
+    throughput,
 )
 from jtrainer.args import TrainingArguments
 from jtrainer.evaluation import EvaluationMixin
@@ -552,24 +553,27 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
             os.path.join(resume_from_checkpoint, checkpoint.TRAINER_STATE_NAME)
         ):
             raise ValueError(f"Can't find a valid checkpoint at {resume_from_checkpoint}")
-        if self.args.should_save:
-            for path in checkpoint.remove_uncommitted(args.output_dir):
-                logger.warning("Removed %s, a checkpoint that was never committed.", path)
-        startup.enable_compilation_cache(startup.run_cache_dir(args))
-        self.neftune_noise_alpha = args.neftune_noise_alpha
-        if self.neftune_noise_alpha is not None:
-            set_neftune(self.model, self.neftune_noise_alpha)
-        try:
-            with self._preemption_handler():
-                if args.auto_find_batch_size:
-                    return self._train_with_batch_size_search(resume_from_checkpoint or None, trial, ignore_keys_for_eval)
-                return self._inner_training_loop(resume_from_checkpoint or None, trial, ignore_keys_for_eval)
-        except BaseException:  # an exception in user code, Ctrl-C, a failed step: keep the finished checkpoint
-            self._finish_checkpoint_after_error()
-            raise
-        finally:
-            if self.neftune_noise_alpha is not None:  # as HF, the noise is for training only
-                set_neftune(self.model, None)
+        # One run per output_dir: nothing is written there before the lock is taken (see run_lock.py).
+        with run_lock.hold(args.output_dir, is_main=args.process_index == 0):
+            if self.args.should_save:
+                for path in checkpoint.remove_uncommitted(args.output_dir):
+                    logger.warning("Removed %s, a checkpoint that was never committed.", path)
+            startup.enable_compilation_cache(startup.run_cache_dir(args))
+            self.neftune_noise_alpha = args.neftune_noise_alpha
+            if self.neftune_noise_alpha is not None:
+                set_neftune(self.model, self.neftune_noise_alpha)
+            try:
+                with self._preemption_handler():
+                    if args.auto_find_batch_size:
+                        return self._train_with_batch_size_search(resume_from_checkpoint or None, trial,
+                                                                  ignore_keys_for_eval)
+                    return self._inner_training_loop(resume_from_checkpoint or None, trial, ignore_keys_for_eval)
+            except BaseException:  # an exception in user code, Ctrl-C, a failed step: keep the finished checkpoint
+                self._finish_checkpoint_after_error()
+                raise
+            finally:
+                if self.neftune_noise_alpha is not None:  # as HF, the noise is for training only
+                    set_neftune(self.model, None)
 
     def _train_with_batch_size_search(self, resume_from_checkpoint, trial, ignore_keys_for_eval) -> TrainOutput:
         """auto_find_batch_size: on out of memory, retry with a smaller per-device batch and more accumulation
