@@ -236,6 +236,8 @@ class TrainingArguments(transformers.TrainingArguments):
             raise ValueError(
                 f"`torch_empty_cache_steps` must be an integer bigger than 0, got {self.torch_empty_cache_steps}."
             )
+        if self.learning_rate < 0:  # torch's optimizers refuse it when HF builds them; here before anything runs
+            raise ValueError(f"Invalid learning rate: {self.learning_rate} (learning_rate must be >= 0).")
         if self.logging_strategy == IntervalStrategy.STEPS and self.logging_steps == 0:
             raise ValueError(f"logging strategy {self.logging_strategy} requires non-zero --logging_steps")
         for name, strategy, steps_strategy in (

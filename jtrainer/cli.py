@@ -13,14 +13,19 @@ as it was. `--resume_from_checkpoint PATH` resumes from PATH, `--overwrite_outpu
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import enum
 import math
 import os
 import sys
+import types
+import typing
 from dataclasses import dataclass, field
 
 import yaml
 
 from jtrainer import jobs
+from jtrainer.errors import BadInput
 from jtrainer.jobs import DataArguments, ModelArguments
 
 
@@ -54,8 +59,11 @@ def run_train(model_args: ModelArguments, data_args: DataArguments, training_arg
     from jtrainer import run_lock
     from jtrainer.optim import check_optimizer
 
-    check_optimizer(training_args)  # fail before reading text and training a tokenizer
-    jobs.check_task(model_args)
+    try:
+        check_optimizer(training_args)  # fail before reading text and training a tokenizer
+    except ValueError as e:
+        raise BadInput(str(e)) from None
+    jobs.check_job(model_args, data_args, training_args)
     with run_lock.hold(training_args.output_dir, is_main=jax.process_index() == 0):
         resume = resume_point(training_args, run_args or RunArguments())
         return _train_job(model_args, data_args, training_args, resume)
@@ -72,13 +80,13 @@ def resume_point(training_args, run_args: RunArguments) -> str | None:
 
     out, explicit = training_args.output_dir, training_args.resume_from_checkpoint
     if explicit and run_args.overwrite_output_dir:
-        raise SystemExit("jtrainer train: --resume_from_checkpoint and --overwrite_output_dir contradict each other: "
-                         "pass one of them.")
+        raise BadInput("--resume_from_checkpoint and --overwrite_output_dir contradict each other: "
+                       "pass one of them.")
     if explicit:
         try:
             checkpoint.verify_checkpoint(explicit)
         except (checkpoint.CheckpointIntegrityError, OSError) as e:
-            raise SystemExit(f"jtrainer train: --resume_from_checkpoint {explicit!r}: {e}") from None
+            raise BadInput(f"--resume_from_checkpoint {explicit!r}: {e}") from None
         say(f"jtrainer: resuming from {explicit}")
         return explicit
     if run_args.overwrite_output_dir:
@@ -92,8 +100,8 @@ def resume_point(training_args, run_args: RunArguments) -> str | None:
     last = checkpoint.get_last_checkpoint(out)
     step = int(last.rsplit("-", 1)[1]) if last else -1
     if jax.process_count() > 1 and distributed.agree_max(step) != -distributed.agree_max(-step):
-        raise SystemExit(f"jtrainer train: the processes find different last checkpoints in {out!r}: output_dir "
-                         "must be storage that every host shares.")
+        raise BadInput(f"the processes find different last checkpoints in {out!r}: output_dir "
+                       "must be storage that every host shares.")
     if last:
         say(f"jtrainer: resuming from {last}, the last committed checkpoint in {out} (--overwrite_output_dir "
             "starts afresh)")
@@ -104,9 +112,9 @@ def resume_point(training_args, run_args: RunArguments) -> str | None:
     )
     if others:
         shown = ", ".join(others[:4]) + (", ..." if len(others) > 4 else "")
-        raise SystemExit(f"jtrainer train: output_dir {out!r} is not empty ({shown}) and has no committed checkpoint "
-                         "to continue from: pass --overwrite_output_dir to start afresh there, or choose another "
-                         "--output_dir.")
+        raise BadInput(f"output_dir {out!r} is not empty ({shown}) and has no committed checkpoint "
+                       "to continue from: pass --overwrite_output_dir to start afresh there, or choose another "
+                       "--output_dir.")
     return None
 
 
@@ -177,22 +185,104 @@ def parse_train_args(argv: list[str], command: str = "train"):
     config_path = DEFAULT_CONFIG
     if argv and argv[0].endswith((".yaml", ".yml", ".json")):
         config_path, argv = argv[0], argv[1:]
-    if not os.path.exists(config_path):
-        raise SystemExit(f"jtrainer {command}: config file {config_path!r} not found.")
-    with open(config_path) as f:
-        values = yaml.safe_load(f) or {}
+    values = read_config(config_path)
     # Seq2SeqTrainingArguments: TrainingArguments plus predict_with_generate & co, for every task.
-    parser = HfArgumentParser((ModelArguments, DataArguments, Seq2SeqTrainingArguments, RunArguments),
-                              prog=f"jtrainer {command}")
+    dataclass_types = (ModelArguments, DataArguments, Seq2SeqTrainingArguments, RunArguments)
+    parser = HfArgumentParser(dataclass_types, prog=f"jtrainer {command}")
     known = {a.dest for a in parser._actions}
     unknown = sorted(set(values) - known)
     if unknown:
-        raise SystemExit(f"jtrainer {command}: unknown field(s) {unknown} in {config_path}.")
+        raise BadInput(f"config file {config_path}: unknown field(s) {unknown}: check their spelling.")
+    check_value_types(values, dataclass_types, config_path)
     parser.set_defaults(**values)
     for action in parser._actions:
         if action.dest in values:
             action.required = False
-    return parser.parse_args_into_dataclasses(args=argv)
+    try:
+        return parser.parse_args_into_dataclasses(args=argv)
+    except ValueError as e:  # the dataclasses' own validation (HF's and jtrainer's), before any work
+        raise BadInput(str(e).strip().replace("\n", " ")) from None
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice (plain YAML keeps the last one silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        lines: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in lines:
+                raise BadInput(f"duplicate key {key!r} (lines {lines[key]} and {key_node.start_mark.line + 1}): "
+                               "keep one.")
+            lines[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep)
+
+
+def read_config(path: str) -> dict:
+    """A config file's field -> value mapping (YAML or JSON), refused with the file named if it is missing, does
+    not parse, is not a mapping or repeats a key."""
+    if not os.path.isfile(path):
+        raise BadInput(f"config file {path!r} not found.")
+    try:
+        with open(path) as f:
+            values = yaml.load(f, Loader=_UniqueKeyLoader)
+    except BadInput as e:
+        raise BadInput(f"config file {path}: {e}") from None
+    except yaml.YAMLError as e:
+        where = getattr(e, "problem_mark", None)
+        line = f" at line {where.line + 1}" if where is not None else ""
+        raise BadInput(f"config file {path} is not valid YAML{line}: {getattr(e, 'problem', e)}.") from None
+    if values is None:
+        return {}
+    if not isinstance(values, dict):
+        raise BadInput(f"config file {path} must be a mapping of field: value, not a {type(values).__name__}.")
+    return values
+
+
+def _accepts(hint, value) -> bool:
+    """Whether a config value can be the field's: strings always (argparse converts and checks them, naming the
+    field), other values by the field's annotation."""
+    if isinstance(value, str) or hint is typing.Any:
+        return True
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_accepts(a, value) for a in args)
+    if hint is type(None):
+        return value is None
+    if origin is typing.Literal:
+        return value in args
+    if origin in (list, tuple, set) or hint in (list, tuple, set):
+        return isinstance(value, (list, tuple)) and all(_accepts(args[0], v) for v in value) if args else \
+            isinstance(value, (list, tuple))
+    if origin is dict or hint is dict:
+        return isinstance(value, dict)
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return isinstance(value, hint)
+    return True  # another type: the dataclass checks it
+
+
+def _type_name(hint) -> str:
+    names = [getattr(a, "__name__", str(a)) for a in (typing.get_args(hint) or (hint,)) if a is not type(None)]
+    return " or ".join(names) + (" (or null)" if type(None) in typing.get_args(hint) else "")
+
+
+def check_value_types(values: dict, dataclass_types, path: str) -> None:
+    """Each config value must fit its field's type (`per_device_train_batch_size: 8.5` is refused here, naming the
+    field, instead of failing after the tokenizer has trained)."""
+    hints = {}
+    for cls in dataclass_types:
+        resolved = typing.get_type_hints(cls)
+        hints.update({f.name: resolved.get(f.name, typing.Any) for f in dataclasses.fields(cls)})
+    for name, value in values.items():
+        if name in hints and not _accepts(hints[name], value):
+            raise BadInput(f"config file {path}: {name}: {value!r} is not a valid value; the field takes "
+                           f"{_type_name(hints[name])}.")
 
 
 def run_launch(argv: list[str]) -> int:
@@ -222,13 +312,24 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"argument command: invalid choice: {command!r} (choose from {', '.join(COMMANDS)})")
     if command == "launch":
         return run_launch(rest)
-    model_args, data_args, training_args, run_args = parse_train_args(rest, command)
-    if command == "check":
-        from jtrainer.check import run_check
+    try:
+        model_args, data_args, training_args, run_args = parse_train_args(rest, command)
+        if command == "check":
+            from jtrainer.check import run_check
 
-        run_check(model_args, data_args, training_args)
-        return 0
-    run_train(model_args, data_args, training_args, run_args)
+            run_check(model_args, data_args, training_args)
+            return 0
+        run_train(model_args, data_args, training_args, run_args)
+    except BadInput as e:  # refused before any work (or, for a file, as soon as it is read): one line
+        print(f"jtrainer {command}: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # the disk: full, read-only, a file-size limit; the message names the file
+        if e.filename is None:
+            raise
+        print(f"jtrainer {command}: {e.strerror or e} writing or reading {e.filename!r}: free space, fix "
+              "permissions or limits, then run the same command again (it continues from the last checkpoint).",
+              file=sys.stderr)
+        return 1
     return 0
 
 

@@ -9,13 +9,18 @@ each family's config names. The data is text files (the default: Python's standa
 
 from __future__ import annotations
 
+import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from jtrainer.errors import BadInput
+
 TASKS = ("causal_lm", "sequence_classification", "seq2seq")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "bert", "t5")
 
 
 @dataclass
@@ -60,7 +65,59 @@ class DataArguments:
 
 def check_task(model_args: ModelArguments) -> None:
     if model_args.task not in TASKS:
-        raise ValueError(f"task={model_args.task!r}: use one of {', '.join(TASKS)}.")
+        raise BadInput(f"task={model_args.task!r}: use one of {', '.join(TASKS)}.")
+
+
+def check_job(model_args: ModelArguments, data_args: DataArguments, training_args) -> None:
+    """Refuse, naming the field or file and the fix, what would fail only after the data is read, the tokenizer
+    trained or the step compiled."""
+    check_task(model_args)
+    if not model_args.model_name_or_path and model_args.model_type not in MODEL_TYPES:
+        raise BadInput(f"model_type={model_args.model_type!r}: use one of {', '.join(MODEL_TYPES)}.")
+    d, t = data_args, training_args
+    if t.max_steps <= 0 and t.num_train_epochs <= 0:
+        raise BadInput("max_steps and num_train_epochs are both 0: nothing would be trained; set one above 0.")
+    if not 0 < d.eval_fraction < 1:
+        raise BadInput(f"eval_fraction={d.eval_fraction}: the share held out must lie between 0 and 1.")
+    if d.block_size < 1 or d.max_chars < 1:
+        raise BadInput(f"block_size={d.block_size}, max_chars={d.max_chars}: both must be at least 1.")
+    limit, source = _position_limit(model_args)
+    if limit is not None and d.block_size > limit:
+        raise BadInput(f"block_size={d.block_size} exceeds the model's {limit} positions ({source}): lower "
+                       "--block_size.")
+    for name in ("model_name_or_path", "tokenizer_name"):
+        path = getattr(model_args, name)
+        if path and not os.path.isdir(path):
+            raise BadInput(f"{name}={path!r} is not a folder: give a local HF model folder (config.json + weights).")
+    if model_args.task == "causal_lm" and not (d.dataset_name or d.train_file):
+        if d.text_dir is not None and not os.path.isdir(d.text_dir):
+            raise BadInput(f"text_dir={d.text_dir!r} is not a folder of .py/.txt files.")
+    for name in ("train_file", "validation_file"):
+        path = getattr(d, name)
+        if path is None:
+            continue
+        if not os.path.isfile(path):
+            raise BadInput(f"{name}={path!r} not found.")
+        with open(path, "rb") as f:
+            if not f.read(1 << 16).strip():
+                raise BadInput(f"{name}={path!r} is empty: it needs at least one row.")
+
+
+def _position_limit(model_args: ModelArguments) -> tuple[int | None, str]:
+    """The longest sequence the model embeds positions for (None: relative positions, as T5)."""
+    if model_args.model_name_or_path:
+        config_file = os.path.join(model_args.model_name_or_path, "config.json")
+        if not os.path.isfile(config_file):
+            return None, ""
+        with open(config_file) as f:
+            config = json.load(f)
+        source = f"max_position_embeddings in {config_file}"
+    else:
+        if model_args.model_type == "t5":
+            return None, ""
+        config, source = vars(model_args), "--max_position_embeddings"
+    limit = config.get("max_position_embeddings", config.get("n_positions"))
+    return (int(limit), source) if limit else (None, "")
 
 
 def fresh_config(model_args: ModelArguments, vocab_size: int, special: dict[str, int] | None = None):
@@ -91,7 +148,7 @@ def fresh_config(model_args: ModelArguments, vocab_size: int, special: dict[str,
                                      num_heads=m.num_attention_heads, feed_forward_proj="gated-gelu",
                                      tie_word_embeddings=False, pad_token_id=pad, decoder_start_token_id=pad,
                                      **special)
-    raise ValueError(f"model_type={kind!r}: use one of llama, mistral, qwen2, qwen3, gpt2, bert, t5.")
+    raise BadInput(f"model_type={kind!r}: use one of {', '.join(MODEL_TYPES)}.")
 
 
 def auto_class(task: str):
@@ -141,12 +198,12 @@ def read_text_files(text_dir: str | None, max_chars: int) -> list[str]:
                     text = f.read()
             except (UnicodeDecodeError, OSError):
                 continue
-            texts.append(text)
-            total += len(text)
+            texts.append(text[: max_chars - total])  # exactly max_chars in all
+            total += len(texts[-1])
             if total >= max_chars:
                 return texts
     if not texts:
-        raise ValueError(f"--text_dir {root!r} has no readable .py or .txt files.")
+        raise BadInput(f"text_dir={root!r} has no readable .py or .txt files.")
     return texts
 
 
@@ -201,6 +258,28 @@ def token_blocks(texts: list[str], tokenizer, block_size: int) -> list[dict]:
     return [{"input_ids": b, "labels": b} for b in blocks]
 
 
+def _blocks(texts: list[str], tokenizer, block_size: int, split: str) -> list[dict]:
+    rows = token_blocks(texts, tokenizer, block_size)
+    if not rows:
+        tokens = sum(len(ids) + 1 for ids in tokenizer(texts)["input_ids"])
+        raise BadInput(f"block_size={block_size}: the {split} text is {tokens} tokens, less than one block: lower "
+                       "--block_size or give more text.")
+    return rows
+
+
+def _label(value, row: int, column: str, num_labels: int, split: str):
+    """A class id (or, with num_labels 1, HF's regression target), refused unless finite and, for classes, whole."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = math.nan
+    if not math.isfinite(number) or (num_labels > 1 and number != int(number)):
+        kind = "a float" if num_labels == 1 else "a class id (a whole number)"
+        raise BadInput(f"label_column {column!r}: row {row} of the {split} split has {value!r}, not {kind}: fix or "
+                       "drop that row.")
+    return number if num_labels == 1 else int(number)
+
+
 def special_tokens(tokenizer) -> dict[str, int]:
     return {"bos_token_id": tokenizer.eos_token_id, "eos_token_id": tokenizer.eos_token_id,
             "pad_token_id": tokenizer.pad_token_id}
@@ -219,7 +298,7 @@ def _tokenizer_for(model_args: ModelArguments, data_args: DataArguments, texts: 
 def _columns(dataset, *names) -> None:
     missing = [n for n in names if n and n not in dataset.column_names]
     if missing:
-        raise ValueError(f"The dataset has no column(s) {missing}; its columns are {dataset.column_names}. "
+        raise BadInput(f"The dataset has no column(s) {missing}; its columns are {dataset.column_names}. "
                          "Set --text_column / --label_column / --target_column.")
 
 
@@ -232,29 +311,32 @@ def build_data(model_args: ModelArguments, data_args: DataArguments,
     if model_args.task == "causal_lm" and not (d.dataset_name or d.train_file):
         texts = read_text_files(d.text_dir, d.max_chars)
         n_eval = max(1, int(len(texts) * d.eval_fraction))
+        if n_eval >= len(texts):
+            raise BadInput(f"text_dir={d.text_dir or 'the standard library'!r}: {len(texts)} file(s) within max_chars, "
+                           f"and eval_fraction={d.eval_fraction} holds out whole files ({n_eval}): give more files "
+                           "or a larger --max_chars.")
         tokenizer = _tokenizer_for(model_args, d, texts[:-n_eval], saved_tokenizer)
-        return tokenizer, token_blocks(texts[:-n_eval], tokenizer, d.block_size), token_blocks(
-            texts[-n_eval:], tokenizer, d.block_size)
+        return tokenizer, _blocks(texts[:-n_eval], tokenizer, d.block_size, "training"), _blocks(
+            texts[-n_eval:], tokenizer, d.block_size, "held-out")
     train, valid = load_splits(d)
     if model_args.task == "causal_lm":
         _columns(train, d.text_column)
         tokenizer = _tokenizer_for(model_args, d, list(train[d.text_column]), saved_tokenizer)
-        return (tokenizer, token_blocks(list(train[d.text_column]), tokenizer, d.block_size),
-                token_blocks(list(valid[d.text_column]), tokenizer, d.block_size))
+        return (tokenizer, _blocks(list(train[d.text_column]), tokenizer, d.block_size, "training"),
+                _blocks(list(valid[d.text_column]), tokenizer, d.block_size, "held-out"))
     if model_args.task == "sequence_classification":
         _columns(train, d.text_column, d.text_pair_column, d.label_column)
         tokenizer = _tokenizer_for(model_args, d, list(train[d.text_column]), saved_tokenizer)
 
-        def rows(split):
+        def rows(split, name):
             pairs = split[d.text_pair_column] if d.text_pair_column else None
             encoded = tokenizer(list(split[d.text_column]), pairs and list(pairs), truncation=True,
                                 max_length=d.block_size)
-            # num_labels 1 is regression (HF's problem_type): float targets stay floats.
-            cast = float if model_args.num_labels == 1 else int
-            return [{"input_ids": ids, "labels": cast(label)}
-                    for ids, label in zip(encoded["input_ids"], split[d.label_column])]
+            labels = [_label(value, i, d.label_column, model_args.num_labels, name)
+                      for i, value in enumerate(split[d.label_column])]
+            return [{"input_ids": ids, "labels": label} for ids, label in zip(encoded["input_ids"], labels)]
 
-        return tokenizer, rows(train), rows(valid)
+        return tokenizer, rows(train, "training"), rows(valid, "validation")
     _columns(train, d.text_column, d.target_column)
     tokenizer = _tokenizer_for(model_args, d, list(train[d.text_column]) + list(train[d.target_column]),
                                saved_tokenizer)

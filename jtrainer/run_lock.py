@@ -22,6 +22,8 @@ import time
 import uuid
 from typing import Iterator
 
+from jtrainer.errors import BadInput
+
 logger = logging.getLogger(__name__)
 
 LOCK_NAME = ".jtrainer.lock"
@@ -29,7 +31,7 @@ HEARTBEAT_S = 30.0
 STALE_AFTER_S = 600.0  # a holder on another host is presumed dead after 10 minutes without a heartbeat
 
 
-class OutputDirLocked(RuntimeError):
+class OutputDirLocked(BadInput):
     """Another run holds the output_dir."""
 
 
@@ -104,7 +106,7 @@ class RunLock:
 
     def acquire(self) -> "RunLock":
         if os.path.exists(self.folder) and not os.path.isdir(self.folder):
-            raise ValueError(f"output_dir {self.folder!r} is a file, not a folder: choose another output_dir.")
+            raise BadInput(f"output_dir {self.folder!r} is a file, not a folder: choose another output_dir.")
         self._created_folder = not os.path.exists(self.folder)
         staged = f"{self.path}.{self.holder.token}"
         try:
@@ -112,7 +114,7 @@ class RunLock:
             with open(staged, "w") as f:
                 json.dump(dataclasses.asdict(self.holder), f)
         except OSError as e:
-            raise ValueError(f"output_dir {self.folder!r} is not writable ({e.strerror}): fix its permissions or "
+            raise BadInput(f"output_dir {self.folder!r} is not writable ({e.strerror}): fix its permissions or "
                              "choose another output_dir.") from None
         try:
             self._place(staged)

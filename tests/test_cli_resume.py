@@ -4,8 +4,7 @@ output_dir with other files and no checkpoint is refused before any work."""
 
 import json
 import os
-
-import pytest
+import re
 
 from jtrainer.cli import main
 
@@ -16,7 +15,7 @@ def _job(tmp_path, out, *extra):
         text.mkdir()
         for i in range(6):
             (text / f"f{i}.txt").write_text(" ".join(f"word{(i * 7 + j) % 40} value{j % 9}" for j in range(300)))
-    main(["train", "--text_dir", str(text), "--max_chars", "100000", "--hidden_size", "32", "--intermediate_size",
+    return main(["train", "--text_dir", str(text), "--max_chars", "100000", "--hidden_size", "32", "--intermediate_size",
           "64", "--num_hidden_layers", "1", "--block_size", "32", "--tokenizer_vocab_size", "300",
           "--per_device_train_batch_size", "4", "--logging_steps", "1", "--save_steps", "2", "--save_total_limit",
           "0", "--warmup_steps", "0", "--sample_tokens", "2", "--disable_tqdm", "true", "--output_dir", str(out),
@@ -30,7 +29,7 @@ def _history(folder):
 
 def test_rerun_continues_resume_from_a_path_and_overwrite(tmp_path, capsys):
     out = tmp_path / "run"
-    _job(tmp_path, out, "--max_steps", "4")
+    assert _job(tmp_path, out, "--max_steps", "4") == 0
     first = _history(out / "checkpoint-4")
     assert sorted(first) == [1, 2, 3, 4]
 
@@ -52,15 +51,16 @@ def test_rerun_continues_resume_from_a_path_and_overwrite(tmp_path, capsys):
     assert sorted(_history(out / "checkpoint-2")) == [1, 2]
 
 
-def test_refused_before_any_work(tmp_path):
+def test_refused_before_any_work(tmp_path, capsys):
     used = tmp_path / "used"
     used.mkdir()
     (used / "notes.txt").write_text("mine")
-    with pytest.raises(SystemExit, match=r"output_dir .*used' is not empty \(notes.txt\) .* --overwrite_output_dir"):
-        _job(tmp_path, used, "--max_steps", "2")
+    assert _job(tmp_path, used, "--max_steps", "2") == 1
+    assert re.search(r"output_dir .*used' is not empty \(notes.txt\) .* --overwrite_output_dir", capsys.readouterr().err)
     assert sorted(os.listdir(used)) == ["notes.txt"]
-    with pytest.raises(SystemExit, match=r"--resume_from_checkpoint .*nowhere.* not committed"):
-        _job(tmp_path, tmp_path / "fresh", "--max_steps", "2", "--resume_from_checkpoint", str(tmp_path / "nowhere"))
-    with pytest.raises(SystemExit, match="contradict"):
-        _job(tmp_path, tmp_path / "fresh", "--resume_from_checkpoint", "x", "--overwrite_output_dir", "true")
+    assert _job(tmp_path, tmp_path / "fresh", "--max_steps", "2", "--resume_from_checkpoint",
+                str(tmp_path / "nowhere")) == 1
+    assert re.search(r"--resume_from_checkpoint .*nowhere.* not committed", capsys.readouterr().err)
+    assert _job(tmp_path, tmp_path / "fresh", "--resume_from_checkpoint", "x", "--overwrite_output_dir", "true") == 1
+    assert "contradict" in capsys.readouterr().err
     assert not (tmp_path / "fresh").exists()

@@ -77,12 +77,12 @@ def test_main_job_end_to_end(tmp_path, capsys):
     np.testing.assert_allclose(np.asarray(ours(jnp.asarray(ids.numpy())).logits), expected, atol=1e-4)
 
 
-def test_main_job_rejects_bad_values():
+def test_main_job_rejects_bad_values(capsys):
     from jtrainer.cli import main
 
     with pytest.raises(SystemExit):
         main(["train", "--learning_rate", "fast"])
     with pytest.raises(SystemExit):
         main(["train", "--optim", "no_such_optimizer"])
-    with pytest.raises(ValueError, match="'galore_adamw' is not supported by jtrainer"):
-        main(["train", "--optim", "galore_adamw"])
+    assert main(["train", "--optim", "galore_adamw"]) == 1
+    assert "'galore_adamw' is not supported by jtrainer" in capsys.readouterr().err

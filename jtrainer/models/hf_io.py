@@ -6,6 +6,7 @@ nnx paths follow HF module names; only the leaf names and layouts differ: `kerne
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -14,6 +15,8 @@ import numpy as np
 from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
+
+from jtrainer.errors import BadInput
 
 WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
@@ -84,7 +87,7 @@ class TensorFiles:
         single = os.path.join(directory, WEIGHTS_NAME)
         index_path = os.path.join(directory, WEIGHTS_INDEX_NAME)
         if os.path.exists(single):
-            with safe_open(single, framework="np") as f:
+            with _open(single) as f:
                 self.files = dict.fromkeys(f.keys(), single)
         elif os.path.exists(index_path):
             with open(index_path) as f:
@@ -99,16 +102,37 @@ class TensorFiles:
         self.directory = directory
 
     def shape(self, name: str) -> tuple[int, ...]:
-        with safe_open(self.files[name], framework="np") as f:
+        with _open(self.files[name]) as f:
             return tuple(f.get_slice(name).get_shape())
+
+    def is_float(self, name: str) -> bool:
+        """Whether the stored tensor is floating point (safetensors dtype names: F32, BF16, I64, BOOL, ...)."""
+        with _open(self.files[name]) as f:
+            return f.get_slice(name).get_dtype().startswith(("F", "BF"))
 
     def read(self, name: str, index: tuple = (), transposed: bool = False) -> np.ndarray:
         """The tensor (or the part `index` of its nnx layout) as numpy; only that part is read from disk."""
         index = tuple(index)
         stored = tuple(reversed(index)) if transposed else index
-        with safe_open(self.files[name], framework="np") as f:
-            part = f.get_slice(name)[stored] if stored else f.get_tensor(name)
+        with _open(self.files[name]) as f:
+            try:
+                part = f.get_slice(name)[stored] if stored else f.get_tensor(name)
+            except Exception as e:  # safetensors' own errors do not say which file
+                raise BadInput(f"{self.files[name]}: tensor {name!r} cannot be read ({e}); the file is damaged or "
+                               "truncated: copy it again.") from None
         return part.T if transposed else part
+
+
+@contextlib.contextmanager
+def _open(path: str):
+    """safe_open, with the file named when its header is unreadable (a truncated or damaged download)."""
+    try:
+        handle = safe_open(path, framework="np")
+    except Exception as e:
+        raise BadInput(f"{path} is not a readable safetensors file ({e}); it is damaged or truncated: copy it "
+                       "again.") from None
+    with handle as f:
+        yield f
 
 
 def load_weights(model: nnx.Module, directory: str, *, mesh=None, rules=None, dtype=None) -> None:
@@ -140,6 +164,9 @@ def load_weights(model: nnx.Module, directory: str, *, mesh=None, rules=None, dt
                 f"{tuple(var.shape)}."
             )
         target = np.dtype(dtype or var.dtype)
+        if np.issubdtype(target, np.floating) and not files.is_float(name):
+            raise BadInput(f"Weight {name!r} in {directory} is stored as integers, but the model's parameter {label} "
+                           "is floating point: the folder is not a checkpoint of this model (or is quantized).")
         if mesh is None:
             var.set_value(jax.numpy.asarray(files.read(name, (), transposed).astype(target)))
         else:
