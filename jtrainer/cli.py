@@ -252,8 +252,9 @@ def _accepts(hint, value) -> bool:
     if origin is typing.Literal:
         return value in args
     if origin in (list, tuple, set) or hint in (list, tuple, set):
-        return isinstance(value, (list, tuple)) and all(_accepts(args[0], v) for v in value) if args else \
-            isinstance(value, (list, tuple))
+        if not isinstance(value, (list, tuple)):
+            return False
+        return not args or all(_accepts(args[0], v) for v in value)
     if origin is dict or hint is dict:
         return isinstance(value, dict)
     if hint is bool:

@@ -106,13 +106,10 @@ class EvaluationMixin:
         return metrics
 
     def _step_plateau(self, metric: float) -> None:
-        opt_state = self._train_state.opt_state
-        current = optim.current_learning_rate(opt_state)
         lr = self._plateau.last_lr  # the host's float64 rate, as torch's scheduler keeps it
         new_lr = self._plateau.last_lr = self._plateau.step(metric, lr)
         if new_lr != lr:
-            value = jax.device_put(jnp.asarray(new_lr, current.dtype), current.sharding)
-            opt_state = optim.replace_hyperparam(opt_state, "learning_rate", value)
+            opt_state = optim.set_hyperparam(self._train_state.opt_state, "learning_rate", new_lr)
             self._train_state = self._train_state.replace(opt_state=opt_state)
 
     def _generates(self) -> bool:

@@ -671,6 +671,13 @@ def replace_hyperparam(opt_state, name: str, value):
     return opt_state._replace(inner_state=replace_hyperparam(opt_state.inner_state, name, value))
 
 
+def set_hyperparam(opt_state, name: str, value: float):
+    """The optimizer state with one injected hyperparameter set to a host value, placed with the dtype and
+    sharding of the one it replaces (between steps: the compiled step is reused)."""
+    current = hyperparameter(opt_state, name)
+    return replace_hyperparam(opt_state, name, jax.device_put(np.asarray(value, current.dtype), current.sharding))
+
+
 def schedule_count(opt_state) -> jax.Array | None:
     """The number of updates inject_hyperparams has applied (skipped non-finite ones not counted): the scheduler
     step of the next update."""

@@ -22,11 +22,6 @@ from jtrainer.models.gpt2 import LayerNorm
 LAYER_NORM_TYPES = (nnx.LayerNorm, LayerNorm)
 
 
-def _like(array: jax.Array, value: float) -> jax.Array:
-    """`value` as an array of `array`'s dtype and sharding (a hyperparameter replaced between steps)."""
-    return jax.device_put(np.asarray(value, array.dtype), array.sharding)
-
-
 def dotted(path: tuple) -> str:
     """A pytree path as HF's dotted parameter name."""
     return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
@@ -67,7 +62,6 @@ class OptimizerMixin:
         if self.lr_scheduler is None:
             args = self.args
             self._schedule_values = (args.get_warmup_steps(num_training_steps), num_training_steps)
-            self._schedule_base = float(args.learning_rate)
             self.lr_scheduler = optim.make_schedule(
                 args.lr_scheduler_type, args.learning_rate, *self._schedule_values, args.lr_scheduler_kwargs
             )
@@ -149,12 +143,10 @@ class OptimizerMixin:
         checkpoint's, while the schedule's shape (its rebuilt lambda: warmup, length, kwargs) and max_grad_norm
         (read each step) are this run's. A changed shape takes effect after the first resumed update."""
         args, hyper = self.args, optim.find_hyperparams(opt_state)
-        self._resumed_schedule, self._schedule_switch_pending = None, False
         if hyper is None:
             return opt_state
         if "max_grad_norm" in hyper:
-            opt_state = optim.replace_hyperparam(opt_state, "max_grad_norm",
-                                                 _like(hyper["max_grad_norm"], args.max_grad_norm or 0.0))
+            opt_state = optim.set_hyperparam(opt_state, "max_grad_norm", args.max_grad_norm or 0.0)
         if not (self._created_lr_scheduler and self._optimizer_recipe is not None):
             return opt_state
         saved_base = float(hyper["base_learning_rate"])
@@ -176,10 +168,9 @@ class OptimizerMixin:
         if not self._schedule_switch_pending:
             return train_state
         self._schedule_switch_pending = False
-        resumed = self._resumed_schedule
-        opt_state, hyper = train_state.opt_state, optim.find_hyperparams(train_state.opt_state)
+        resumed, opt_state = self._resumed_schedule, train_state.opt_state
         for name, value in (("warmup_steps", resumed.warmup_steps), ("total_steps", resumed.total_steps)):
-            opt_state = optim.replace_hyperparam(opt_state, name, _like(hyper[name], value))
+            opt_state = optim.set_hyperparam(opt_state, name, value)
         return train_state.replace(opt_state=opt_state)
 
     def get_optimizer_group(self, param=None):

@@ -742,9 +742,9 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         tx = self._step_optimizer()
         train_state, state_shardings = self._initial_train_state(tx)
         epochs_trained, skip = 0, 0
+        # The schedule's base rate and shape as this run starts (a resume may keep the checkpoint's base rate).
+        self._schedule_base = float(args.learning_rate)
         self._resumed_schedule, self._schedule_switch_pending = None, False
-        if self._created_lr_scheduler:
-            self._schedule_base = float(args.learning_rate)
         if resume_from_checkpoint is not None:
             train_state, epochs_trained, skip = self._resume(resume_from_checkpoint, train_state, updates_per_epoch)
             train_state = train_state.replace(opt_state=self._resumed_optimizer_state(train_state.opt_state))

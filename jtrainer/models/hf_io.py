@@ -101,14 +101,11 @@ class TensorFiles:
             raise FileNotFoundError(f"No {WEIGHTS_NAME} or {WEIGHTS_INDEX_NAME} in {directory}.")
         self.directory = directory
 
-    def shape(self, name: str) -> tuple[int, ...]:
+    def header(self, name: str) -> tuple[tuple[int, ...], str]:
+        """The stored tensor's shape and safetensors dtype name (F32, BF16, I64, BOOL, ...), from the header."""
         with _open(self.files[name]) as f:
-            return tuple(f.get_slice(name).get_shape())
-
-    def is_float(self, name: str) -> bool:
-        """Whether the stored tensor is floating point (safetensors dtype names: F32, BF16, I64, BOOL, ...)."""
-        with _open(self.files[name]) as f:
-            return f.get_slice(name).get_dtype().startswith(("F", "BF"))
+            stored = f.get_slice(name)
+            return tuple(stored.get_shape()), stored.get_dtype()
 
     def read(self, name: str, index: tuple = (), transposed: bool = False) -> np.ndarray:
         """The tensor (or the part `index` of its nnx layout) as numpy; only that part is read from disk."""
@@ -156,7 +153,7 @@ def load_weights(model: nnx.Module, directory: str, *, mesh=None, rules=None, dt
         label = ".".join(map(str, path))
         if name not in files.files:
             raise KeyError(f"Weight {name!r} (parameter {label}) is missing from {directory}.")
-        shape = files.shape(name)
+        shape, stored_dtype = files.header(name)
         shape = tuple(reversed(shape)) if transposed else shape
         if shape != tuple(var.shape):
             raise ValueError(
@@ -164,7 +161,7 @@ def load_weights(model: nnx.Module, directory: str, *, mesh=None, rules=None, dt
                 f"{tuple(var.shape)}."
             )
         target = np.dtype(dtype or var.dtype)
-        if np.issubdtype(target, np.floating) and not files.is_float(name):
+        if np.issubdtype(target, np.floating) and not stored_dtype.startswith(("F", "BF")):
             raise BadInput(f"Weight {name!r} in {directory} is stored as integers, but the model's parameter {label} "
                            "is floating point: the folder is not a checkpoint of this model (or is quantized).")
         if mesh is None:
