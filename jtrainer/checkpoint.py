@@ -50,6 +50,7 @@ PAUSE_ENV = "JTRAINER_TEST_PAUSE_BEFORE_COMMIT"
 
 __all__ = [
     "CheckpointIntegrityError",
+    "CheckpointWriteError",
     "checkpoint_folder",
     "get_last_checkpoint",
     "restore_train_state",
@@ -64,6 +65,51 @@ __all__ = [
 
 class CheckpointIntegrityError(ValueError):
     """A checkpoint folder is incomplete or corrupted; the message names the folder and the file."""
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written: a full or read-only disk, a file-size limit, a lost mount. The
+    checkpoints committed before it are untouched; its partial `.tmp` folder is removed (when the disk allows)."""
+
+    def __init__(self, folder: str, cause: BaseException):
+        code, reason, path = _os_error(cause)
+        super().__init__(code, reason, path)
+        self.folder = folder
+        self.message = (
+            f"Checkpoint {folder} could not be written ({reason}: {path}); the checkpoints committed before it are "
+            "intact. Free space on that disk or give it write access (or set another output_dir), then run again "
+            "to resume from the last committed checkpoint."
+        )
+
+    def __str__(self) -> str:
+        return self.message
+
+
+_TENSORSTORE_WRITE = re.compile(r'Failed writing: "(?P<path>[^"]+)".*?\[os_error_code=\'(?P<code>\d+)\'\]', re.S)
+
+
+def _os_error(error: BaseException) -> tuple[int | None, str, str]:
+    """(errno, reason, file) of a failed write, from Python's OSError or tensorstore's error text (orbax)."""
+    if isinstance(error, OSError) and error.strerror:
+        return error.errno, error.strerror, error.filename or "?"
+    match = _TENSORSTORE_WRITE.search(str(error))
+    if match:
+        code = int(match["code"])
+        return code, os.strerror(code), match["path"]
+    return None, str(error).splitlines()[0] if str(error) else type(error).__name__, "?"
+
+
+@contextlib.contextmanager
+def _writing(folder: str, is_main: bool):
+    """Turn any failure of writing `folder` into CheckpointWriteError, removing the partial `.tmp` folder."""
+    try:
+        yield
+    except (KeyboardInterrupt, SystemExit, CheckpointWriteError):
+        raise
+    except Exception as error:
+        if is_main:
+            shutil.rmtree(folder + TMP_SUFFIX, ignore_errors=True)
+        raise CheckpointWriteError(folder, error) from error
 
 
 def checkpoint_folder(run_dir: str, global_step: int) -> str:
@@ -199,11 +245,20 @@ class PendingCheckpoint:
             self._finished.set()
 
     def _commit(self) -> None:
-        if self.checkpointer is not None:
-            self.checkpointer.wait_until_finished()
-            self.checkpointer.close()
+        with _writing(self.folder, self.is_main):
+            if self.checkpointer is not None:
+                try:
+                    self.checkpointer.wait_until_finished()
+                finally:  # orbax's writer threads are stopped whatever happened
+                    self.checkpointer.close()
         _barrier(f"jtrainer_ckpt_written_{self.step}")
         tmp = self.folder + TMP_SUFFIX
+        with _writing(self.folder, self.is_main):
+            self._rename_into_place(tmp)
+        _barrier(f"jtrainer_ckpt_committed_{self.step}")
+        self.on_commit()
+
+    def _rename_into_place(self, tmp: str) -> None:
         if self.is_main:
             write_manifest(tmp)
             pause = _test_pause(self.step)
@@ -215,8 +270,6 @@ class PendingCheckpoint:
             if os.path.exists(self.folder):
                 shutil.rmtree(self.folder)
             os.rename(tmp, self.folder)
-        _barrier(f"jtrainer_ckpt_committed_{self.step}")
-        self.on_commit()
 
 
 def save_checkpoint(
@@ -236,16 +289,23 @@ def save_checkpoint(
     goes there, so nothing is deleted before its successor exists).
     """
     tmp = folder + TMP_SUFFIX
-    if is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
+    with _writing(folder, is_main):
+        if is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
     _barrier(f"jtrainer_ckpt_begin_{step}")
     checkpointer = None
-    if train_state is not None:
-        checkpointer = ocp.StandardCheckpointer()
-        checkpointer.save(os.path.abspath(os.path.join(tmp, TRAIN_STATE_DIR)), train_state)
-    if is_main:
-        write_files(tmp)
+    with _writing(folder, is_main):
+        try:
+            if train_state is not None:
+                checkpointer = ocp.StandardCheckpointer()
+                checkpointer.save(os.path.abspath(os.path.join(tmp, TRAIN_STATE_DIR)), train_state)
+            if is_main:
+                write_files(tmp)
+        except BaseException:
+            if checkpointer is not None:
+                checkpointer.close()
+            raise
     pending = PendingCheckpoint(folder, checkpointer, is_main, step, on_commit)
     if asynchronous:
         pending.commit_in_background()

@@ -171,7 +171,10 @@ class RunLock:
             self._heartbeat = None
         holder = _read_holder(self.path)
         if holder is not None and holder.token == self.holder.token:
-            os.unlink(self.path)
+            try:
+                os.unlink(self.path)
+            except OSError as error:  # a folder turned read-only: the next run takes the dead holder's lock over
+                logger.warning("Could not remove the lock %s (%s); the next run will take it over.", self.path, error)
         if self._created_folder:
             with contextlib.suppress(OSError):
                 os.rmdir(self.folder)  # only if the run left it empty

@@ -57,7 +57,11 @@ class SavingMixin:
         """Wait until the checkpoint being written in the background is committed (and rotated), then deliver
         its on_save."""
         if self._pending_checkpoint is not None:
-            self._pending_checkpoint.commit(timeout)  # kept pending until it succeeds (Ctrl-C may interrupt it)
+            try:
+                self._pending_checkpoint.commit(timeout)  # kept pending until it succeeds (Ctrl-C may interrupt it)
+            except checkpoint.CheckpointWriteError:
+                self._pending_checkpoint = self._on_save_state = None  # it failed for good: nothing to retry
+                raise
             self._pending_checkpoint = None
         self._deliver_on_save()
 

@@ -2,13 +2,45 @@
 
     python tests/ckpt_job.py OUT_DIR MAX_STEPS SAVE_STEPS EVAL(0|1) [MESH_JSON GLOBAL_BATCH [RESUME_FROM]]
 Touches OUT_DIR/step (the global step) after every step, and OUT_DIR/evaluating during evaluations;
-with CKPT_JOB_RAISE_AT_STEP=N a callback raises after step N.
+with CKPT_JOB_RAISE_AT_STEP=N a callback raises after step N; with CKPT_JOB_DISK_AT_STEP=N the disk fails after
+step N: CKPT_JOB_DISK=full (no file may grow past 1 KiB: EFBIG, as ENOSPC) or readonly (OUT_DIR loses write access).
 """
 
+import contextlib
 import os
+import resource
 import sys
+import time
 
+
+
+def _obey_file_permissions() -> None:
+    """Root ignores file permissions: drop the capabilities that let it (DAC_OVERRIDE, DAC_READ_SEARCH, FOWNER)
+    from this process, before any thread exists (threads inherit them), so a read-only folder is read-only."""
+    import ctypes
+
+    class Header(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+    class Data(ctypes.Structure):
+        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    header, data = Header(0x20080522, 0), (Data * 2)()  # _LINUX_CAPABILITY_VERSION_3: two 32-bit words
+    if libc.capget(ctypes.byref(header), data) != 0:
+        raise OSError(ctypes.get_errno(), "capget")
+    override = (1 << 1) | (1 << 2) | (1 << 3)
+    data[0].effective &= ~override
+    data[0].permitted &= ~override
+    if libc.capset(ctypes.byref(header), data) != 0:
+        raise OSError(ctypes.get_errno(), "capset")
+
+
+if __name__ == "__main__" and os.environ.get("CKPT_JOB_DISK") == "readonly" and os.geteuid() == 0:
+    _obey_file_permissions()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if __name__ == "__main__":  # jtrainer runs without torch, as on a TPU VM (transformers would import it: slower)
+    sys.modules["torch"] = None
 sys.path.insert(0, os.path.dirname(__file__))
 
 import jax  # noqa: E402
@@ -26,10 +58,19 @@ class Marker(TrainerCallback):
         self.out = out
 
     def on_step_end(self, args, state, control, **kwargs):
-        with open(os.path.join(self.out, "step"), "w") as f:
+        with contextlib.suppress(OSError), open(os.path.join(self.out, "step"), "w") as f:
             f.write(str(state.global_step))
         if str(state.global_step) == os.environ.get("CKPT_JOB_RAISE_AT_STEP"):
             raise RuntimeError(f"a callback failed at step {state.global_step}")
+        if str(state.global_step) == os.environ.get("CKPT_JOB_DISK_AT_STEP"):
+            committed = os.path.join(self.out, f"checkpoint-{state.global_step - 1}", "commit_success.json")
+            while not os.path.exists(committed):  # the disk fails after the previous checkpoint is committed
+                time.sleep(0.05)
+            if os.environ["CKPT_JOB_DISK"] == "full":
+                resource.setrlimit(resource.RLIMIT_FSIZE, (1024, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+            else:
+                for folder, _, _ in os.walk(self.out):
+                    os.chmod(folder, 0o555)
 
     def on_prediction_step(self, args, state, control, **kwargs):
         open(os.path.join(self.out, "evaluating"), "w").close()

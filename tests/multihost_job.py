@@ -9,6 +9,8 @@ import os
 import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if __name__ == "__main__":  # jtrainer runs without torch, as on a TPU VM (transformers would import it: slower)
+    sys.modules["torch"] = None
 sys.path.insert(0, os.path.dirname(__file__))
 
 import jax  # noqa: E402
