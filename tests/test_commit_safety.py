@@ -146,3 +146,27 @@ def test_a_failing_disk_keeps_the_committed_checkpoints(tmp_path, disk):
     assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint")) == ["checkpoint-2"]
     checkpoint.verify_checkpoint(str(out / "checkpoint-2"))
     assert checkpoint.get_last_checkpoint(str(out)) == str(out / "checkpoint-2")
+
+
+def test_jtrainer_train_on_a_full_disk_says_so_in_one_line(tmp_path):
+    """`jtrainer train` whose first checkpoint cannot be written (no file may grow past 32 KiB): exit code 1 and
+    one line naming the file, the cause and the fix."""
+    text = tmp_path / "text"
+    text.mkdir()
+    for i in range(4):
+        (text / f"f{i}.txt").write_text(" ".join(f"w{(i + j) % 30}" for j in range(400)))
+    limited = ("import resource, sys; sys.modules['torch'] = None; "
+               "resource.setrlimit(resource.RLIMIT_FSIZE, (32768, resource.getrlimit(resource.RLIMIT_FSIZE)[1])); "
+               "from jtrainer.cli import main; sys.exit(main(sys.argv[1:]))")
+    small = ["--hidden_size", "32", "--intermediate_size", "64", "--num_hidden_layers", "1", "--num_attention_heads",
+             "2", "--num_key_value_heads", "1", "--block_size", "16", "--tokenizer_vocab_size", "300"]
+    done = subprocess.run([sys.executable, "-c", limited, "train", "--text_dir", str(text), "--output_dir",
+                           str(tmp_path / "out"), "--save_steps", "1", "--max_steps", "2", "--disable_tqdm", "true",
+                           *small], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert done.returncode == 1, done.stderr[-3000:]
+    said = [line for line in done.stderr.splitlines() if line.startswith("jtrainer train: ")]
+    assert len(said) == 1, done.stderr[-3000:]
+    assert said[0].startswith(f"jtrainer train: File too large writing or reading '{tmp_path}/out/checkpoint-1.tmp/")
+    assert "run the same command again" in said[0]
+    assert not (tmp_path / "out" / "checkpoint-1.tmp").exists()
