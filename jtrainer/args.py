@@ -163,7 +163,9 @@ class TrainingArguments(transformers.TrainingArguments):
             return True
         if self.fp16 or not self.default_bf16:
             return False
-        device = jax.devices()[0]
+        from jtrainer.sharding import mesh_devices
+
+        device = mesh_devices()[0]  # the target's, when `jtrainer check --target` compiles for another machine
         if device.platform == "tpu":
             return True
         capability = getattr(device, "compute_capability", None)

@@ -1,14 +1,17 @@
-"""`jtrainer check CONFIG`: what each set TrainingArguments field does here, and the train step compiled ahead of
-time (`jit(...).lower(...).compile()`) on this machine's devices, with its memory per device and FLOPs, before
-any data is read or any parameter allocated.
+"""`jtrainer check CONFIG [--target v5litepod-16]`: what each set TrainingArguments field does here, and the train
+step (and, when the config evaluates, the eval step) compiled ahead of time (`jit(...).lower(...).compile()`),
+with memory per device, FLOPs and whether it fits, before any data is read or any parameter allocated.
 
-The model is built abstractly (shapes only); the batch is zeros of the configured shape. The mesh is the
-config's, so run the check on the target machine (or, with `XLA_FLAGS=--xla_force_host_platform_device_count=N`,
-on a CPU with the same device count and a shrunk model).
+The model is built abstractly (shapes only); the batch is ones of the configured shape; the steps are the ones
+training runs (`Trainer.compile_train_step`, `Trainer.compile_eval_step`). Without `--target` it compiles for this machine's devices; with
+one, for a TPU slice that is not here (libtpu's compile-only topologies, `jtrainer.targets`): sizing a run
+before renting it. A step that does not fit makes `jtrainer check` exit 1.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import dataclasses
 from typing import Any
 
@@ -16,7 +19,7 @@ import jax
 import numpy as np
 
 from jtrainer import args as args_module
-from jtrainer import batch_size, jobs
+from jtrainer import batch_size, jobs, targets
 
 # Fields honoured through a JAX mechanism rather than the torch one HF uses.
 EMULATED: dict[str, str] = {
@@ -61,7 +64,7 @@ def field_report(training_args) -> list[tuple[str, Any, str, str]]:
 
 
 def sample_batch(task: str, rows: int, length: int, target_length: int) -> dict[str, np.ndarray]:
-    """Zeros shaped like one collated batch of the task."""
+    """A collated batch of the task's shapes (token ids 1, labels 0 or 1: values do not change the program)."""
     ids = np.ones((rows, length), np.int32)
     batch = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
     if task == "causal_lm":
@@ -73,81 +76,205 @@ def sample_batch(task: str, rows: int, length: int, target_length: int) -> dict[
     return batch
 
 
-def compile_step(model_args, data_args, training_args) -> dict[str, Any]:
-    """Compile the config's train step ahead of time; its memory and FLOPs."""
-    from flax import nnx
+class StepDoesNotFit(Exception):
+    """The compiled train step needs more memory per device than the target has."""
 
+
+@contextlib.contextmanager
+def _without_compilation_cache(active: bool):
+    """Cross-compiled executables must not enter the persistent cache: they cannot be loaded by a real client."""
+    if not active:
+        yield
+        return
+    before = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", before)
+
+
+@contextlib.contextmanager
+def _refusal_as(step: str):
+    """XLA's own refusal to compile a layout that overflows the chip (TPU compilers check the memory they need)
+    -> StepDoesNotFit naming the step; any other error propagates."""
+    try:
+        yield
+    except Exception as error:
+        lines = [line.strip() for line in str(error).splitlines() if "RESOURCE_EXHAUSTED" in line]
+        if not lines:
+            raise
+        raise StepDoesNotFit(f"the {step} step: " + lines[0][:400].rstrip(".")) from None
+
+
+def _per_device_bytes(arg_info, shardings) -> int:
+    """Bytes one device holds of a pytree of arguments (shape, dtype) laid out by `shardings`."""
+    total = 0
+    # An argument the step never reads (pruned by jit) has no sharding and takes no memory.
+    for info, sh in zip(jax.tree.leaves(arg_info), jax.tree.leaves(shardings, is_leaf=lambda x: x is None)):
+        if sh is not None:
+            total += int(np.prod(sh.shard_shape(info.shape))) * np.dtype(info.dtype).itemsize
+    return total
+
+
+def _size(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def compile_step(model_args, data_args, training_args, target: targets.Target | None = None) -> dict[str, Any]:
+    """Compile the config's train step ahead of time, on this machine's devices or for `target`; its memory per
+    device (by kind), FLOPs and whether it fits. Raises StepDoesNotFit when XLA refuses the layout."""
     from jtrainer import sharding
     from jtrainer.seq2seq import Seq2SeqTrainer
-    from jtrainer.step import StepBatch
-
-    vocab = data_args.tokenizer_vocab_size
-    special = {"eos_token_id": 0, "bos_token_id": 0, "pad_token_id": 1}
-    model = jobs.build_model(model_args, vocab, special, training_args.seed, abstract=True)
-    if training_args.activation_checkpointing:
-        model.gradient_checkpointing_enable(training_args.activation_checkpointing_kwargs)
-    training_args.push_to_hub = False  # a dry run creates no repository
-    trainer_class = Seq2SeqTrainer if model_args.task == "seq2seq" else None
     from jtrainer.trainer import Trainer
 
-    trainer = (trainer_class or Trainer)(model=model, args=training_args, eval_dataset=())
-    ga = training_args.gradient_accumulation_steps
-    rows = training_args.per_device_train_batch_size * sharding.data_parallel_size(trainer.mesh)
-    batch = sample_batch(model_args.task, rows, data_args.block_size, data_args.max_target_length)
-    spec = trainer._loss_spec(batch)
-    max_steps = training_args.max_steps if training_args.max_steps > 0 else 1000
-    trainer.create_optimizer_and_scheduler(max_steps)
-    tx = trainer._step_optimizer()
-    _, params, rest = nnx.split(model, nnx.Param, ...)
-    params = nnx.to_pure_dict(params)
-    shardings = trainer._state_shardings(tx, params)
-    state_shapes = jax.eval_shape(trainer._train_state_init(tx), params, rest)
-    state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), state_shapes, shardings)
-    stacked = {k: np.stack([v] * ga) for k, v in batch.items()}
-    step_batch = StepBatch(
-        inputs=sharding.put_global(stacked, trainer.mesh, row_dim=1, global_rows=rows),
-        micro_weight=jax.device_put(np.ones((ga,), np.float32), sharding.replicated(trainer.mesh)),
-    )
-    train_step = trainer._compiled_train_step(tx, spec, shardings)
-    with trainer._mesh_context():
-        compiled = train_step.lower(state, step_batch).compile()
+    args = copy.copy(training_args)
+    args.push_to_hub = False  # a dry run creates no repository
+    vocab = data_args.tokenizer_vocab_size
+    special = {"eos_token_id": 0, "bos_token_id": 0, "pad_token_id": 1}
+    model = jobs.build_model(model_args, vocab, special, args.seed, abstract=True)
+    if args.activation_checkpointing:
+        model.gradient_checkpointing_enable(args.activation_checkpointing_kwargs)
+    trainer_class = Seq2SeqTrainer if model_args.task == "seq2seq" else Trainer
+    example = sample_batch(model_args.task, args.per_device_train_batch_size, data_args.block_size,
+                           data_args.max_target_length)
+    eval_example = sample_batch(model_args.task, args.per_device_eval_batch_size, data_args.block_size,
+                                data_args.max_target_length)
+    steps = args.max_steps if args.max_steps > 0 else 1000
+    evaluates = str(getattr(args.eval_strategy, "value", args.eval_strategy)) != "no"
+    with sharding.use_devices(target.devices if target else None), _without_compilation_cache(target is not None):
+        # The CLI's trainer: classification computes accuracy from the logits, so its eval step returns them.
+        metrics = jobs.accuracy if model_args.task == "sequence_classification" else None
+        trainer = trainer_class(model=model, args=args, eval_dataset=(), compute_metrics=metrics)
+        with _refusal_as("train"):
+            compiled = trainer.compile_train_step(example, steps)
+        eval_compiled = None
+        if evaluates:
+            with _refusal_as("eval"):
+                eval_compiled = trainer.compile_eval_step(eval_example, steps)
+    analysis = compiled.memory_analysis()
+    (state_info, _), _ = compiled.args_info
+    (state_shardings, batch_shardings), _ = compiled.input_shardings
+    memory = None
+    if analysis is not None:
+        params = _per_device_bytes(state_info.params, state_shardings.params)
+        optimizer = _per_device_bytes(state_info.opt_state, state_shardings.opt_state)
+        code = int(analysis.generated_code_size_in_bytes)
+        memory = {
+            "parameters": params,
+            "optimizer state": optimizer,
+            "batch and other state": int(analysis.argument_size_in_bytes) - params - optimizer,
+            "temporaries (activations, gradients)": int(analysis.temp_size_in_bytes),
+            "outputs not in place": int(analysis.output_size_in_bytes - analysis.alias_size_in_bytes),
+            "generated code": code,
+        }
+    eval_memory = None
+    if eval_compiled is not None and memory is not None:
+        eval_analysis = eval_compiled.memory_analysis()
+        if eval_analysis is not None:
+            # The eval step reads the train state's parameters; the optimizer state stays resident beside it.
+            eval_memory = {
+                "parameters and batch": int(eval_analysis.argument_size_in_bytes),
+                "optimizer state (resident)": memory["optimizer state"],
+                "temporaries": int(eval_analysis.temp_size_in_bytes),
+                "outputs (loss" + (", logits)" if trainer.compute_metrics else ")"):
+                    int(eval_analysis.output_size_in_bytes - eval_analysis.alias_size_in_bytes),
+                "generated code": int(eval_analysis.generated_code_size_in_bytes),
+            }
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    flops = float((cost or {}).get("flops", 0.0))
-    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
-    tokens = ga * rows * data_args.block_size
+    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state_info.params))
+    tokens = args.gradient_accumulation_steps * args.per_device_train_batch_size * data_args.block_size
+    tokens *= sharding.data_parallel_size(trainer.mesh)
     return {
         "mesh": dict(trainer.mesh.shape),
-        "devices": jax.device_count(),
+        "devices": trainer.mesh.devices.size,
+        "device_kind": trainer.mesh.devices.flat[0].device_kind,
         "parameters": n_params,
         "tokens_per_step": tokens,
-        "step_bytes_per_device": batch_size.step_bytes(compiled),
-        "device_memory_bytes": batch_size.device_memory_bytes(),
-        "flops_per_step_per_device": flops,
+        "memory_per_device": memory,
+        "step_bytes_per_device": None if memory is None else sum(memory.values()),
+        "eval_memory_per_device": eval_memory,
+        "eval_bytes_per_device": None if eval_memory is None else sum(eval_memory.values()),
+        "device_memory_bytes": target.chip.hbm_bytes if target else batch_size.device_memory_bytes(),
+        "flops_per_step_per_device": float((cost or {}).get("flops", 0.0)),
+        "bytes_accessed_per_device": float((cost or {}).get("bytes accessed", 0.0)),
         "model_flops_per_step": 6 * n_params * tokens,
     }
 
 
-def run_check(model_args, data_args, training_args) -> dict[str, Any]:
-    """Print the field report and the compiled step's numbers; returns both."""
+def roofline(numbers: dict[str, Any], target: targets.Target) -> dict[str, float] | None:
+    """An estimate, not a measurement: the step takes at least its FLOPs at the chip's peak and its memory
+    traffic at the HBM bandwidth; MFU is 6ND over that time at peak. None where XLA reports no FLOPs."""
+    from jtrainer.throughput import peak_flops
+
+    peak = peak_flops(target.devices[0])
+    if not peak or not numbers["flops_per_step_per_device"]:
+        return None
+    compute_s = numbers["flops_per_step_per_device"] / peak
+    memory_s = numbers["bytes_accessed_per_device"] / target.chip.hbm_bytes_per_s
+    step_s = max(compute_s, memory_s)
+    return {"step_s": step_s, "bound": "compute" if compute_s >= memory_s else "memory",
+            "mfu": numbers["model_flops_per_step"] / (step_s * peak * numbers["devices"])}
+
+
+def run_check(model_args, data_args, training_args, target_name: str | None = None,
+              num_slices: int = 1) -> dict[str, Any]:
+    """Print the field report and the compiled step's numbers (for `target_name`, e.g. "v5litepod-16", when
+    given); returns both, with "fits"."""
     from jtrainer.cli import say
 
     jobs.check_task(model_args)
+    target = targets.resolve(target_name, num_slices) if target_name else None
     report = field_report(training_args)
     say("jtrainer check: TrainingArguments set in this config")
     width = max((len(name) for name, *_ in report), default=10)
     for name, value, status, why in report:
         shown = getattr(value, "value", value)
         say(f"  {name:<{width}}  {status:<8}  {shown!r}" + (f"  ({why})" if why else ""))
-    numbers = compile_step(model_args, data_args, training_args)
-    gib = 2**30
-    say(f"jtrainer check: train step compiled for mesh {numbers['mesh']} on {numbers['devices']} device(s)")
+    where = (f"{target.name} ({target.chips} x {target.chip.device_kind}, topology {target.topology}"
+             + (f" x {target.num_slices} slices" if target.num_slices > 1 else "") + ", compiled here, not run)"
+             if target else "this machine")
+    try:
+        numbers = compile_step(model_args, data_args, training_args, target)
+    except StepDoesNotFit as error:
+        say(f"jtrainer check: does not fit {where}: {error}.")
+        say(f"  {ADVICE}")
+        return {"fields": report, "fits": False}
+    say(f"jtrainer check: train step compiled for {where}, mesh {numbers['mesh']} on {numbers['devices']} device(s)")
     say(f"  parameters                 {numbers['parameters']:,}")
     say(f"  tokens per step            {numbers['tokens_per_step']:,}")
-    if numbers["step_bytes_per_device"] is not None:
-        say(f"  memory per device          {numbers['step_bytes_per_device'] / gib:.3f} GiB")
-    if numbers["device_memory_bytes"] is not None:
-        say(f"  device memory              {numbers['device_memory_bytes'] / gib:.3f} GiB")
-    say(f"  XLA FLOPs per device/step  {numbers['flops_per_step_per_device']:.3e}")
+    budget, needed = numbers["device_memory_bytes"], numbers["step_bytes_per_device"]
+    if numbers["memory_per_device"] is not None:
+        say("  memory per device")
+        for kind, value in numbers["memory_per_device"].items():
+            say(f"    {kind:<38} {_size(value):>11}")
+        say(f"    {'total':<38} {_size(needed):>11}" + (f" of {_size(budget)} ({needed / budget:.0%})" if budget else ""))
+    fits = budget is None or needed is None or needed <= budget
+    eval_needed = numbers["eval_bytes_per_device"]
+    if eval_needed is not None:
+        say(f"  memory per device while evaluating (per_device_eval_batch_size {training_args.per_device_eval_batch_size})")
+        for kind, value in numbers["eval_memory_per_device"].items():
+            say(f"    {kind:<38} {_size(value):>11}")
+        say(f"    {'total':<38} {_size(eval_needed):>11}"
+            + (f" of {_size(budget)} ({eval_needed / budget:.0%})" if budget else ""))
+        fits = fits and (budget is None or eval_needed <= budget)
+    if budget is not None and needed is not None:
+        say(f"  fits                       {'yes' if fits else 'NO'}")
+    if numbers["flops_per_step_per_device"]:
+        say(f"  XLA FLOPs per device/step  {numbers['flops_per_step_per_device']:.3e}")
     say(f"  model FLOPs per step (6ND) {numbers['model_flops_per_step']:.3e}")
-    return {"fields": report, **numbers}
+    estimate = roofline(numbers, target) if target else None
+    if estimate is not None:
+        say(f"  step time (estimate)       {estimate['step_s']:.3f} s, {estimate['bound']}-bound roofline")
+        say(f"  MFU (estimate)             {estimate['mfu']:.1%}")
+    if not fits:
+        worst = max(needed, eval_needed or 0)
+        say(f"jtrainer check: the {'train' if worst == needed else 'eval'} step does not fit: {_size(worst)} per "
+            f"device, {_size(budget)} available. {ADVICE}")
+    return {"fields": report, **numbers, "fits": fits, "estimate": estimate}
+
+
+ADVICE = ("Split parameters and optimizer state over more devices (mesh_shape fsdp), lower "
+          "per_device_train_batch_size (keep the batch with gradient_accumulation_steps) or "
+          "per_device_eval_batch_size, or turn on gradient_checkpointing.")

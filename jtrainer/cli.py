@@ -24,20 +24,27 @@ from dataclasses import dataclass, field
 
 import yaml
 
-from jtrainer import jobs
+from jtrainer import jobs, targets
 from jtrainer.errors import BadInput
 from jtrainer.jobs import DataArguments, ModelArguments
 
 
 @dataclass
 class RunArguments:
-    """What `jtrainer train` does with an output_dir that holds an earlier run."""
+    """Options of the command itself: what `jtrainer train` does with an earlier run in output_dir, and the
+    machine `jtrainer check` compiles for."""
 
     overwrite_output_dir: bool = field(
         default=False,
         metadata={"help": "Start afresh: remove the checkpoint-N folders of an earlier run in output_dir (default: "
                   "continue from its last committed checkpoint)."},
     )
+    target: str | None = field(
+        default=None,
+        metadata={"help": "jtrainer check: compile for this TPU slice instead of this machine, named as gcloud's "
+                  "accelerator types (v4-8, v5litepod-16, v5p-8, v6e-16, ...); needs libtpu (jax[tpu])."},
+    )
+    num_slices: int = field(default=1, metadata={"help": "jtrainer check --target: slices joined over DCN."})
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "default.yaml")
 
@@ -132,7 +139,7 @@ def _train_job(model_args: ModelArguments, data_args: DataArguments, training_ar
     collator, compute_metrics, trainer_class = None, None, Trainer
     if task == "sequence_classification":
         collator = DataCollatorWithPadding(tokenizer, return_tensors="np")
-        compute_metrics = accuracy
+        compute_metrics = jobs.accuracy
     elif task == "seq2seq":
         collator = DataCollatorForSeq2Seq(tokenizer, return_tensors="np")
         trainer_class = Seq2SeqTrainer
@@ -165,12 +172,6 @@ def _train_job(model_args: ModelArguments, data_args: DataArguments, training_ar
         ids = generate(trainer.model, [prompt], max_new_tokens=data_args.sample_tokens, do_sample=False)
         say("jtrainer: sample:\n" + tokenizer.decode(ids[0], skip_special_tokens=True))
     return summary
-
-
-def accuracy(prediction) -> dict[str, float]:
-    import numpy as np
-
-    return {"accuracy": float(np.mean(np.argmax(prediction.predictions, -1) == prediction.label_ids))}
 
 
 def parse_train_args(argv: list[str], command: str = "train"):
@@ -318,8 +319,12 @@ def main(argv: list[str] | None = None) -> int:
         if command == "check":
             from jtrainer.check import run_check
 
-            run_check(model_args, data_args, training_args)
-            return 0
+            if run_args.target is not None:
+                targets.compile_here_on_cpu()
+            result = run_check(model_args, data_args, training_args, run_args.target, run_args.num_slices)
+            return 0 if result["fits"] else 1
+        if run_args.target is not None:
+            raise BadInput("--target is an option of `jtrainer check` (sizing a run for another machine).")
         run_train(model_args, data_args, training_args, run_args)
     except BadInput as e:  # refused before any work (or, for a file, as soon as it is read): one line
         print(f"jtrainer {command}: {e}", file=sys.stderr)

@@ -137,7 +137,8 @@ class EvaluationMixin:
                 )
             return metrics
         loader = check_loader(self, self.get_eval_dataloader(eval_dataset), "get_eval_dataloader")
-        output = self._timed_loop(loader, "Evaluation", ignore_keys, metric_key_prefix)
+        # HF: no point gathering predictions (logits, or generated ids) when there are no metrics to compute.
+        output = self._timed_loop(loader, "Evaluation", ignore_keys, metric_key_prefix, self._evaluate_loss_only())
         self.log(output.metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, output.metrics)
         return output.metrics
@@ -148,10 +149,14 @@ class EvaluationMixin:
         self.control = self.callback_handler.on_predict(self.args, self.state, self.control, output.metrics)
         return PredictionOutput(predictions=output.predictions, label_ids=output.label_ids, metrics=output.metrics)
 
-    def _timed_loop(self, loader, description, ignore_keys, prefix) -> EvalLoopOutput:
+    def _evaluate_loss_only(self) -> bool | None:
+        """evaluate()'s prediction_loss_only, as HF passes it: True without compute_metrics, else the argument's."""
+        return True if self.compute_metrics is None else None
+
+    def _timed_loop(self, loader, description, ignore_keys, prefix, loss_only: bool | None = None) -> EvalLoopOutput:
         """evaluation_loop plus HF's speed metrics (runtime, samples/s, steps/s) under the prefix."""
         start_time = time.time()
-        output = self.evaluation_loop(loader, description, None, ignore_keys, prefix)
+        output = self.evaluation_loop(loader, description, loss_only, ignore_keys, prefix)
         total_batch = self.args.eval_batch_size * self.args.world_size
         output.metrics.update(
             speed_metrics(

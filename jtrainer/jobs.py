@@ -349,3 +349,8 @@ def build_data(model_args: ModelArguments, data_args: DataArguments,
                 for s, t in zip(sources, targets["input_ids"])]
 
     return tokenizer, pairs(train), pairs(valid)
+
+
+def accuracy(prediction) -> dict[str, float]:
+    """The sequence-classification job's compute_metrics."""
+    return {"accuracy": float(np.mean(np.argmax(prediction.predictions, -1) == prediction.label_ids))}

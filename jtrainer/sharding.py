@@ -93,9 +93,29 @@ def resolve_mesh_shape(args: Any, num_devices: int) -> dict[str, int]:
     return sizes
 
 
+_TARGET_DEVICES: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("target_devices", default=None)
+
+
+@contextlib.contextmanager
+def use_devices(devices: Sequence[Any] | None) -> Iterator[None]:
+    """Meshes built in the block use `devices` (a compile-only TPU topology for `jtrainer check --target`)
+    instead of `jax.devices()`; None changes nothing."""
+    token = _TARGET_DEVICES.set(tuple(devices) if devices is not None else _TARGET_DEVICES.get())
+    try:
+        yield
+    finally:
+        _TARGET_DEVICES.reset(token)
+
+
+def mesh_devices() -> list:
+    """The devices meshes are built over: `jax.devices()`, or those of an enclosing `use_devices`."""
+    target = _TARGET_DEVICES.get()
+    return list(target if target is not None else jax.devices())
+
+
 def make_mesh(sizes: dict[str, int] | None = None, devices: Sequence[Any] | None = None) -> Mesh:
     """A 4-axis mesh; `data` is outermost, so on many hosts it spans hosts (the DCN axis) by default."""
-    devices = list(devices if devices is not None else jax.devices())
+    devices = list(devices if devices is not None else mesh_devices())
     sizes = sizes or {DATA: len(devices), FSDP: 1, TENSOR: 1, SEQUENCE: 1}
     grid = np.asarray(devices, dtype=object).reshape([sizes[a] for a in MESH_AXES])
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))

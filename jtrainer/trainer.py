@@ -133,6 +133,17 @@ class PreparedWindow(NamedTuple):
 _SHARED_TRAIN_STEPS: dict[Any, Callable] = {}
 
 
+def _tile_rows(example: data.Batch, rows: int) -> dict[str, np.ndarray]:
+    """`example`'s rows repeated to `rows` (a global batch of its shapes)."""
+    return {k: np.concatenate([np.asarray(v)] * (rows // len(v))) for k, v in example.items()}
+
+
+def _abstract_batch(mesh, batch: dict[str, np.ndarray], row_dim: int) -> dict[str, jax.ShapeDtypeStruct]:
+    """The batch's shapes laid out as training places it (rows split over the data shards), with no data."""
+    shardings = sharding.batch_shardings(mesh, batch, row_dim=row_dim)
+    return {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=shardings[k]) for k, v in batch.items()}
+
+
 class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearchMixin, HubMixin, MetricsMixin):
     """HF's `transformers.Trainer`, with one jit-compiled train step over a sharding mesh instead of torch."""
 
@@ -192,7 +203,7 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         check_overrides(self)
         if args.full_determinism:
             _check_deterministic_backend()
-        self.mesh = sharding.make_mesh(sharding.resolve_mesh_shape(args, jax.device_count()))
+        self.mesh = sharding.make_mesh(sharding.resolve_mesh_shape(args, len(sharding.mesh_devices())))
         if not args.average_tokens_across_devices and sharding.data_parallel_size(self.mesh) > 1:
             raise ValueError(
                 "average_tokens_across_devices=False normalises each data shard's loss by its own label count (HF's "
@@ -502,6 +513,50 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         if key is not None:
             _SHARED_TRAIN_STEPS[key] = train_step
         return train_step
+
+    def compile_train_step(self, example: data.Batch, num_training_steps: int) -> jax.stages.Compiled:
+        """The train step this trainer runs, compiled ahead of time on its mesh for global batches shaped like
+        `example` (one device's `per_device_train_batch_size` collated rows, repeated over the data shards and
+        the accumulated micro-batches), without allocating parameters or reading data. What `jtrainer check`
+        measures, for the local devices or, built under `sharding.use_devices`, a compile-only target."""
+        ga = self.args.gradient_accumulation_steps
+        sample = _tile_rows(example, self.args.per_device_train_batch_size * sharding.data_parallel_size(self.mesh))
+        spec = self._loss_spec(sample)
+        tx, shardings, state = self._abstract_train_state(num_training_steps)
+        stacked = {k: np.broadcast_to(v, (ga, *v.shape)) for k, v in sample.items()}
+        step_batch = StepBatch(
+            inputs=_abstract_batch(self.mesh, stacked, row_dim=1),
+            micro_weight=jax.ShapeDtypeStruct((ga,), np.float32, sharding=sharding.replicated(self.mesh)),
+        )
+        sharding.check_length_divisible(sample["input_ids"].shape[1] if "input_ids" in sample else None, self.mesh)
+        train_step = self._compiled_train_step(tx, spec, shardings)
+        with self._mesh_context():
+            return train_step.lower(state, step_batch).compile()
+
+    def compile_eval_step(self, example: data.Batch, num_training_steps: int) -> jax.stages.Compiled:
+        """The eval step `evaluate()` runs during training (on the train state's parameters; returning logits
+        when there are metrics to compute from them, as HF), compiled ahead of time for batches of `per_device_eval_batch_size` rows
+        shaped like `example` per data shard. Like `compile_train_step`, nothing is allocated."""
+        sample = _tile_rows(example, self.args.per_device_eval_batch_size * sharding.data_parallel_size(self.mesh))
+        spec = self._loss_spec(sample, training=False)
+        _, _, state = self._abstract_train_state(num_training_steps)
+        loss_only = self._evaluate_loss_only()
+        want_logits = not (self.args.prediction_loss_only if loss_only is None else loss_only) and not self._generates()
+        step = self._eval_step(spec, want_logits, self._ignore_keys(None))
+        with self._mesh_context():
+            return step.lower(state.params, state.model_state, _abstract_batch(self.mesh, sample, row_dim=0)).compile()
+
+    def _abstract_train_state(self, num_training_steps: int):
+        """(optimizer, state shardings, the train state as ShapeDtypeStructs laid out by them): the state training
+        would create, without creating it."""
+        self.create_optimizer_and_scheduler(num_training_steps)
+        tx = self._step_optimizer()
+        _, params, rest = nnx.split(self.model, nnx.Param, ...)
+        params = nnx.to_pure_dict(params)
+        shardings = self._state_shardings(tx, params)
+        shapes = jax.eval_shape(self._train_state_init(tx), params, rest)
+        state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
+        return tx, shardings, state
 
     def _step_optimizer(self) -> optax.GradientTransformation:
         """The optimizer as the step applies it: under fp16's dynamic loss scaling (which skips non-finite

@@ -1,8 +1,11 @@
 """Shared fixtures: tiny models and datasets built locally (nothing is downloaded)."""
 
+import atexit
 import contextlib
 import logging
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Tests count compilations: no persistent compilation cache unless a test turns one on.
@@ -52,11 +55,19 @@ def tiny_llama_config(**overrides):
     return LlamaConfig(**kw)
 
 
-def short_run_args(out="unused", **over):
+def scratch_dir() -> str:
+    """A fresh folder for a run whose output_dir the test never reads (removed at exit): runs in parallel test
+    workers must not share one, since a training run locks its output_dir."""
+    path = tempfile.mkdtemp(prefix="jtrainer-test-")
+    atexit.register(shutil.rmtree, path, True)
+    return path
+
+
+def short_run_args(out=None, **over):
     """TrainingArguments of a 3-step run logging every step (in order, no saves, no reports); `over` overrides."""
     from jtrainer import TrainingArguments
 
-    kw = dict(output_dir=str(out), per_device_train_batch_size=4, learning_rate=1e-2, report_to="none",
+    kw = dict(output_dir=str(out or scratch_dir()), per_device_train_batch_size=4, learning_rate=1e-2, report_to="none",
               disable_tqdm=True, save_strategy="no", logging_steps=1, max_steps=3,
               train_sampling_strategy="sequential")
     kw.update(over)

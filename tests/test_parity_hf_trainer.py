@@ -120,3 +120,42 @@ def test_schedule_free_evaluates_and_saves_x_as_transformers(tmp_path, optim):
     ref_params = {k: v.detach().numpy() for k, v in hf.model.state_dict().items()}
     for name, value in to_hf_state_dict(ours.model).items():
         np.testing.assert_allclose(value, ref_params[name], rtol=1e-4, atol=5e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("with_metrics", [False, True])
+def test_evaluate_gathers_logits_only_for_compute_metrics_as_transformers(tmp_path, with_metrics):
+    """HF's evaluate() passes prediction_loss_only=True when there is no compute_metrics: the logits are never
+    computed for metrics nor handed to preprocess_logits_for_metrics (at a 128k vocabulary they are the largest
+    array of the step). Same eval_loss either way."""
+    import transformers
+
+    from jtrainer import Trainer, TrainingArguments
+    from jtrainer.models.llama import LlamaForCausalLM
+
+    config = tiny_llama_config()
+    torch.manual_seed(0)
+    torch_model = transformers.LlamaForCausalLM(config)
+    torch_model.save_pretrained(tmp_path / "init")
+    rows = token_rows(10)
+
+    def run(trainer_class, args_class, model, data):
+        seen = []
+
+        def preprocess(logits, labels):
+            seen.append(tuple(logits.shape))
+            return logits.argmax(-1)
+
+        trainer = trainer_class(
+            model=model, args=_args(args_class, tmp_path / args_class.__module__, per_device_eval_batch_size=4),
+            eval_dataset=data, preprocess_logits_for_metrics=preprocess,
+            compute_metrics=(lambda p: {"n": float(np.size(p.predictions))}) if with_metrics else None,
+        )
+        return trainer.evaluate(), seen
+
+    hf_metrics, hf_seen = run(transformers.Trainer, transformers.TrainingArguments, torch_model, torch_rows(rows))
+    jt_metrics, jt_seen = run(Trainer, TrainingArguments, LlamaForCausalLM.from_pretrained(str(tmp_path / "init")), rows)
+    assert bool(hf_seen) is bool(jt_seen) is with_metrics
+    np.testing.assert_allclose(jt_metrics["eval_loss"], hf_metrics["eval_loss"], rtol=1e-5)
+    assert ("eval_n" in jt_metrics) is ("eval_n" in hf_metrics) is with_metrics
+    if with_metrics:
+        assert jt_metrics["eval_n"] == hf_metrics["eval_n"]

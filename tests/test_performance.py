@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 import jtrainer.trainer
-from conftest import count_compiles, tiny_llama_config, token_rows
+from conftest import count_compiles, scratch_dir, tiny_llama_config, token_rows
 from jtrainer import Trainer, TrainingArguments, throughput
 from jtrainer.losses import shift_labels, token_cross_entropy_sum
 from jtrainer.models.llama import LlamaForCausalLM
@@ -20,7 +20,7 @@ from jtrainer.packing import pack_sequences, packing_efficiency
 
 
 def _args(**over):
-    kw = dict(output_dir="unused", per_device_train_batch_size=4, learning_rate=1e-2, report_to="none",
+    kw = dict(output_dir=scratch_dir(), per_device_train_batch_size=4, learning_rate=1e-2, report_to="none",
               disable_tqdm=True, save_strategy="no", logging_steps=1, max_steps=4,
               train_sampling_strategy="sequential")
     kw.update(over)
@@ -133,14 +133,14 @@ def test_bf16_by_default_only_where_the_hardware_has_it():
 
 
 JOB = """
-import os, sys, time, logging
+import os, sys, tempfile, time, logging
 sys.path.insert(0, "tests")
 from conftest import tiny_llama_config, token_rows
 from jtrainer import Trainer, TrainingArguments
 from jtrainer.models.llama import LlamaForCausalLM
 logging.getLogger("jax._src.compiler").setLevel(logging.DEBUG)
 logging.basicConfig()
-args = TrainingArguments("unused", per_device_train_batch_size=4, max_steps=2, report_to="none", disable_tqdm=True,
+args = TrainingArguments(tempfile.mkdtemp(), per_device_train_batch_size=4, max_steps=2, report_to="none", disable_tqdm=True,
                          save_strategy="no", jax_compilation_cache_dir=sys.argv[1])
 Trainer(LlamaForCausalLM.from_config(tiny_llama_config()), args, train_dataset=token_rows(8)).train()
 """

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import jtrainer.trainer
-from conftest import count_compiles, tiny_llama_config, token_rows, torch_rows
+from conftest import count_compiles, scratch_dir, tiny_llama_config, token_rows, torch_rows
 from jtrainer import Trainer, TrainerCallback, TrainingArguments
 from jtrainer.models.llama import LlamaForCausalLM
 
@@ -121,7 +121,7 @@ def test_eval_save_and_first_step_flow_matches_hf(tmp_path):
 def _train_one_step(rows, batch, ga):
     trainer = Trainer(
         model=LlamaForCausalLM.from_config(tiny_llama_config()),
-        args=TrainingArguments(**_kwargs("unused", per_device_train_batch_size=batch, gradient_accumulation_steps=ga,
+        args=TrainingArguments(**_kwargs(scratch_dir(), per_device_train_batch_size=batch, gradient_accumulation_steps=ga,
                                          max_steps=1, max_grad_norm=0.0, learning_rate=1.0, optim="sgd")),
         # SGD: the update is the gradient itself, so the comparison is not amplified by Adam's g / |g|.
         train_dataset=rows,
@@ -145,7 +145,7 @@ def test_train_step_compiles_once_over_epochs_with_a_ragged_batch():
     rows = token_rows(11, length=8)  # 11 rows / batch 4: the last batch of each epoch has 3 rows
     trainer = Trainer(
         model=LlamaForCausalLM.from_config(tiny_llama_config()),
-        args=TrainingArguments(**_kwargs("unused", num_train_epochs=2, gradient_accumulation_steps=2)),
+        args=TrainingArguments(**_kwargs(scratch_dir(), num_train_epochs=2, gradient_accumulation_steps=2)),
         train_dataset=rows,
     )
     jtrainer.trainer._SHARED_TRAIN_STEPS.clear()  # another test may have compiled this structure already

@@ -6,13 +6,13 @@ import numpy as np
 import optax
 import pytest
 
-from conftest import tiny_llama_config, token_rows
+from conftest import scratch_dir, tiny_llama_config, token_rows
 from jtrainer import Trainer, TrainingArguments
 from jtrainer.models.llama import LlamaForCausalLM
 
 
 def _args(**over):
-    kw = dict(output_dir="unused", per_device_train_batch_size=4, learning_rate=1e-2, report_to="none",
+    kw = dict(output_dir=scratch_dir(), per_device_train_batch_size=4, learning_rate=1e-2, report_to="none",
               disable_tqdm=True, save_strategy="no", logging_steps=1, max_steps=4, train_sampling_strategy="sequential")
     kw.update(over)
     return TrainingArguments(**kw)

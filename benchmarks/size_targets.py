@@ -1,0 +1,74 @@
+"""Size the shipped pod configs for the slices they name, and the layouts that do not fit, from any machine:
+each row is one `jtrainer check CONFIG --target NAME` (a cross-compile through libtpu's compile-only topologies;
+nothing runs on a TPU). Prints the memory per chip against its HBM, XLA's FLOPs and the roofline estimate.
+
+    pip install -e ".[tpu]"
+    python benchmarks/size_targets.py                 # the 1B Llama on v5e-16 (fsdp and data parallel), ~6 min
+    python benchmarks/size_targets.py --rows 1b-v5e-16 --rows 1b-v5p-8
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+import sys
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("JTRAINER_COMPILATION_CACHE_DIR", "none")
+
+ROWS: dict[str, tuple[str, str, list[str]]] = {
+    "1b-v5e-16": ("configs/llama_1b_fsdp_v5e_16.yaml", "v5litepod-16", []),
+    "1b-v5e-16-data-parallel": ("configs/llama_1b_fsdp_v5e_16.yaml", "v5litepod-16", ["--mesh_shape", '{"data": -1}']),
+    "1b-v5p-8": ("configs/llama_1b_fsdp_v5e_16.yaml", "v5p-8", ["--per_device_train_batch_size", "16"]),
+    "1b-v6e-8x2-slices": ("configs/llama_1b_fsdp_v5e_16.yaml", "v6e-8", ["--num_slices", "2",
+                                                                       "--mesh_shape", '{"data": 2, "fsdp": 8}']),
+    "gpt2-v4-8": ("configs/gpt2_small_tpu_v4_8.yaml", "v4-8", []),
+}
+DEFAULT_ROWS = ["1b-v5e-16", "1b-v5e-16-data-parallel"]
+
+
+def size(config: str, target: str, extra: list[str]) -> dict:
+    from jtrainer.check import run_check
+    from jtrainer.cli import parse_train_args
+
+    model_args, data_args, training_args, run_args = parse_train_args([config, "--target", target, *extra], "check")
+    printed = io.StringIO()
+    start = time.perf_counter()
+    with contextlib.redirect_stdout(printed):
+        result = run_check(model_args, data_args, training_args, run_args.target, run_args.num_slices)
+    result["seconds"] = time.perf_counter() - start
+    result["printed"] = printed.getvalue()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", action="append", choices=sorted(ROWS), help=f"default: {DEFAULT_ROWS}")
+    parser.add_argument("--full", action="store_true", help="also print each check's own report")
+    ns = parser.parse_args()
+    print("| row | target | params | per chip | of HBM | fits | XLA FLOPs/chip | step (est.) | MFU (est.) | "
+          "compile |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name in ns.rows or DEFAULT_ROWS:
+        config, target, extra = ROWS[name]
+        result = size(config, target, extra)
+        if ns.full:
+            print(result["printed"], file=sys.stderr)
+        if "memory_per_device" not in result:  # XLA refused the layout: the reason is in the report
+            reason = next(line for line in result["printed"].splitlines() if "does not fit" in line)
+            print(f"| {name} | {target} | | | | no: {reason.split(': ', 2)[-1][:90]} | | | | "
+                  f"{result['seconds']:.0f} s |")
+            continue
+        total, hbm = result["step_bytes_per_device"], result["device_memory_bytes"]
+        estimate = result["estimate"] or {}
+        print(f"| {name} | {target} | {result['parameters'] / 1e9:.2f}B | {total / 2**30:.2f} GiB | "
+              f"{total / hbm:.0%} of {hbm / 2**30:.0f} GiB | {'yes' if result['fits'] else 'no'} | "
+              f"{result['flops_per_step_per_device']:.2e} | {estimate.get('step_s', float('nan')):.2f} s | "
+              f"{estimate.get('mfu', float('nan')):.0%} | {result['seconds']:.0f} s |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""`jtrainer check --target`: the train step cross-compiled for a TPU slice that is not here (libtpu's
+compile-only topologies), its memory per chip against the chip's HBM, and the exit code when it does not fit."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jtrainer import targets
+from jtrainer.check import run_check
+from jtrainer.cli import main, parse_train_args
+from jtrainer.errors import BadInput
+
+CONFIG = "configs/llama_1b_fsdp_v5e_16.yaml"
+SMALL = ["--hidden_size", "256", "--intermediate_size", "512", "--num_hidden_layers", "2", "--num_attention_heads",
+         "4", "--num_key_value_heads", "2", "--block_size", "128", "--tokenizer_vocab_size", "512",
+         "--per_device_train_batch_size", "1"]
+
+
+@pytest.mark.parametrize("name, chips, shape", [
+    ("v4-8", 4, (2, 2, 1)), ("v4-32", 16, (2, 2, 4)), ("v4-64", 32, (2, 4, 4)), ("v5p-8", 4, (2, 2, 1)),
+    ("v5litepod-8", 8, (2, 4)), ("v5e-16", 16, (4, 4)), ("v5litepod-32", 32, (4, 8)), ("v6e-256", 256, (16, 16)),
+    ("v5litepod-1", 1, (1, 1)),
+])
+def test_gcloud_accelerator_types_name_their_chips_and_torus(name, chips, shape):
+    chip, count = targets.parse(name)
+    assert count == chips
+    assert targets.torus_shape(count, chip.torus_dims) == shape
+
+
+@pytest.mark.parametrize("name, says", [
+    ("v3-8", "not a TPU accelerator type"), ("tpu-8", "not a TPU accelerator type"),
+    ("v4-7", "two per chip"), ("v5litepod-12", "no v5litepod slice has 12 chips"),
+])
+def test_a_bad_target_name_is_refused_naming_the_fix(name, says):
+    with pytest.raises(BadInput, match=says):
+        targets.parse(name)
+
+
+@pytest.mark.parametrize("name, slices, devices, kind", [
+    ("v5litepod-16", 1, 16, "TPU v5 lite"), ("v4-32", 1, 16, "TPU v4"), ("v6e-8", 2, 16, "TPU v6 lite"),
+])
+def test_libtpu_builds_the_named_slice(name, slices, devices, kind):
+    target = targets.resolve(name, slices)
+    assert len(target.devices) == devices == target.chips
+    assert {d.device_kind for d in target.devices} == {kind}
+    assert len({getattr(d, "slice_index", 0) for d in target.devices}) == slices
+
+
+def test_check_cross_compiles_for_a_v5e_slice_and_says_it_fits(capsys, tmp_path):
+    model_args, data_args, training_args, _ = parse_train_args([CONFIG, *SMALL], "check")
+    result = run_check(model_args, data_args, training_args, "v5litepod-16")
+    printed = capsys.readouterr().out
+    assert result["fits"] and result["devices"] == 16 and result["device_kind"] == "TPU v5 lite"
+    assert result["mesh"]["fsdp"] == 16
+    memory = result["memory_per_device"]
+    # fsdp=16: each chip holds a sixteenth of the float32 parameters and twice that of AdamW's moments.
+    assert memory["parameters"] == pytest.approx(result["parameters"] * 4 / 16, rel=0.05)
+    assert memory["optimizer state"] == pytest.approx(2 * memory["parameters"], rel=0.05)
+    assert 0 < result["step_bytes_per_device"] < 16 * 2**30
+    assert result["flops_per_step_per_device"] > 0 and 0 < result["estimate"]["mfu"] < 1
+    # The config evaluates: its eval step is compiled too, beside the resident optimizer state.
+    assert result["eval_memory_per_device"]["optimizer state (resident)"] == memory["optimizer state"]
+    assert result["step_bytes_per_device"] > 0 and "while evaluating (per_device_eval_batch_size 8)" in printed
+    assert "compiled for v5litepod-16 (16 x TPU v5 lite, topology v5e:4x4, compiled here, not run)" in printed
+    assert "of 16.00 GiB" in printed and "MFU (estimate)" in printed and "fits                       yes" in printed
+
+
+def test_a_layout_that_does_not_fit_exits_1_naming_what_to_change(tmp_path, capsys):
+    """A 250k-token vocabulary replicated on every chip (data parallel only) needs more than a v5e's 16 GiB;
+    XLA's own refusal is the reason, and nothing of the cross-compile enters the compilation cache."""
+    cache = tmp_path / "cache"
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "from jtrainer.cli import main\n"
+        f"sys.exit(main(['check', {CONFIG!r}, '--target', 'v5litepod-16', '--hidden_size', '4096',"
+        " '--intermediate_size', '256', '--num_hidden_layers', '1', '--num_attention_heads', '32',"
+        " '--num_key_value_heads', '8', '--tokenizer_vocab_size', '250000', '--block_size', '128',"
+        " '--per_device_train_batch_size', '1', '--mesh_shape', '{\"data\": -1}']))\n"
+    )
+    env = dict(os.environ, JTRAINER_COMPILATION_CACHE_DIR=str(cache))
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 1, run.stdout[-2000:] + run.stderr[-3000:]
+    assert "does not fit v5litepod-16" in run.stdout and "the train step: RESOURCE_EXHAUSTED" in run.stdout
+    assert "RESOURCE_EXHAUSTED" in run.stdout and "exceeds available HBM" in run.stdout
+    assert "mesh_shape fsdp" in run.stdout
+    assert not cache.exists() or not any(cache.rglob("*-cache*")), sorted(p.name for p in cache.rglob("*"))
+
+
+def test_target_is_an_option_of_check_only(capsys):
+    assert main(["train", CONFIG, "--target", "v5litepod-16"]) == 1
+    assert "--target is an option of `jtrainer check`" in capsys.readouterr().err
+
+
+def test_a_bad_target_exits_1_before_any_compile(capsys):
+    assert main(["check", CONFIG, *SMALL, "--target", "v5litepod-12"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no v5litepod slice has 12 chips" in err[0]
