@@ -197,21 +197,24 @@ def compile_step(model_args, data_args, training_args, target: targets.Target | 
         "eval_memory_per_device": eval_memory,
         "eval_bytes_per_device": None if eval_memory is None else sum(eval_memory.values()),
         "device_memory_bytes": target.chip.hbm_bytes if target else batch_size.device_memory_bytes(),
-        "flops_per_step_per_device": float((cost or {}).get("flops", 0.0)),
-        "bytes_accessed_per_device": float((cost or {}).get("bytes accessed", 0.0)),
+        # XLA's cost analysis counts a loop's body once; the micro-batch scan runs its body GA times.
+        "flops_per_step_per_device": float((cost or {}).get("flops", 0.0)) * args.gradient_accumulation_steps,
+        "bytes_accessed_per_device": float((cost or {}).get("bytes accessed", 0.0)) * args.gradient_accumulation_steps,
         "model_flops_per_step": 6 * n_params * tokens,
     }
 
 
 def roofline(numbers: dict[str, Any], target: targets.Target) -> dict[str, float] | None:
     """An estimate, not a measurement: the step takes at least its FLOPs at the chip's peak and its memory
-    traffic at the HBM bandwidth; MFU is 6ND over that time at peak. None where XLA reports no FLOPs."""
+    traffic at the HBM bandwidth; MFU is 6ND over that time at peak. The FLOPs are the larger of XLA's count
+    and 6ND per chip (XLA's cost analysis can count a loop's body once). None where XLA reports no FLOPs."""
     from jtrainer.throughput import peak_flops
 
     peak = peak_flops(target.devices[0])
     if not peak or not numbers["flops_per_step_per_device"]:
         return None
-    compute_s = numbers["flops_per_step_per_device"] / peak
+    flops = max(numbers["flops_per_step_per_device"], numbers["model_flops_per_step"] / numbers["devices"])
+    compute_s = flops / peak
     memory_s = numbers["bytes_accessed_per_device"] / target.chip.hbm_bytes_per_s
     step_s = max(compute_s, memory_s)
     return {"step_s": step_s, "bound": "compute" if compute_s >= memory_s else "memory",
@@ -262,7 +265,9 @@ def run_check(model_args, data_args, training_args, target_name: str | None = No
     if budget is not None and needed is not None:
         say(f"  fits                       {'yes' if fits else 'NO'}")
     if numbers["flops_per_step_per_device"]:
-        say(f"  XLA FLOPs per device/step  {numbers['flops_per_step_per_device']:.3e}")
+        ga = training_args.gradient_accumulation_steps
+        say(f"  XLA FLOPs per device/step  {numbers['flops_per_step_per_device']:.3e}"
+            + (f" (the micro-batch loop's count x {ga})" if ga > 1 else ""))
     say(f"  model FLOPs per step (6ND) {numbers['model_flops_per_step']:.3e}")
     estimate = roofline(numbers, target) if target else None
     if estimate is not None:

@@ -206,8 +206,12 @@ def clip_by_global_norm(grads, max_norm):
     return jax.tree.map(lambda g: g * coef.astype(g.dtype), grads), norm
 
 
-def make_train_step(graphdef, tx: optax.GradientTransformation, spec: LossSpec, max_grad_norm: float):
+def make_train_step(graphdef, tx: optax.GradientTransformation, spec: LossSpec, max_grad_norm: float,
+                    grad_shardings: Any = None):
     """A pure train step: scan over micro-batches summing loss shares and gradients, clip, update.
+
+    `grad_shardings` (the parameters' shardings) lay out the summed gradients in the scan's carry as the
+    parameters are: left to propagation, XLA may keep a whole copy of the gradients on every device.
 
     `max_grad_norm` > 0 turns clipping on; the norm used is the optimizer state's `max_grad_norm`
     hyperparameter when it has one (data, so it can change without a recompile), else this number.
@@ -231,7 +235,10 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, spec: LossSpec, 
         n_stacked = batch.micro_weight.shape[0]
         micro_keys = jax.vmap(lambda i: jax.random.key_data(jax.random.fold_in(step_key, i)))(jnp.arange(n_stacked))
 
-        zeros = jax.tree.map(jnp.zeros_like, state.params)
+        def laid_out(grads):
+            return grads if grad_shardings is None else jax.lax.with_sharding_constraint(grads, grad_shardings)
+
+        zeros = laid_out(jax.tree.map(jnp.zeros_like, state.params))
 
         def micro_batch(model_state, inputs, weight, key_data):
             (_, (loss, model_state)), grads = grad_fn(
@@ -249,7 +256,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, spec: LossSpec, 
                 grads, loss, model_state = micro_batch(model_state, *xs)
             else:  # a user's loss may be NaN on a padding micro-batch (a mean over no labels): never run it
                 grads, loss, model_state = jax.lax.cond(xs[1] > 0, micro_batch, skipped, model_state, *xs)
-            grads_sum = jax.tree.map(jnp.add, grads_sum, grads)
+            grads_sum = laid_out(jax.tree.map(jnp.add, grads_sum, grads))
             return (grads_sum, loss_sum + loss, model_state), None
 
         carry = (zeros, jnp.zeros((), jnp.float32), state.model_state)

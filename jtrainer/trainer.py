@@ -506,7 +506,7 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
                 return _SHARED_TRAIN_STEPS[key]
         max_grad_norm = self.args.max_grad_norm if clip else 0.0
         train_step = jax.jit(
-            make_train_step(graphdef, tx, spec, max_grad_norm),
+            make_train_step(graphdef, tx, spec, max_grad_norm, grad_shardings=state_shardings.params),
             out_shardings=(state_shardings, sharding.replicated(self.mesh)),
             donate_argnums=(0,),
         )

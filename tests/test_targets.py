@@ -17,6 +17,10 @@ SMALL = ["--hidden_size", "256", "--intermediate_size", "512", "--num_hidden_lay
          "4", "--num_key_value_heads", "2", "--block_size", "128", "--tokenizer_vocab_size", "512",
          "--per_device_train_batch_size", "1"]
 
+TINY = ["--hidden_size", "32", "--intermediate_size", "64", "--num_hidden_layers", "2", "--num_attention_heads", "4",
+        "--num_key_value_heads", "2", "--block_size", "32", "--tokenizer_vocab_size", "128",
+        "--per_device_train_batch_size", "2"]
+
 
 @pytest.mark.parametrize("name, chips, shape", [
     ("v4-8", 4, (2, 2, 1)), ("v4-32", 16, (2, 2, 4)), ("v4-64", 32, (2, 4, 4)), ("v5p-8", 4, (2, 2, 1)),
@@ -97,3 +101,16 @@ def test_a_bad_target_exits_1_before_any_compile(capsys):
     assert main(["check", CONFIG, *SMALL, "--target", "v5litepod-12"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no v5litepod slice has 12 chips" in err[0]
+
+
+def test_flops_count_every_micro_batch():
+    """XLA's cost analysis counts the micro-batch loop's body once; the check counts it GA times, so doubling
+    gradient_accumulation_steps doubles the step's FLOPs, as it doubles 6ND."""
+    results = []
+    for ga in ("1", "2"):
+        parsed = parse_train_args([CONFIG, *TINY, "--eval_strategy", "no", "--gradient_accumulation_steps", ga],
+                                  "check")
+        results.append(run_check(*parsed[:3]))
+    one, two = results
+    assert two["model_flops_per_step"] == 2 * one["model_flops_per_step"]
+    assert two["flops_per_step_per_device"] == pytest.approx(2 * one["flops_per_step_per_device"], rel=0.02)
