@@ -27,6 +27,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import optax
@@ -397,10 +398,12 @@ def _shapes_by_path(tree) -> dict[str, tuple]:
     }
 
 
-def restore_train_state(directory: str, like):
-    """Read a train state saved by `save_checkpoint`, placed (and resharded) like the pytree `like`; its
-    parameters and optimizer state must be finite (a damaged but re-hashed array is an integrity error)."""
-    restored = _restore_train_state(directory, like)
+def restore_train_state(directory: str, like, fresh: Callable[[], Any] | None = None):
+    """Read a train state saved by `save_checkpoint`, placed (and resharded) like the pytree `like` (arrays or
+    ShapeDtypeStructs with shardings); its parameters and optimizer state must be finite (a damaged but re-hashed
+    array is an integrity error). Where the optimizer's wrappers changed since the save, their state starts
+    afresh: from `like` when it holds arrays, else from `fresh()`."""
+    restored = _restore_train_state(directory, like, fresh)
     _check_finite(directory, restored)
     return restored
 
@@ -419,16 +422,16 @@ def _check_finite(directory: str, state) -> None:
             )
 
 
-def _restore_train_state(directory: str, like):
+def _restore_train_state(directory: str, like, fresh=None):
     verify_checkpoint(directory)
     path = os.path.abspath(os.path.join(directory, TRAIN_STATE_DIR))
     if not os.path.isdir(path):
         raise FileNotFoundError(f"Can't find a valid checkpoint at {directory}")
     with contextlib.closing(ocp.StandardCheckpointer()) as checkpointer:
-        return _restore_with(checkpointer, directory, path, like)
+        return _restore_with(checkpointer, directory, path, like, fresh)
 
 
-def _restore_with(checkpointer, directory: str, path: str, like):
+def _restore_with(checkpointer, directory: str, path: str, like, fresh=None):
     saved_tree = checkpointer.metadata(path).item_metadata.tree
     saved = _shapes_by_path(saved_tree["params"])
     wanted = _shapes_by_path(like.params)
@@ -451,6 +454,8 @@ def _restore_with(checkpointer, directory: str, path: str, like):
         "Checkpoint %s was saved with %s around the optimizer, this run uses %s: the optimizer's state is restored, "
         "the wrapper state starts afresh.", directory, _wrapper_names(saved_wrappers), _wrapper_names(wanted_wrappers),
     )
+    if isinstance(jax.tree.leaves(like)[0], jax.ShapeDtypeStruct):
+        like = fresh()  # the new wrappers' state starts from its initial values
     _, core_abstract = _peel_wrappers(abstract.opt_state)
     replicated = jax.sharding.NamedSharding(like.step.sharding.mesh, jax.sharding.PartitionSpec())
     saved_opt = _saved_wrappers(saved_tree["opt_state"], core_abstract, replicated)

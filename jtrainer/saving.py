@@ -159,12 +159,14 @@ class SavingMixin:
         leaves = jax.tree.leaves(self._train_state.params)
         return bool(jax.jit(lambda xs: jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs])))(leaves))
 
-    def _resume(self, folder: str, train_state: TrainState, updates_per_epoch: int):
+    def _resume(self, folder: str, like: TrainState, updates_per_epoch: int, fresh=None):
+        """Restore `folder` into the state laid out like `like` (abstract or concrete; `fresh()` builds a real
+        fresh state where part of the state must start afresh) and the loop's bookkeeping."""
         if not os.path.isdir(os.path.join(folder, checkpoint.TRAIN_STATE_DIR)):
             raise ValueError(
                 f"Can't find a valid checkpoint at {folder}: it has no train state (saved with save_only_model?)."
             )
-        train_state = checkpoint.restore_train_state(folder, train_state)
+        train_state = checkpoint.restore_train_state(folder, like, fresh)
         self.state = TrainerState.load_from_json(os.path.join(folder, checkpoint.TRAINER_STATE_NAME))
         if self.state.best_model_checkpoint is not None and not os.path.isdir(self.state.best_model_checkpoint):
             logger.warning(
@@ -242,13 +244,14 @@ class SavingMixin:
             hf_io.load_weights(self.model, best)
 
     def _hf_tensors(self) -> dict[str, np.ndarray] | None:
-        """The model's weights as HF-named host arrays (gathered from every process), if the model is ours."""
+        """The model's weights as HF-named host arrays (gathered from every process), if the model is ours. Only
+        the process that writes keeps them (the others take part in the gathers and drop each tensor)."""
         self._sync_model()
         if getattr(self.model, "save_pretrained", None) is not None and not hasattr(self.model, "config"):
             return None
         from jtrainer.models import hf_io
 
-        return hf_io.to_hf_state_dict(self.model)
+        return hf_io.to_hf_state_dict(self.model, keep=self.args.should_save)
 
     def _write_model(self, output_dir: str, tensors) -> None:
         from jtrainer.models import hf_io

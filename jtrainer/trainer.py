@@ -551,12 +551,16 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         would create, without creating it."""
         self.create_optimizer_and_scheduler(num_training_steps)
         tx = self._step_optimizer()
+        return (tx, *self._abstract_train_state_of(tx))
+
+    def _abstract_train_state_of(self, tx: optax.GradientTransformation) -> tuple[TrainState, TrainState]:
+        """(state shardings, the train state `tx` would start from as ShapeDtypeStructs on them)."""
         _, params, rest = nnx.split(self.model, nnx.Param, ...)
         params = nnx.to_pure_dict(params)
         shardings = self._state_shardings(tx, params)
         shapes = jax.eval_shape(self._train_state_init(tx), params, rest)
         state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
-        return tx, shardings, state
+        return shardings, state
 
     def _step_optimizer(self) -> optax.GradientTransformation:
         """The optimizer as the step applies it: under fp16's dynamic loss scaling (which skips non-finite
@@ -795,14 +799,20 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         check_optimizer_override(self)
         self.callback_handler.optimizer, self.callback_handler.lr_scheduler = self.optimizer, self.lr_scheduler
         tx = self._step_optimizer()
-        train_state, state_shardings = self._initial_train_state(tx)
         epochs_trained, skip = 0, 0
         # The schedule's base rate and shape as this run starts (a resume may keep the checkpoint's base rate).
         self._schedule_base = float(args.learning_rate)
         self._resumed_schedule, self._schedule_switch_pending = None, False
         if resume_from_checkpoint is not None:
-            train_state, epochs_trained, skip = self._resume(resume_from_checkpoint, train_state, updates_per_epoch)
+            # Restored straight onto the state's shardings: no fresh state is built only to be overwritten (at
+            # 8B that would hold two train states at once), except when the optimizer's wrappers changed.
+            state_shardings, like = self._abstract_train_state_of(tx)
+            train_state, epochs_trained, skip = self._resume(
+                resume_from_checkpoint, like, updates_per_epoch, fresh=lambda: self._initial_train_state(tx)[0]
+            )
             train_state = train_state.replace(opt_state=self._resumed_optimizer_state(train_state.opt_state))
+        else:
+            train_state, state_shardings = self._initial_train_state(tx)
         self._train_state = train_state
         self._train_step = self._compiled_train_step(tx, spec, state_shardings)
         return TrainingRun(loader, shapes, self._train_step, updates_per_epoch, epochs_trained, skip)

@@ -27,6 +27,7 @@ from jtrainer import (  # noqa: E402
     TrainerCallback,
     TrainingArguments,
 )
+from jtrainer.models import hf_io  # noqa: E402
 from jtrainer.models.hf_io import to_hf_state_dict  # noqa: E402
 from jtrainer.models.llama import LlamaForCausalLM  # noqa: E402
 
@@ -75,11 +76,17 @@ def main(out, mesh="{}", steps="10"):
         disable_tqdm=True, predict_with_generate=True))
     generated = generator.predict(prompts, max_new_tokens=4, eos_token_id=None).predictions
     params = to_hf_state_dict(trainer.model)
+    # The export in row blocks of at most 512 bytes (a handful of rows per gather), kept by process 0 only.
+    hf_io.GATHER_BLOCK_BYTES = 512
+    blocked = to_hf_state_dict(trainer.model, keep=jax.process_index() == 0)
+    if jax.process_index() != 0:
+        assert blocked == {}, "a process that writes nothing kept tensors"
     if jax.process_index() == 0:
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         np.savez(out, losses=np.asarray(losses), eval_loss=metrics["eval_loss"], processes=jax.process_count(),
                  compiles=trainer._train_step._cache_size(), generated=generated,
-                 **{f"param:{k}": v for k, v in params.items()})
+                 **{f"param:{k}": v for k, v in params.items()},
+                 **{f"blocked:{k}": v for k, v in blocked.items()})
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ nnx paths follow HF module names; only the leaf names and layouts differ: `kerne
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 
@@ -32,22 +33,67 @@ def _hf_name(path: tuple) -> tuple[str, bool]:
     return ".".join([*module, leaf]), False
 
 
-def host_value(x) -> np.ndarray:
-    """The whole value of an array on this host; sharded arrays spanning processes are gathered."""
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+# The most bytes one gather replicates on every device at once: a larger parameter (a 128k-vocabulary embedding
+# is 2 GB in float32) is gathered in row blocks, so the export never needs a whole parameter's room per chip.
+GATHER_BLOCK_BYTES = 256 * 2**20
+
+
+def host_value(x, keep: bool = True) -> np.ndarray | None:
+    """The whole value of an array on this host; sharded arrays spanning processes are gathered (a collective:
+    every process calls it), in row blocks of at most GATHER_BLOCK_BYTES. With `keep=False` this process only
+    takes part in the gathers and holds one block at a time; it returns None."""
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
+        return np.asarray(jax.device_get(x)) if keep else None
+    if not isinstance(x.sharding, jax.sharding.NamedSharding):
         from jax.experimental import multihost_utils
 
-        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-    return np.asarray(jax.device_get(x))
+        value = np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return value if keep else None
+    replicated = jax.sharding.NamedSharding(x.sharding.mesh, jax.sharding.PartitionSpec())
+    if x.ndim == 0 or x.nbytes <= GATHER_BLOCK_BYTES:
+        return _gathered(x, replicated, 0, x.shape[0] if x.ndim else 0, keep)
+    rows = max(1, x.shape[0] * GATHER_BLOCK_BYTES // x.nbytes)
+    out = np.empty(x.shape, x.dtype) if keep else None
+    for start in range(0, x.shape[0], rows):
+        block = _gathered(x, replicated, start, min(rows, x.shape[0] - start), keep)
+        if keep:
+            out[start : start + len(block)] = block
+    return out
 
 
-def to_hf_state_dict(model: nnx.Module) -> dict[str, np.ndarray]:
-    """HF-named numpy tensors of a model's parameters (gathered to this host)."""
+def _gathered(x: jax.Array, replicated, start: int, rows: int, keep: bool):
+    """Rows [start, start + rows) of `x` replicated on every device, copied to this host if `keep`."""
+    if x.ndim == 0:
+        block = _replicate(replicated)(x)
+    else:
+        block = _replicate_rows(rows, replicated)(x, np.int32(start))
+    block.block_until_ready()  # one gather in flight at a time, on every process alike
+    value = np.array(block.addressable_data(0), copy=True) if keep else None  # a copy: the block is freed next
+    block.delete()
+    return value
+
+
+@functools.cache
+def _replicate(replicated):
+    return jax.jit(lambda x: x, out_shardings=replicated)
+
+
+@functools.cache
+def _replicate_rows(rows: int, replicated):
+    # The start is an argument, so all blocks of one size (and every layer's same-shaped parameter) share a program.
+    return jax.jit(lambda x, start: jax.lax.dynamic_slice_in_dim(x, start, rows), out_shardings=replicated)
+
+
+def to_hf_state_dict(model: nnx.Module, keep: bool = True) -> dict[str, np.ndarray]:
+    """HF-named numpy tensors of a model's parameters (gathered to this host). On many hosts every process
+    calls it (each gather is a collective); `keep=False`, for a process that writes nothing, keeps nothing and
+    holds one gathered block at a time (the whole model is 32 GB at 8B)."""
     out = {}
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         name, transposed = _hf_name(path)
-        value = host_value(var[...])
-        out[name] = np.ascontiguousarray(value.T if transposed else value)
+        value = host_value(var[...], keep)
+        if keep:
+            out[name] = np.ascontiguousarray(value.T if transposed else value)
     return out
 
 
