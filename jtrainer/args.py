@@ -39,8 +39,6 @@ if version.parse(transformers.__version__) < version.parse(MIN_TRANSFORMERS):
 IGNORED_FIELDS: dict[str, str] = {
     "tf32": "XLA chooses matmul precision itself (see jax_default_matmul_precision)",
     "torch_empty_cache_steps": "XLA manages device memory; there is no cache to empty",
-    "use_liger_kernel": "Liger kernels are Triton kernels for torch; XLA fuses the step itself",
-    "liger_kernel_config": "Liger kernels are Triton kernels for torch",
     "log_on_each_node": "only process 0 logs",
     "eval_use_gather_object": "predictions are gathered as global jax.Arrays",
     "hub_always_push": "every committed checkpoint is pushed (uploads run in the background, in order)",
@@ -68,6 +66,11 @@ IGNORED_FIELDS: dict[str, str] = {
     "use_cache": "the KV cache only matters for generation",
     "save_on_each_node": "process 0 writes the JSON files; every process writes its own array shards",
 }
+
+
+# liger_kernel_config's keys (Liger's apply_liger_kernel_to_* options). Only fused_linear_cross_entropy changes
+# what XLA computes; RoPE, SwiGLU, RMSNorm and LayerNorm are fused by XLA already.
+LIGER_KERNELS = ("rope", "cross_entropy", "fused_linear_cross_entropy", "rms_norm", "swiglu", "layer_norm", "geglu")
 
 
 @dataclass(repr=False)
@@ -135,6 +138,14 @@ class TrainingArguments(transformers.TrainingArguments):
         metadata={"help": "How many batches a background thread prepares (and places on devices) ahead of the step."},
     )
 
+    loss_chunk_size: int = field(
+        default=1024,
+        metadata={
+            "help": "With use_liger_kernel: sequence positions per chunk of the causal-LM loss computed without "
+            "whole [tokens, vocab] logits (one chunk's logits exist at a time, recomputed in the backward pass)."
+        },
+    )
+
     def __post_init__(self):
         self._normalise()
         self._validate()
@@ -145,6 +156,13 @@ class TrainingArguments(transformers.TrainingArguments):
         self.deepspeed_plugin = None
         self.distributed_state = None
         warn_ignored_fields(self)
+
+    def chunked_loss_positions(self) -> int | None:
+        """Positions per chunk of the causal-LM training loss (use_liger_kernel: Liger's fused linear
+        cross-entropy, on unless liger_kernel_config turns it off), or None for whole logits."""
+        if not self.use_liger_kernel or not (self.liger_kernel_config or {}).get("fused_linear_cross_entropy", True):
+            return None
+        return self.loss_chunk_size
 
     def compute_dtype(self, training: bool = True):
         """The dtype steps compute in, parameters cast from their fp32 masters (None: fp32). Evaluation follows
@@ -281,6 +299,13 @@ class TrainingArguments(transformers.TrainingArguments):
                 raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}.")
         if self.nan_inf_policy not in ("log", "skip", "error"):
             raise ValueError(f"--nan_inf_policy must be 'log', 'skip' or 'error', got {self.nan_inf_policy!r}.")
+        if not (isinstance(self.loss_chunk_size, int) and self.loss_chunk_size > 0):
+            raise ValueError(f"--loss_chunk_size must be an integer > 0, got {self.loss_chunk_size!r}.")
+        unknown = sorted(set(self.liger_kernel_config or {}) - set(LIGER_KERNELS))
+        if unknown:
+            raise ValueError(
+                f"liger_kernel_config: unknown kernel {unknown[0]!r}; the keys are Liger's: {', '.join(LIGER_KERNELS)}."
+            )
         if self.prefetch_batches < 0:
             raise ValueError(f"--prefetch_batches must be >= 0, got {self.prefetch_batches}.")
 

@@ -41,6 +41,8 @@ EMULATED: dict[str, str] = {
     "use_cpu": "JAX_PLATFORMS=cpu picks the CPU",
     "gradient_accumulation_steps": "a scan over micro-batches inside one compiled step",
     "auto_find_batch_size": "XLA out-of-memory or the compiled step's memory analysis; effective batch kept",
+    "use_liger_kernel": "the causal-LM loss in chunks of loss_chunk_size positions, no whole logits",
+    "liger_kernel_config": "fused_linear_cross_entropy: the chunked loss; the other kernels are XLA's fusions",
 }
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -90,6 +91,35 @@ def token_loss(logits: jax.Array, labels: jax.Array, num_items_in_batch=None, *,
     targets = shift_labels(labels) if causal else labels
     count = num_items_in_batch if num_items_in_batch is not None else jnp.sum(targets != IGNORE_INDEX)
     return token_cross_entropy_sum(logits, targets) / count
+
+
+def chunked_token_loss(hidden_BxLxD: jax.Array, project: Callable[[jax.Array], jax.Array], labels_BxL: jax.Array,
+                       num_items_in_batch=None, *, chunk_positions: int, causal: bool = False) -> jax.Array:
+    """`token_loss(project(hidden), labels, ...)` without the [tokens, vocab] logits: the positions go through
+    `project` (the LM head) and the cross-entropy `chunk_positions` at a time, and the backward pass recomputes
+    each chunk's logits (jax.checkpoint), so one chunk's logits and their gradient exist at once. The LM head's
+    weight gradient is summed over the chunks by the scan's transpose. jtrainer's `use_liger_kernel`."""
+    targets_BxL = shift_labels(labels_BxL) if causal else labels_BxL
+    count = num_items_in_batch if num_items_in_batch is not None else jnp.sum(targets_BxL != IGNORE_INDEX)
+    batch, length = targets_BxL.shape
+    chunk = min(chunk_positions, length)
+    chunks = -(-length // chunk)
+    pad = chunks * chunk - length  # padded positions carry label -100: they add nothing to the sum
+    hidden_BxLxD = jnp.pad(hidden_BxLxD, ((0, 0), (0, pad), (0, 0)))
+    targets_BxL = jnp.pad(targets_BxL, ((0, 0), (0, pad)), constant_values=IGNORE_INDEX)
+    # Chunks along the positions, not the flattened tokens: each chunk keeps the batch's sharding over the mesh.
+    hidden_NxBxCxD = hidden_BxLxD.reshape(batch, chunks, chunk, -1).swapaxes(0, 1)
+    targets_NxBxC = targets_BxL.reshape(batch, chunks, chunk).swapaxes(0, 1)
+
+    @jax.checkpoint
+    def chunk_loss(hidden_BxCxD, targets_BxC):
+        return token_cross_entropy_sum(project(hidden_BxCxD), targets_BxC)
+
+    def add_chunk(total, chunk_inputs):
+        return total + chunk_loss(*chunk_inputs), None
+
+    total, _ = jax.lax.scan(add_chunk, jnp.zeros((), jnp.float32), (hidden_NxBxCxD, targets_NxBxC))
+    return total / count
 
 
 def count_label_tokens(labels: jax.Array, causal: bool) -> jax.Array:

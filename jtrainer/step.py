@@ -332,6 +332,9 @@ def batch_label_values(inputs: dict[str, Any], label_names: tuple[str, ...]) -> 
     return values[0] if len(values) == 1 else values
 
 
+_MODEL_LOSS = (LossMode.MODEL_SUM, LossMode.MODEL_MEAN)  # the model computes the loss from the labels itself
+
+
 def make_eval_step(
     graphdef,
     spec: LossSpec,
@@ -350,6 +353,8 @@ def make_eval_step(
                 loss, outputs = None, model(**{k: v for k, v in inputs.items() if k not in spec.label_names})
             else:  # HF 5.x counts the batch's items in evaluation too
                 num_items = count_label_tokens(labels, spec.causal) if spec.pass_num_items else None
+                if not want_logits and spec.mode in _MODEL_LOSS and getattr(model, "loss_chunk_positions", None):
+                    inputs = {**inputs, "skip_logits": True}  # HF's use_liger_kernel with prediction_loss_only
                 loss, outputs = compute_loss(model, inputs, spec, num_items, return_outputs=True)
         predictions = None
         if want_logits:

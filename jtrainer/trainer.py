@@ -212,6 +212,7 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
             )
         self.axis_rules = sharding.merged_rules(args.logical_axis_rules)
         self._check_layout()
+        self._apply_chunked_loss()
         self.neftune_noise_alpha = None
         self.hp_search_backend = None
         self.hp_name = None
@@ -283,6 +284,19 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
 
     def is_world_process_zero(self) -> bool:
         return self.args.process_index == 0
+
+    def _apply_chunked_loss(self) -> None:
+        """use_liger_kernel: the causal-LM training loss in chunks of positions, without whole logits (HF patches
+        in Liger's fused linear cross-entropy). Models without it train with whole logits and a warning, as HF's
+        Liger integration does for model types it has no kernels for."""
+        positions = self.args.chunked_loss_positions()
+        if positions is None:
+            return
+        if not hasattr(self.model, "loss_chunk_positions"):
+            logger.warning("use_liger_kernel: %s has no chunked loss (jtrainer's Llama family has); it trains with "
+                           "whole logits.", type(self.model).__name__)
+            return
+        self.model.loss_chunk_positions = positions
 
     def call_model_init(self, trial=None) -> nnx.Module:
         params = inspect.signature(self.model_init).parameters
@@ -596,6 +610,7 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         if self.model_init is not None:
             host_rng.set_seed(args.seed, args.full_determinism)  # HF seeds again before model_init
             self.model = self.call_model_init(trial)
+            self._apply_chunked_loss()
             self.callback_handler.model = self.model
             self.model_accepts_loss_kwargs = _accepts_loss_kwargs(self.model)
             self.optimizer = self.lr_scheduler = None

@@ -16,7 +16,7 @@ import numpy as np
 from flax import nnx
 from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-from jtrainer.losses import token_loss
+from jtrainer.losses import chunked_token_loss, token_loss
 from jtrainer.models.attention import causal_attention
 from jtrainer.models.base import Embed, PretrainedMixin, StaticConfig, call_block
 from jtrainer.models.linear import dense_dot_general, project
@@ -277,6 +277,11 @@ class LlamaForCausalLM(PretrainedMixin, nnx.Module):
 
     def __init__(self, config: LlamaConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
         self._config = StaticConfig(config)
+        # Positions per chunk of the training loss computed without whole logits (the Trainer's use_liger_kernel
+        # sets it; None: whole logits). `deterministic` is nnx's train()/eval() flag: evaluation and prediction
+        # always produce logits, as Liger's skip_logits holds only in training.
+        self.loss_chunk_positions: int | None = None
+        self.deterministic = False
         self.model = LlamaModel(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         if not config.tie_word_embeddings:
             self.lm_head = _linear(
@@ -308,20 +313,34 @@ class LlamaForCausalLM(PretrainedMixin, nnx.Module):
         num_items_in_batch=None,
         cache: KVCache | None = None,
         segment_ids=None,
+        skip_logits: bool | None = None,
         **kwargs,
     ) -> ModelOutput:
+        """`skip_logits` (Liger's): the loss without logits; unset, in training whenever the chunked loss is on."""
+        if skip_logits is None:
+            skip_logits = bool(self.loss_chunk_positions) and not self.deterministic and labels is not None
+        if skip_logits and labels is None:
+            raise ValueError("skip_logits=True computes the loss without logits: it needs labels.")
         hidden_BxLxD = self.model(input_ids, attention_mask, position_ids, cache, segment_ids)
         if cache is not None:
             hidden_BxLxD, cache = hidden_BxLxD
-        if self.config.tie_word_embeddings:
-            logits = self.model.embed_tokens.attend(hidden_BxLxD)
-        else:
-            logits = self.lm_head(hidden_BxLxD)
-        logits = logits.astype(jnp.float32)
+        if skip_logits:
+            # use_liger_kernel, as Liger's fused linear cross-entropy: the loss in chunks, no whole logits.
+            loss = chunked_token_loss(hidden_BxLxD, self._logits, labels, num_items_in_batch,
+                                      chunk_positions=self.loss_chunk_positions or 1024, causal=True)
+            return ModelOutput(loss=loss, logits=None, cache=cache)
+        logits = self._logits(hidden_BxLxD)
         loss = None
         if labels is not None:
             loss = token_loss(logits, labels, num_items_in_batch, causal=True)
         return ModelOutput(loss=loss, logits=logits, cache=cache)
+
+    def _logits(self, hidden_BxLxD: jax.Array) -> jax.Array:
+        if self.config.tie_word_embeddings:
+            logits = self.model.embed_tokens.attend(hidden_BxLxD)
+        else:
+            logits = self.lm_head(hidden_BxLxD)
+        return logits.astype(jnp.float32)
 
     def init_cache(self, batch: int, max_length: int, dtype=jnp.float32) -> KVCache:
         """An empty KV cache for `batch` sequences of up to `max_length` tokens."""

@@ -1,0 +1,120 @@
+"""use_liger_kernel: the causal-LM loss in chunks of positions, without whole [tokens, vocab] logits. Loss and
+gradients equal the whole-logits path (itself tested against transformers' torch models); the compiled step
+needs less memory; evaluation still returns logits."""
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import scratch_dir, tiny_llama_config, token_rows
+from jtrainer import Trainer, TrainingArguments
+from jtrainer.models.gpt2 import GPT2LMHeadModel
+from jtrainer.models.llama import LlamaForCausalLM
+
+
+def _batch(rows):
+    return {k: jnp.asarray(np.stack([r[k] for r in rows])) for k in rows[0]}
+
+
+def _loss_and_grads(model, batch, chunk, num_items=None):
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss(p):
+        bound = nnx.merge(graphdef, p, rest)
+        bound.loss_chunk_positions = chunk
+        return bound(**batch, num_items_in_batch=num_items).loss
+
+    return jax.value_and_grad(loss)(params)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("chunk", [1, 4, 13, 64])  # 13 positions: chunks of 4 leave a ragged last chunk
+def test_chunked_loss_and_gradients_equal_whole_logits(tied, chunk):
+    model = LlamaForCausalLM.from_config(tiny_llama_config(tie_word_embeddings=tied), seed=1)
+    batch = _batch(token_rows(3, length=13, ragged_labels=True, seed=2))
+    for num_items in (None, jnp.asarray(29)):
+        whole, whole_grads = _loss_and_grads(model, batch, None, num_items)
+        chunked, chunked_grads = _loss_and_grads(model, batch, chunk, num_items)
+        np.testing.assert_allclose(float(chunked), float(whole), rtol=1e-6)
+        flat_whole, flat_chunked = nnx.to_flat_state(whole_grads), nnx.to_flat_state(chunked_grads)
+        for (path, a), (_, b) in zip(flat_whole, flat_chunked):
+            np.testing.assert_allclose(np.asarray(b[...]), np.asarray(a[...]), rtol=1e-5, atol=1e-7, err_msg=str(path))
+
+
+def test_chunked_loss_returns_no_logits_in_training_and_logits_in_eval_mode():
+    model = LlamaForCausalLM.from_config(tiny_llama_config())
+    model.loss_chunk_positions = 4
+    batch = _batch(token_rows(2, length=8))
+    assert model(**batch).logits is None  # Liger's skip_logits in training
+    model.eval()
+    out = model(**batch)
+    assert out.logits.shape == (2, 8, 64)
+    assert model(**batch, skip_logits=True).logits is None  # HF's prediction_loss_only evaluation
+    with pytest.raises(ValueError, match="needs labels"):
+        model(input_ids=batch["input_ids"], skip_logits=True)
+
+
+def test_chunked_train_step_needs_less_memory():
+    """The compiled loss-and-gradient program of a 32k-vocabulary model: whole logits and their gradient (2 x 512
+    positions x 32k x 4 bytes = 128 MiB each) against one 64-position chunk at a time."""
+    config = tiny_llama_config(vocab_size=32000, hidden_size=32, max_position_embeddings=512)
+    model = LlamaForCausalLM.from_config(config)
+    batch = _batch(token_rows(2, length=512, vocab=32000))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def temporaries(chunk):
+        def loss(p):
+            bound = nnx.merge(graphdef, p, rest)
+            bound.loss_chunk_positions = chunk
+            return bound(**batch).loss
+
+        return jax.jit(jax.grad(loss)).lower(params).compile().memory_analysis().temp_size_in_bytes
+
+    whole, chunked = temporaries(None), temporaries(64)
+    assert whole > 2 * 512 * 32000 * 4  # at least the whole logits
+    assert chunked < whole / 4, (whole, chunked)
+
+
+def _args(**over):
+    kw = dict(output_dir=scratch_dir(), per_device_train_batch_size=4, learning_rate=1e-2, report_to="none",
+              disable_tqdm=True, save_strategy="no", logging_steps=1, max_steps=4, train_sampling_strategy="sequential")
+    kw.update(over)
+    return TrainingArguments(**kw)
+
+
+def test_trainer_with_use_liger_kernel_trains_and_evaluates_as_without():
+    rows, eval_rows = token_rows(16, ragged_labels=True), token_rows(6, seed=3)
+    runs = {}
+    for liger in (False, True):
+        trainer = Trainer(LlamaForCausalLM.from_config(tiny_llama_config(), seed=0),
+                          _args(use_liger_kernel=liger, loss_chunk_size=5), train_dataset=rows)
+        assert trainer.model.loss_chunk_positions == (5 if liger else None)
+        trainer.train()
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        metrics = trainer.evaluate(eval_rows)
+        predictions = trainer.predict(eval_rows).predictions  # logits, as without chunking
+        runs[liger] = losses, metrics["eval_loss"], predictions
+    np.testing.assert_allclose(runs[True][0], runs[False][0], rtol=1e-5)
+    np.testing.assert_allclose(runs[True][1], runs[False][1], rtol=1e-5)
+    assert runs[True][2].shape == (6, 16, 64)
+    np.testing.assert_allclose(runs[True][2], runs[False][2], rtol=1e-4, atol=1e-5)
+
+
+def test_liger_kernel_config_and_unsupported_models(caplog):
+    off = _args(use_liger_kernel=True, liger_kernel_config={"fused_linear_cross_entropy": False, "rope": True})
+    assert off.chunked_loss_positions() is None
+    assert _args(use_liger_kernel=True).chunked_loss_positions() == 1024
+    with pytest.raises(ValueError, match="liger_kernel_config: unknown kernel 'flash'"):
+        _args(use_liger_kernel=True, liger_kernel_config={"flash": True})
+    with pytest.raises(ValueError, match="loss_chunk_size"):
+        _args(loss_chunk_size=0)
+    from transformers import GPT2Config
+
+    gpt2 = GPT2LMHeadModel.from_config(GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=32))
+    with caplog.at_level(logging.WARNING, logger="jtrainer.trainer"):
+        Trainer(gpt2, _args(use_liger_kernel=True), train_dataset=token_rows(4))
+    assert "GPT2LMHeadModel has no chunked loss" in caplog.text
