@@ -12,7 +12,7 @@ from jtrainer.args import IGNORED_FIELDS, warn_ignored_fields
 # jtrainer's own fields, and HF defaults that legitimately differ here (with the reason).
 JAX_ONLY_FIELDS = {
     "jax_compilation_cache_dir", "default_bf16", "log_throughput", "prefetch_batches", "mesh_shape", "logical_axis_rules", "nan_inf_policy",
-    "async_checkpointing",
+    "async_checkpointing", "loss_chunk_size",
 }
 DEFAULT_EXCEPTIONS = {
     # HF picks adamw_torch_fused when torch >= 2.8 is importable; both names mean AdamW here.
