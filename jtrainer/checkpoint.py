@@ -109,8 +109,18 @@ def _writing(folder: str, is_main: bool):
         raise
     except Exception as error:
         if is_main:
-            shutil.rmtree(folder + TMP_SUFFIX, ignore_errors=True)
+            _remove_partial(folder + TMP_SUFFIX)
         raise CheckpointWriteError(folder, error) from error
+
+
+def _remove_partial(tmp: str, attempts: int = 50) -> None:
+    """Remove a failed checkpoint's `.tmp` folder. Writes tensorstore had in flight when the first one failed can
+    still create files after a first rmtree, so it is repeated until the folder stays gone for 0.2 s (at most ~10 s)."""
+    for _ in range(attempts):
+        shutil.rmtree(tmp, ignore_errors=True)
+        time.sleep(0.2)
+        if not os.path.exists(tmp):
+            return
 
 
 def checkpoint_folder(run_dir: str, global_step: int) -> str:
