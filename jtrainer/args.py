@@ -24,6 +24,8 @@ from packaging import version
 from transformers.trainer_utils import HubStrategy, IntervalStrategy, SaveStrategy, SchedulerType
 from transformers.training_args import OptimizerNames, _convert_str_dict
 
+from jtrainer import storage
+
 logger = logging.getLogger(__name__)
 
 # The HF fields this front end mirrors (activation_checkpointing*, ...) are those of transformers >= 5.23.
@@ -207,7 +209,10 @@ class TrainingArguments(transformers.TrainingArguments):
             setattr(self, old, getattr(self, new))
         if self.activation_checkpointing is None:
             self.activation_checkpointing = self.gradient_checkpointing = False
-        self.output_dir = os.path.expanduser(self.output_dir)
+        if storage.is_url(self.output_dir) or str(self.output_dir).startswith("file://"):
+            self.output_dir = storage.normalize(self.output_dir)  # gs://, s3://: kept a URL; file://: a local path
+        else:
+            self.output_dir = os.path.expanduser(self.output_dir)
         if self.disable_tqdm is None:
             self.disable_tqdm = transformers.logging.get_logger().getEffectiveLevel() > logging.WARN
         if isinstance(self.include_num_input_tokens_seen, bool):
@@ -256,6 +261,10 @@ class TrainingArguments(transformers.TrainingArguments):
             raise ValueError(
                 f"`torch_empty_cache_steps` must be an integer bigger than 0, got {self.torch_empty_cache_steps}."
             )
+        storage.check_output_url(self.output_dir)
+        if self.push_to_hub and storage.is_url(self.output_dir):
+            raise ValueError(f"push_to_hub uploads output_dir from this machine, which {self.output_dir!r} is not: "
+                             "train into a local output_dir to push to the Hub.")
         if self.learning_rate < 0:  # torch's optimizers refuse it when HF builds them; here before anything runs
             raise ValueError(f"Invalid learning rate: {self.learning_rate} (learning_rate must be >= 0).")
         if self.logging_strategy == IntervalStrategy.STEPS and self.logging_steps == 0:

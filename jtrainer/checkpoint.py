@@ -9,15 +9,17 @@ Layout of `output_dir/checkpoint-{global_step}/`:
   manifest.json         sha256 and size of every other file
   commit_success.json   written last: the checkpoint is complete
 
-Everything is written into `checkpoint-N.tmp/` and renamed to `checkpoint-N/` only when complete (a rename is
-atomic), so a reader never sees half a checkpoint and a crash leaves only a `.tmp` folder, which is removed at
-the next start.
+In a local folder everything is written into `checkpoint-N.tmp/` and renamed to `checkpoint-N/` only when
+complete (a rename is atomic), so a reader never sees half a checkpoint and a crash leaves only a `.tmp` folder,
+which is removed at the next start. Object stores (gs://, s3://) have no rename: there `checkpoint-N/` is written
+in place, starting with a `writing.json` marker and ending with the manifest and then the commit marker; a
+folder with `writing.json` and no commit marker is a crash's leftover, skipped by readers and removed at the
+next start.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import os
@@ -34,6 +36,7 @@ import optax
 import orbax.checkpoint as ocp
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from jtrainer import storage
 from jtrainer.mixed_precision import LossScaleState
 
 logger = logging.getLogger(__name__)
@@ -46,6 +49,7 @@ SCHEDULER_NAME = "scheduler.json"  # a per-evaluation scheduler's host state (HF
 COMMIT_NAME = "commit_success.json"
 LOOP_STATE_NAME = "loop_state_{}.json"  # per process: host generators, padded length (HF: rng_state_{i}.pth)
 TMP_SUFFIX = ".tmp"
+WRITING_NAME = "writing.json"  # object stores: written first, removed after the commit marker
 # Test seam: seconds to wait between writing everything and the commit (to kill a process mid-save).
 PAUSE_ENV = "JTRAINER_TEST_PAUSE_BEFORE_COMMIT"
 
@@ -109,36 +113,39 @@ def _writing(folder: str, is_main: bool):
         raise
     except Exception as error:
         if is_main:
-            _remove_partial(folder + TMP_SUFFIX)
+            _remove_partial(_writing_folder(folder))
         raise CheckpointWriteError(folder, error) from error
+
+
+def _writing_folder(folder: str) -> str:
+    """Where `folder` is written before its commit: `folder.tmp` locally, `folder` itself on an object store."""
+    return folder if storage.is_url(folder) else folder + TMP_SUFFIX
 
 
 def _remove_partial(tmp: str, attempts: int = 50) -> None:
     """Remove a failed checkpoint's `.tmp` folder. Writes tensorstore had in flight when the first one failed can
     still create files after a first rmtree, so it is repeated until the folder stays gone for 0.2 s (at most ~10 s)."""
     for _ in range(attempts):
-        shutil.rmtree(tmp, ignore_errors=True)
+        storage.rmtree(tmp)
         time.sleep(0.2)
-        if not os.path.exists(tmp):
+        if not storage.exists(tmp):
             return
 
 
 def checkpoint_folder(run_dir: str, global_step: int) -> str:
-    return os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{global_step}")
+    return storage.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{global_step}")
 
 
 def save_loop_state(folder: str, process_index: int, state: dict) -> None:
-    with open(os.path.join(folder, LOOP_STATE_NAME.format(process_index)), "w") as f:
-        json.dump(state, f)
+    storage.write_text(storage.join(folder, LOOP_STATE_NAME.format(process_index)), json.dumps(state))
 
 
 def load_loop_state(folder: str, process_index: int) -> dict | None:
     """A process's loop state from a checkpoint (None for one saved without it)."""
-    path = os.path.join(folder, LOOP_STATE_NAME.format(process_index))
-    if not os.path.isfile(path):
+    path = storage.join(folder, LOOP_STATE_NAME.format(process_index))
+    if not storage.isfile(path):
         return None
-    with open(path) as f:
-        return json.load(f)
+    return json.loads(storage.read_text(path))
 
 
 _BARRIER_CALLS: dict[str, itertools.count] = {}  # per name: every process waits on it in the same order
@@ -154,56 +161,47 @@ def _barrier(name: str, timeout_s: int = 1800) -> None:
         distributed.global_state.client.wait_at_barrier(key, timeout_in_ms=timeout_s * 1000)
 
 
-def _sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _files(folder: str) -> list[str]:
-    out = []
-    for root, _, names in os.walk(folder):
-        for name in names:
-            rel = os.path.relpath(os.path.join(root, name), folder)
-            if rel not in (MANIFEST_NAME, COMMIT_NAME):
-                out.append(rel)
-    return sorted(out)
+    return [rel for rel in storage.files_under(folder) if rel not in (MANIFEST_NAME, COMMIT_NAME, WRITING_NAME)]
 
 
 def write_manifest(folder: str) -> None:
-    entries = {
-        rel: {"sha256": _sha256(os.path.join(folder, rel)), "bytes": os.path.getsize(os.path.join(folder, rel))}
-        for rel in _files(folder)
-    }
-    with open(os.path.join(folder, MANIFEST_NAME), "w") as f:
-        json.dump(entries, f, indent=1, sort_keys=True)
+    entries = {rel: storage.digest(storage.join(folder, rel)) for rel in _files(folder)}
+    storage.write_text(storage.join(folder, MANIFEST_NAME), json.dumps(entries, indent=1, sort_keys=True))
+
+
+def _inside(folder: str, rel: str) -> bool:
+    """Whether manifest entry `rel` names a file inside `folder` (no absolute path, no way out through `..`)."""
+    if os.path.isabs(rel) or "://" in rel:
+        return False
+    if storage.is_url(folder):
+        return ".." not in rel.split("/")
+    return os.path.realpath(os.path.join(folder, rel)).startswith(os.path.realpath(folder) + os.sep)
 
 
 def verify_checkpoint(folder: str) -> None:
     """Raise CheckpointIntegrityError naming the file if `folder` is uncommitted, truncated or corrupted."""
-    if not os.path.isfile(os.path.join(folder, COMMIT_NAME)):
+    if not storage.isfile(storage.join(folder, COMMIT_NAME)):
         raise CheckpointIntegrityError(f"Checkpoint {folder} is not committed: {COMMIT_NAME} is missing.")
-    manifest_path = os.path.join(folder, MANIFEST_NAME)
-    if not os.path.isfile(manifest_path):
+    manifest_path = storage.join(folder, MANIFEST_NAME)
+    if not storage.isfile(manifest_path):
         raise CheckpointIntegrityError(f"Checkpoint {folder} has no {MANIFEST_NAME}.")
     manifest = _read_json(folder, MANIFEST_NAME)
     if not isinstance(manifest, dict):
         raise CheckpointIntegrityError(f"Checkpoint {folder}: {MANIFEST_NAME} is not a mapping of files.")
     for rel, entry in manifest.items():
-        path = os.path.join(folder, rel)
-        inside = os.path.realpath(path).startswith(os.path.realpath(folder) + os.sep)
-        if os.path.isabs(rel) or not inside:
+        path = storage.join(folder, rel)
+        if not _inside(folder, rel):
             raise CheckpointIntegrityError(f"Checkpoint {folder}: {MANIFEST_NAME} names {rel!r}, outside the folder.")
-        if not os.path.isfile(path):
+        if not storage.isfile(path):
             raise CheckpointIntegrityError(f"Checkpoint {folder}: file {rel} is missing.")
-        size = os.path.getsize(path)
-        if size != entry["bytes"]:
+        size = storage.getsize(path)
+        if not isinstance(entry, dict) or size != entry.get("bytes"):
+            written = entry.get("bytes") if isinstance(entry, dict) else entry
             raise CheckpointIntegrityError(
-                f"Checkpoint {folder}: file {rel} has {size} bytes, {entry['bytes']} were written (truncated?)."
+                f"Checkpoint {folder}: file {rel} has {size} bytes, {written} were written (truncated?)."
             )
-        if _sha256(path) != entry["sha256"]:
+        if storage.digest(path) != entry:
             raise CheckpointIntegrityError(f"Checkpoint {folder}: file {rel} does not match its checksum.")
         if rel.endswith(".json"):
             _read_json(folder, rel)  # every JSON file must parse: resume falls back past one that does not
@@ -211,8 +209,7 @@ def verify_checkpoint(folder: str) -> None:
 
 def _read_json(folder: str, rel: str):
     try:
-        with open(os.path.join(folder, rel)) as f:
-            return json.load(f)
+        return json.loads(storage.read_text(storage.join(folder, rel)))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise CheckpointIntegrityError(f"Checkpoint {folder}: {rel} cannot be read ({error}).") from error
 
@@ -263,9 +260,8 @@ class PendingCheckpoint:
                 finally:  # orbax's writer threads are stopped whatever happened
                     self.checkpointer.close()
         _barrier(f"jtrainer_ckpt_written_{self.step}")
-        tmp = self.folder + TMP_SUFFIX
         with _writing(self.folder, self.is_main):
-            self._rename_into_place(tmp)
+            self._rename_into_place(_writing_folder(self.folder))
         _barrier(f"jtrainer_ckpt_committed_{self.step}")
         self.on_commit()
 
@@ -274,10 +270,12 @@ class PendingCheckpoint:
             write_manifest(tmp)
             pause = _test_pause(self.step)
             if pause:
-                open(os.path.join(tmp, "paused"), "w").close()
+                storage.write_text(storage.join(tmp, "paused"), "")
                 time.sleep(pause)
-            with open(os.path.join(tmp, COMMIT_NAME), "w") as f:
-                json.dump({"global_step": self.step, "time": time.time()}, f)
+            storage.write_text(storage.join(tmp, COMMIT_NAME), json.dumps({"global_step": self.step, "time": time.time()}))
+            if tmp == self.folder:  # an object store: committed by the marker; the writing marker goes last
+                storage.remove(storage.join(tmp, WRITING_NAME))
+                return
             if os.path.exists(self.folder):
                 shutil.rmtree(self.folder)
             os.rename(tmp, self.folder)
@@ -299,20 +297,23 @@ def save_checkpoint(
     returned PendingCheckpoint commits itself when they are written; `on_commit` runs after the rename (rotation
     goes there, so nothing is deleted before its successor exists).
     """
-    tmp = folder + TMP_SUFFIX
+    tmp = _writing_folder(folder)
     with _writing(folder, is_main):
         if is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(tmp)
+            storage.rmtree(tmp)  # a crash's leftover, or (object stores) an earlier save of this step
+            storage.makedirs(tmp)
+            if tmp == folder:
+                storage.write_text(storage.join(tmp, WRITING_NAME), json.dumps({"global_step": step}))
     _barrier(f"jtrainer_ckpt_begin_{step}")
     checkpointer = None
     with _writing(folder, is_main):
         try:
             if train_state is not None:
                 checkpointer = ocp.StandardCheckpointer()
-                checkpointer.save(os.path.abspath(os.path.join(tmp, TRAIN_STATE_DIR)), train_state)
+                checkpointer.save(_orbax_path(storage.join(tmp, TRAIN_STATE_DIR)), train_state)
             if is_main:
-                write_files(tmp)
+                with storage.staged_folder(tmp) as local:
+                    write_files(local)
         except BaseException:
             if checkpointer is not None:
                 checkpointer.close()
@@ -334,15 +335,24 @@ def _test_pause(step: int) -> float:
     return float(seconds) if (not at or int(at) == step) else 0.0
 
 
+def _orbax_path(path: str) -> str:
+    return path if storage.is_url(path) else os.path.abspath(path)
+
+
 def remove_uncommitted(run_dir: str) -> list[str]:
-    """Delete the `.tmp` folders a crash left behind; returns their paths."""
-    if not os.path.isdir(run_dir):
-        return []
+    """Delete the partial checkpoints a crash left behind (`.tmp` folders; on object stores, folders with the
+    writing marker and no commit marker); returns their paths."""
     removed = []
-    for name in os.listdir(run_dir):
-        if name.startswith(PREFIX_CHECKPOINT_DIR + "-") and name.endswith(TMP_SUFFIX):
-            path = os.path.join(run_dir, name)
-            shutil.rmtree(path, ignore_errors=True)
+    for name in storage.listdir(run_dir):
+        path = storage.join(run_dir, name)
+        if not name.startswith(PREFIX_CHECKPOINT_DIR + "-"):
+            continue
+        partial = name.endswith(TMP_SUFFIX) or (
+            storage.is_url(run_dir) and storage.isfile(storage.join(path, WRITING_NAME))
+            and not storage.isfile(storage.join(path, COMMIT_NAME))
+        )
+        if partial:
+            storage.rmtree(path)
             removed.append(path)
     return removed
 
@@ -352,17 +362,17 @@ _CHECKPOINT_NAME = re.compile(r"^" + PREFIX_CHECKPOINT_DIR + r"-(\d+)$")
 
 def checkpoint_folders(run_dir: str) -> list[str]:
     """The run's `checkpoint-N` folders (exactly that name: not `checkpoint-4-backup`), oldest step first."""
-    if not os.path.isdir(run_dir):
-        return []
     found = sorted(
-        (int(m.group(1)), name) for name in os.listdir(run_dir)
-        if (m := _CHECKPOINT_NAME.match(name)) and os.path.isdir(os.path.join(run_dir, name))
+        (int(m.group(1)), name) for name in storage.listdir(run_dir)
+        if (m := _CHECKPOINT_NAME.match(name)) and storage.isdir(storage.join(run_dir, name))
     )
-    return [os.path.join(run_dir, name) for _, name in found]
+    return [storage.join(run_dir, name) for _, name in found]
 
 
 def remove_checkpoint(path: str) -> None:
-    if os.path.islink(path):  # a symlinked checkpoint: drop the link, never what it points to
+    if storage.is_url(path):
+        storage.rmtree(path)
+    elif os.path.islink(path):  # a symlinked checkpoint: drop the link, never what it points to
         os.unlink(path)
     else:
         shutil.rmtree(path, ignore_errors=True)
@@ -377,7 +387,7 @@ def rotate_checkpoints(run_dir: str, save_total_limit: int | None, best_model_ch
         return
     protected = {folders[-1]}
     if best_model_checkpoint is not None:
-        protected.add(os.path.join(run_dir, os.path.basename(os.path.normpath(best_model_checkpoint))))
+        protected.add(storage.join(run_dir, storage.basename(best_model_checkpoint)))
     remaining = len(folders)
     for folder in folders:
         if remaining <= max(save_total_limit, len(protected)):
@@ -434,8 +444,8 @@ def _check_finite(directory: str, state) -> None:
 
 def _restore_train_state(directory: str, like, fresh=None):
     verify_checkpoint(directory)
-    path = os.path.abspath(os.path.join(directory, TRAIN_STATE_DIR))
-    if not os.path.isdir(path):
+    path = _orbax_path(storage.join(directory, TRAIN_STATE_DIR))
+    if not storage.isdir(path):
         raise FileNotFoundError(f"Can't find a valid checkpoint at {directory}")
     with contextlib.closing(ocp.StandardCheckpointer()) as checkpointer:
         return _restore_with(checkpointer, directory, path, like, fresh)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import yaml
 
-from jtrainer import jobs, targets
+from jtrainer import jobs, storage, targets
 from jtrainer.errors import BadInput
 from jtrainer.jobs import DataArguments, ModelArguments
 
@@ -114,7 +114,7 @@ def resume_point(training_args, run_args: RunArguments) -> str | None:
             "starts afresh)")
         return last
     others = sorted(
-        name for name in (os.listdir(out) if os.path.isdir(out) else [])
+        name for name in storage.listdir(out)
         if not (name.startswith(LOCK_NAME) or name.endswith(checkpoint.TMP_SUFFIX) or name == "runs")
     )
     if others:
@@ -131,7 +131,7 @@ def _train_job(model_args: ModelArguments, data_args: DataArguments, training_ar
     from jtrainer import Seq2SeqTrainer, Trainer
 
     # A resumed job keeps the tokenizer it trained (saved in every checkpoint) instead of training it again.
-    saved_tokenizer = resume if resume and os.path.isfile(os.path.join(resume, "tokenizer_config.json")) else None
+    saved_tokenizer = resume if resume and storage.isfile(storage.join(resume, "tokenizer_config.json")) else None
     tokenizer, train_rows, eval_rows = jobs.build_data(model_args, data_args, saved_tokenizer)
     model = jobs.build_model(model_args, len(tokenizer), jobs.special_tokens(tokenizer), training_args.seed)
     say(f"jtrainer: {len(train_rows)} training rows, {len(eval_rows)} held-out rows ({model_args.task})")

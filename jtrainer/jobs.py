@@ -13,10 +13,12 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
+from jtrainer import storage
 from jtrainer.errors import BadInput
 
 TASKS = ("causal_lm", "sequence_classification", "seq2seq")
@@ -87,18 +89,19 @@ def check_job(model_args: ModelArguments, data_args: DataArguments, training_arg
                        "--block_size.")
     for name in ("model_name_or_path", "tokenizer_name"):
         path = getattr(model_args, name)
-        if path and not os.path.isdir(path):
-            raise BadInput(f"{name}={path!r} is not a folder: give a local HF model folder (config.json + weights).")
+        if path and not storage.isdir(path):
+            raise BadInput(f"{name}={path!r} is not a folder: give an HF model folder (config.json + weights), local "
+                           "or on gs:// / s3://.")
     if model_args.task == "causal_lm" and not (d.dataset_name or d.train_file):
-        if d.text_dir is not None and not os.path.isdir(d.text_dir):
+        if d.text_dir is not None and not storage.isdir(d.text_dir):
             raise BadInput(f"text_dir={d.text_dir!r} is not a folder of .py/.txt files.")
     for name in ("train_file", "validation_file"):
         path = getattr(d, name)
         if path is None:
             continue
-        if not os.path.isfile(path):
+        if not storage.isfile(path):
             raise BadInput(f"{name}={path!r} not found.")
-        with open(path, "rb") as f:
+        with storage.open_file(path, "rb") as f:
             if not f.read(1 << 16).strip():
                 raise BadInput(f"{name}={path!r} is empty: it needs at least one row.")
 
@@ -106,11 +109,10 @@ def check_job(model_args: ModelArguments, data_args: DataArguments, training_arg
 def _position_limit(model_args: ModelArguments) -> tuple[int | None, str]:
     """The longest sequence the model embeds positions for (None: relative positions, as T5)."""
     if model_args.model_name_or_path:
-        config_file = os.path.join(model_args.model_name_or_path, "config.json")
-        if not os.path.isfile(config_file):
+        config_file = storage.join(model_args.model_name_or_path, "config.json")
+        if not storage.isfile(config_file):
             return None, ""
-        with open(config_file) as f:
-            config = json.load(f)
+        config = json.loads(storage.read_text(config_file))
         source = f"max_position_embeddings in {config_file}"
     else:
         if model_args.model_type == "t5":
@@ -173,7 +175,7 @@ def build_model(model_args: ModelArguments, vocab_size: int, special: dict[str, 
         if abstract:
             from transformers import AutoConfig
 
-            config = AutoConfig.from_pretrained(model_args.model_name_or_path)
+            config = AutoConfig.from_pretrained(storage.fetched(model_args.model_name_or_path))
             return nnx.eval_shape(lambda: auto.from_config(config, seed=seed))
         return auto.from_pretrained(model_args.model_name_or_path)
     config = fresh_config(model_args, vocab_size, special)
@@ -188,30 +190,43 @@ def read_text_files(text_dir: str | None, max_chars: int) -> list[str]:
 
     root = text_dir or sysconfig.get_paths()["stdlib"]
     texts, total = [], 0
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "test", "tests", "__pycache__"))
-        for name in sorted(filenames):
-            if not name.endswith((".py", ".txt")):
-                continue
-            try:
-                with open(os.path.join(dirpath, name), encoding="utf-8") as f:
-                    text = f.read()
-            except (UnicodeDecodeError, OSError):
-                continue
-            texts.append(text[: max_chars - total])  # exactly max_chars in all
-            total += len(texts[-1])
-            if total >= max_chars:
-                return texts
+    for path in _text_files(root):
+        try:
+            text = storage.read_text(path)
+        except (UnicodeDecodeError, OSError):
+            continue
+        texts.append(text[: max_chars - total])  # exactly max_chars in all
+        total += len(texts[-1])
+        if total >= max_chars:
+            return texts
     if not texts:
         raise BadInput(f"text_dir={root!r} has no readable .py or .txt files.")
     return texts
+
+
+_SKIPPED_DIRS = ("site-packages", "test", "tests", "__pycache__")
+
+
+def _text_files(root: str) -> Iterator[str]:
+    """The .py/.txt files under `root` (a folder or a gs:// / s3:// prefix), in a fixed order, skipping test
+    and package folders."""
+    if storage.is_url(root):
+        for rel in storage.files_under(root):
+            if rel.endswith((".py", ".txt")) and not set(rel.split("/")[:-1]) & set(_SKIPPED_DIRS):
+                yield storage.join(root, rel)
+        return
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in _SKIPPED_DIRS)
+        for name in sorted(filenames):
+            if name.endswith((".py", ".txt")):
+                yield os.path.join(dirpath, name)
 
 
 def load_splits(data_args: DataArguments):
     """(train, validation) `datasets.Dataset`s; validation is split off when the data has none."""
     import datasets
 
-    if data_args.dataset_name and os.path.isdir(data_args.dataset_name):
+    if data_args.dataset_name and storage.isdir(data_args.dataset_name):
         loaded = datasets.load_from_disk(data_args.dataset_name)
     elif data_args.dataset_name:
         loaded = datasets.load_dataset(data_args.dataset_name, data_args.dataset_config_name)
@@ -291,7 +306,7 @@ def _tokenizer_for(model_args: ModelArguments, data_args: DataArguments, texts: 
 
     source = model_args.tokenizer_name or model_args.model_name_or_path or saved_tokenizer
     if source:
-        return AutoTokenizer.from_pretrained(source)
+        return AutoTokenizer.from_pretrained(storage.fetched(source))
     return train_tokenizer(texts, data_args.tokenizer_vocab_size)
 
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 from typing import Any
+
+from jtrainer import storage
 
 
 class MetricsMixin:
@@ -39,12 +40,11 @@ class MetricsMixin:
     def save_metrics(self, split: str, metrics: dict[str, float], combined: bool = True) -> None:
         if not self.is_world_process_zero():
             return
-        os.makedirs(self.args.output_dir, exist_ok=True)
-        with open(os.path.join(self.args.output_dir, f"{split}_results.json"), "w") as f:
-            json.dump(metrics, f, indent=4, sort_keys=True)
+        out = self.args.output_dir
+        storage.makedirs(out)
+        storage.write_text(storage.join(out, f"{split}_results.json"), json.dumps(metrics, indent=4, sort_keys=True))
         if combined:
-            path = os.path.join(self.args.output_dir, "all_results.json")
-            all_metrics = json.load(open(path)) if os.path.exists(path) else {}
+            path = storage.join(out, "all_results.json")
+            all_metrics = json.loads(storage.read_text(path)) if storage.exists(path) else {}
             all_metrics.update(metrics)
-            with open(path, "w") as f:
-                json.dump(all_metrics, f, indent=4, sort_keys=True)
+            storage.write_text(path, json.dumps(all_metrics, indent=4, sort_keys=True))

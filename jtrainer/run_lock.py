@@ -22,6 +22,7 @@ import time
 import uuid
 from typing import Iterator
 
+from jtrainer import storage
 from jtrainer.errors import BadInput
 
 logger = logging.getLogger(__name__)
@@ -97,7 +98,7 @@ class RunLock:
 
     def __init__(self, folder: str, stale_after_s: float = STALE_AFTER_S, heartbeat_s: float = HEARTBEAT_S):
         self.folder = folder
-        self.path = os.path.join(folder, LOCK_NAME)
+        self.path = storage.join(folder, LOCK_NAME)
         self.stale_after_s, self.heartbeat_s = stale_after_s, heartbeat_s
         self.holder = LockHolder.this_process()
         self._created_folder = False
@@ -180,6 +181,81 @@ class RunLock:
                 os.rmdir(self.folder)  # only if the run left it empty
 
 
+class ObjectStoreRunLock(RunLock):
+    """The lock of an output_dir on an object store (gs://, s3://): the lock object holds its holder and a
+    heartbeat time rewritten every `heartbeat_s`. Object stores have no create-if-absent through fsspec, so the
+    lock is written, then read back after a pause: of two runs starting together the later writer keeps it and
+    the other stops (a run that starts during that pause can still slip through; one run per folder is then the
+    user's to keep)."""
+
+    settle_s = 1.0
+
+    def acquire(self) -> "RunLock":
+        if storage.isfile(self.folder):
+            raise BadInput(f"output_dir {self.folder!r} is an object, not a folder: choose another output_dir.")
+        found = self._read()
+        if found is not None:
+            holder, beat = found
+            if not self._is_stale(holder, beat):
+                raise OutputDirLocked(
+                    f"output_dir {self.folder!r} is in use by another jtrainer run ({holder.describe()}): wait for "
+                    f"it to end or choose another output_dir (remove {self.path} only if that run is gone)."
+                )
+            logger.warning("Taking over the lock of %s from a run that is gone (%s).", self.folder, holder.describe())
+        try:
+            self._write()
+        except OSError as e:
+            raise BadInput(f"output_dir {self.folder!r} is not writable ({e}): check its permissions or choose "
+                           "another output_dir.") from None
+        time.sleep(self.settle_s)
+        found = self._read()
+        if found is None or found[0].token != self.holder.token:
+            raise OutputDirLocked(f"output_dir {self.folder!r}: another run took its lock at the same time; try again.")
+        self._heartbeat = threading.Thread(target=self._beat, name="jtrainer-lock-heartbeat", daemon=True)
+        self._heartbeat.start()
+        return self
+
+    def _is_stale(self, holder: LockHolder, beat: float) -> bool:
+        if holder.host == socket.gethostname() and holder.pid > 0:
+            return not _process_alive(holder.pid, holder.pid_start)
+        return time.time() - beat > self.stale_after_s
+
+    def _write(self) -> None:
+        storage.write_text(self.path, json.dumps({"holder": dataclasses.asdict(self.holder), "beat": time.time()}))
+
+    def _read(self) -> tuple[LockHolder, float] | None:
+        if not storage.exists(self.path):
+            return None
+        try:
+            saved = json.loads(storage.read_text(self.path))
+            return LockHolder(**saved["holder"]), float(saved["beat"])
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, TypeError, KeyError):
+            return LockHolder("unknown", -1, None, 0.0, ""), 0.0  # damaged: stale
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.heartbeat_s):
+            with contextlib.suppress(OSError):
+                self._write()
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._heartbeat is not None:
+            self._heartbeat.join()
+            self._heartbeat = None
+        found = self._read()
+        if found is not None and found[0].token == self.holder.token:
+            try:
+                storage.remove(self.path)
+            except OSError as error:
+                logger.warning("Could not remove the lock %s (%s); the next run will take it over.", self.path, error)
+
+
+def run_lock_for(folder: str) -> RunLock:
+    return ObjectStoreRunLock(folder) if storage.is_url(folder) else RunLock(folder)
+
+
 _held: dict[str, tuple[RunLock, int]] = {}  # realpath -> (lock, depth), for re-entrant holding
 _held_guard = threading.Lock()
 
@@ -190,7 +266,7 @@ def hold(folder: str, is_main: bool = True) -> Iterator[None]:
     several processes, all of them raise OutputDirLocked if process 0 could not take it."""
     import jax
 
-    key = os.path.realpath(folder)
+    key = storage.normalize(folder) if storage.is_url(folder) else os.path.realpath(folder)
     with _held_guard:
         if key in _held:
             lock, depth = _held[key]
@@ -204,7 +280,7 @@ def hold(folder: str, is_main: bool = True) -> Iterator[None]:
         finally:
             _leave(key)
         return
-    lock, error = RunLock(folder), None
+    lock, error = run_lock_for(folder), None
     if is_main:
         try:
             lock.acquire()

@@ -6,6 +6,7 @@ The storage itself (atomic commit, manifest, orbax, rotation) lives in `jtrainer
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import logging
 import os
@@ -16,7 +17,7 @@ import numpy as np
 from transformers.trainer_callback import ExportableState, TrainerState
 from transformers.trainer_utils import SaveStrategy
 
-from jtrainer import checkpoint, host_rng
+from jtrainer import checkpoint, host_rng, storage
 from jtrainer.state import TrainState
 
 logger = logging.getLogger(__name__)
@@ -28,7 +29,7 @@ class SavingMixin:
     def _get_output_dir(self, trial) -> str:
         if trial is not None and self.hp_search_backend is not None:
             name = self.hp_name(trial) if self.hp_name is not None else f"run-{getattr(trial, 'number', trial)}"
-            return os.path.join(self.args.output_dir, name)
+            return storage.join(self.args.output_dir, name)
         return self.args.output_dir
 
     def _determine_best_metric(self, metrics: dict[str, float]) -> bool:
@@ -109,7 +110,7 @@ class SavingMixin:
         tensors = self._hf_tensors()  # on many hosts a collective: every process takes part
         if self.state.best_global_step:
             best = checkpoint.checkpoint_folder(run_dir, self.state.best_global_step)
-            if best == folder or os.path.exists(best):  # saves are committed in order: an earlier one exists
+            if best == folder or storage.exists(best):  # saves are committed in order: an earlier one exists
                 self.state.best_model_checkpoint = best
         for cb in [c for c in self.callback_handler.callbacks + [self.control] if isinstance(c, ExportableState)]:
             name, cb_state = cb.__class__.__name__, cb.state()
@@ -162,23 +163,22 @@ class SavingMixin:
     def _resume(self, folder: str, like: TrainState, updates_per_epoch: int, fresh=None):
         """Restore `folder` into the state laid out like `like` (abstract or concrete; `fresh()` builds a real
         fresh state where part of the state must start afresh) and the loop's bookkeeping."""
-        if not os.path.isdir(os.path.join(folder, checkpoint.TRAIN_STATE_DIR)):
+        if not storage.isdir(storage.join(folder, checkpoint.TRAIN_STATE_DIR)):
             raise ValueError(
                 f"Can't find a valid checkpoint at {folder}: it has no train state (saved with save_only_model?)."
             )
         train_state = checkpoint.restore_train_state(folder, like, fresh)
-        self.state = TrainerState.load_from_json(os.path.join(folder, checkpoint.TRAINER_STATE_NAME))
-        if self.state.best_model_checkpoint is not None and not os.path.isdir(self.state.best_model_checkpoint):
+        self.state = load_trainer_state(folder)
+        if self.state.best_model_checkpoint is not None and not storage.isdir(self.state.best_model_checkpoint):
             logger.warning(
                 f"The best checkpoint {self.state.best_model_checkpoint} recorded in the resumed state does not "
                 "exist anymore. Ignoring it for this run."
             )
             self.state.best_model_checkpoint = None
         self._warn_changed_args(folder)
-        scheduler_file = os.path.join(folder, checkpoint.SCHEDULER_NAME)
-        if self._plateau is not None and os.path.isfile(scheduler_file):
-            with open(scheduler_file) as f:
-                self._plateau.load_state_dict(json.load(f))
+        scheduler_file = storage.join(folder, checkpoint.SCHEDULER_NAME)
+        if self._plateau is not None and storage.isfile(scheduler_file):
+            self._plateau.load_state_dict(json.loads(storage.read_text(scheduler_file)))
         if self.args.restore_callback_states_from_checkpoint:
             self._load_callback_state()
         self._restore_loop_state(folder)
@@ -235,13 +235,14 @@ class SavingMixin:
 
     def _load_best_model(self) -> None:
         best = self.state.best_model_checkpoint
-        if self._train_state is not None and os.path.isdir(os.path.join(best, checkpoint.TRAIN_STATE_DIR)):
+        if self._train_state is not None and storage.isdir(storage.join(best, checkpoint.TRAIN_STATE_DIR)):
             self._train_state = checkpoint.restore_train_state(best, self._train_state)
             self._sync_model()
         else:
             from jtrainer.models import hf_io
 
-            hf_io.load_weights(self.model, best)
+            with storage.local_folder(best) as local:
+                hf_io.load_weights(self.model, local)
 
     def _hf_tensors(self) -> dict[str, np.ndarray] | None:
         """The model's weights as HF-named host arrays (gathered from every process), if the model is ours. Only
@@ -274,11 +275,23 @@ class SavingMixin:
         """The model in HF format (config.json + safetensors) and the tokenizer, as PyTorch transformers loads it."""
         tensors = self._hf_tensors()
         if self.args.should_save:
-            self._write_model(output_dir or self.args.output_dir, tensors)
+            with storage.staged_folder(output_dir or self.args.output_dir) as local:
+                self._write_model(local, tensors)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
     def save_state(self) -> None:
         if self.args.should_save:
-            os.makedirs(self.args.output_dir, exist_ok=True)
-            self.state.save_to_json(os.path.join(self.args.output_dir, checkpoint.TRAINER_STATE_NAME))
+            storage.makedirs(self.args.output_dir)
+            storage.write_text(storage.join(self.args.output_dir, checkpoint.TRAINER_STATE_NAME),
+                               trainer_state_json(self.state))
+
+
+def trainer_state_json(state: TrainerState) -> str:
+    """HF's TrainerState.save_to_json text (so it can go to any storage)."""
+    return json.dumps(dataclasses.asdict(state), indent=2, sort_keys=True) + "\n"
+
+
+def load_trainer_state(folder: str) -> TrainerState:
+    """HF's TrainerState.load_from_json, from a checkpoint folder on any storage."""
+    return TrainerState(**json.loads(storage.read_text(storage.join(folder, checkpoint.TRAINER_STATE_NAME))))

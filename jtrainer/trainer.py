@@ -40,8 +40,8 @@ from transformers.trainer_callback import (
 from transformers.trainer_utils import IntervalStrategy, SaveStrategy, TrainOutput, speed_metrics
 
 from jtrainer import (
-    batch_size, checkpoint, data, distributed, host_rng, mixed_precision, optim, run_lock, sharding, startup,
-    throughput,
+    batch_size, checkpoint, data, distributed, host_rng, mixed_precision, optim, run_lock, saving, sharding, startup,
+    storage, throughput,
 )
 from jtrainer.args import TrainingArguments
 from jtrainer.evaluation import EvaluationMixin
@@ -142,6 +142,13 @@ def _abstract_batch(mesh, batch: dict[str, np.ndarray], row_dim: int) -> dict[st
     """The batch's shapes laid out as training places it (rows split over the data shards), with no data."""
     shardings = sharding.batch_shardings(mesh, batch, row_dim=row_dim)
     return {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=shardings[k]) for k, v in batch.items()}
+
+
+def _same_folder(a: str, b: str) -> bool:
+    """Whether two checkpoint paths name one folder (object stores: the same normalized URL)."""
+    if storage.is_url(a) or storage.is_url(b):
+        return storage.normalize(a) == storage.normalize(b)
+    return os.path.samefile(a, b)
 
 
 class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearchMixin, HubMixin, MetricsMixin):
@@ -623,8 +630,8 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
             resume_from_checkpoint = checkpoint.get_last_checkpoint(args.output_dir)
             if resume_from_checkpoint is None:
                 raise ValueError(f"No valid checkpoint found in output directory ({args.output_dir})")
-        if resume_from_checkpoint and not os.path.isfile(
-            os.path.join(resume_from_checkpoint, checkpoint.TRAINER_STATE_NAME)
+        if resume_from_checkpoint and not storage.isfile(
+            storage.join(resume_from_checkpoint, checkpoint.TRAINER_STATE_NAME)
         ):
             raise ValueError(f"Can't find a valid checkpoint at {resume_from_checkpoint}")
         # One run per output_dir: nothing is written there before the lock is taken (see run_lock.py).
@@ -677,7 +684,7 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
     def _restore_found_batch_size(self, folder: str, effective: int) -> None:
         """HF: resuming under auto_find_batch_size starts from the batch the search had found (the checkpoint's
         `train_batch_size`) instead of searching again; here with the accumulation that keeps the effective batch."""
-        saved = TrainerState.load_from_json(os.path.join(folder, checkpoint.TRAINER_STATE_NAME)).train_batch_size
+        saved = saving.load_trainer_state(folder).train_batch_size
         if not saved:
             return
         per_device = batch_size.per_device_from_state(saved, self.args.world_size, sharding.data_parallel_size(self.mesh))
@@ -714,7 +721,7 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
             return
         folder = checkpoint.checkpoint_folder(self._get_output_dir(trial), self.state.global_step)
         pending = self._pending_checkpoint is not None and self._pending_checkpoint.folder == folder
-        if not pending and not os.path.isdir(folder):
+        if not pending and not storage.isdir(folder):
             self._save_checkpoint(trial)
             self._announce_save()
         self._commit_pending_checkpoint()
@@ -1082,7 +1089,7 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         run_dir = self._get_output_dir(trial)
         if self.args.should_save and self.state.best_model_checkpoint is not None and self.args.save_total_limit == 1:
             for folder in checkpoint.checkpoint_folders(run_dir):  # HF: only the best is left
-                if not os.path.samefile(folder, self.state.best_model_checkpoint):
+                if not _same_folder(folder, self.state.best_model_checkpoint):
                     checkpoint.remove_checkpoint(folder)
         self.control = self.callback_handler.on_train_end(self.args, self.state, self.control)
         return TrainOutput(self.state.global_step, train_loss, metrics)

@@ -41,7 +41,11 @@ class _AutoModel:
 
     @classmethod
     def from_pretrained(cls, directory: str, **kwargs: Any) -> nnx.Module:
-        """A local HF folder (config.json + safetensors); nothing is downloaded. Takes dtype= and mesh=."""
+        """A local HF folder (config.json + safetensors), or one on gs:// / s3:// (downloaded once). Takes
+        dtype= and mesh=."""
+        from jtrainer import storage
+
+        directory = storage.fetched(directory)
         return cls._model_class(AutoConfig.from_pretrained(directory)).from_pretrained(directory, **kwargs)
 
 

@@ -134,9 +134,10 @@ class PretrainedMixin:
         The model is built abstractly (no random weights are allocated), then every parameter is read from
         disk; with `mesh`, straight onto its sharding, slice by slice. `dtype` (e.g. jnp.bfloat16) casts them.
         """
-        from jtrainer import sharding
+        from jtrainer import sharding, storage
         from jtrainer.models import hf_io
 
+        directory = storage.fetched(directory)  # gs:// or s3://: downloaded once
         config = cls.config_class.from_pretrained(directory)
         model = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0), **kwargs))
         rules = sharding.merged_rules(logical_axis_rules) if mesh is not None else None
