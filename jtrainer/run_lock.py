@@ -6,7 +6,8 @@ refreshes its modification time every `HEARTBEAT_S` seconds. A lock is stale, an
 when its holder ran on this host and that process is gone (or its pid now names another process), or when it
 ran on another host and its heartbeat is older than `STALE_AFTER_S`. A multi-host run's lock is held by
 process 0; the others learn whether it was taken. Holding is re-entrant within a process, so `jtrainer train`
-holds the lock over its whole job and `Trainer.train()` inside it does not take it again.
+holds the lock over its whole job and `Trainer.train()` inside it does not take it again. On an object store
+(gs://, s3://) the lock is an object with a heartbeat inside (`ObjectStoreRunLock`).
 """
 
 from __future__ import annotations

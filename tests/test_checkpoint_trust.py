@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from ckpt_job import make_trainer
-from jtrainer import checkpoint
+from jtrainer import checkpoint, storage
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +56,7 @@ def test_manifest_and_index_paths_stay_inside(tmp_path, run):
     manifest = json.loads((folder / checkpoint.MANIFEST_NAME).read_text())
     secret = tmp_path / "secret.txt"
     secret.write_text("outside")
-    manifest["../../secret.txt"] = {"sha256": checkpoint._sha256(str(secret)), "bytes": secret.stat().st_size}
+    manifest["../../secret.txt"] = storage.digest(str(secret))
     (folder / checkpoint.MANIFEST_NAME).write_text(json.dumps(manifest))
     with pytest.raises(checkpoint.CheckpointIntegrityError, match="outside the folder"):
         checkpoint.verify_checkpoint(str(folder))
