@@ -271,7 +271,8 @@ def run_check(model_args, data_args, training_args, target_name: str | None = No
         say(f"  XLA FLOPs per device/step  {numbers['flops_per_step_per_device']:.3e}"
             + (f" (the micro-batch loop's count x {ga})" if ga > 1 else "")
             # The chunked loss is a loop too, whose LM head XLA counts for one chunk only: an undercount.
-            + (" (the chunked loss's LM head counted for one chunk)" if training_args.chunked_loss_positions() else ""))
+            + (" (the chunked loss's LM head counted for one chunk)" if training_args.chunked_loss_positions() else "")
+            + (" (the scanned layers counted once)" if model_args.scan_layers else ""))
     say(f"  model FLOPs per step (6ND) {numbers['model_flops_per_step']:.3e}")
     estimate = roofline(numbers, target) if target else None
     if estimate is not None:

@@ -77,6 +77,12 @@ def _pick(logits_BxV: jax.Array, key: jax.Array, s: DecodeSettings) -> jax.Array
     return jax.random.categorical(key, logits, axis=-1)
 
 
+def _inner(graphdef, state) -> nnx.Module:
+    """The model rebuilt inside a loop body from fresh variables (a tree map makes new ones): nnx transforms in the
+    model (nnx.scan over stacked layers) refuse variables created at an outer trace level."""
+    return nnx.merge(graphdef, jax.tree.map(lambda x: x, state))
+
+
 @partial(jax.jit, static_argnums=(0, 4))
 def _decode(graphdef, state, input_ids_BxP, mask_BxP, settings: DecodeSettings, seed):
     model = nnx.merge(graphdef, state)
@@ -97,7 +103,9 @@ def _decode(graphdef, state, input_ids_BxP, mask_BxP, settings: DecodeSettings, 
         tokens = tokens.at[:, i].set(token)
         finished = finished | jnp.isin(token, eos)
         full_mask = full_mask.at[:, p + i].set(1)
-        out = model(token[:, None], full_mask, next_pos[:, None], cache=cache)
+        # The model merged again inside the loop: its variables belong to this trace level (nnx.scan over
+        # stacked layers refuses variables of an outer one).
+        out = _inner(graphdef, state)(token[:, None], full_mask, next_pos[:, None], cache=cache)
         return tokens, out.cache, out.logits[:, -1], key, finished, next_pos + 1, full_mask
 
     carry = (
@@ -148,9 +156,12 @@ def _beam_search(graphdef, state, input_ids_BxP, mask_BxP, settings: DecodeSetti
         was_finished = finished[flat]
         finished = was_finished | jnp.isin(token.reshape(-1), eos)
         lengths = jnp.where(was_finished, lengths[flat], i + 1)
-        cache = jax.tree.map(lambda c: c[flat] if c.ndim and c.shape[0] == b * k else c, cache)
+        if hasattr(cache, "reorder"):  # a KV cache knows where its rows are (stacked layers put them second)
+            cache = cache.reorder(flat)
+        else:
+            cache = jax.tree.map(lambda c: c[flat] if c.ndim and c.shape[0] == b * k else c, cache)
         full_mask = full_mask[flat].at[:, p + i].set(1)
-        out = model(token.reshape(-1, 1), full_mask, next_pos[flat][:, None], cache=cache)
+        out = _inner(graphdef, state)(token.reshape(-1, 1), full_mask, next_pos[flat][:, None], cache=cache)
         return tokens, out.cache, out.logits[:, -1], top_scores, finished, lengths, next_pos[flat] + 1, full_mask
 
     carry = (

@@ -40,6 +40,8 @@ class ModelArguments:
     num_key_value_heads: int = field(default=2, metadata={"help": "Key/value heads (GQA) of a fresh Llama."})
     max_position_embeddings: int = field(default=2048, metadata={"help": "Positions of a fresh model."})
     num_labels: int = field(default=2, metadata={"help": "Classes (sequence_classification)."})
+    scan_layers: bool = field(default=False, metadata={
+        "help": "Llama family: run the decoder layers as one scan (compile time independent of depth)."})
 
 
 @dataclass
@@ -172,16 +174,29 @@ def build_model(model_args: ModelArguments, vocab_size: int, special: dict[str, 
     check_task(model_args)
     auto = auto_class(model_args.task)
     if model_args.model_name_or_path:
-        if abstract:
-            from transformers import AutoConfig
+        from transformers import AutoConfig
 
-            config = AutoConfig.from_pretrained(storage.fetched(model_args.model_name_or_path))
-            return nnx.eval_shape(lambda: auto.from_config(config, seed=seed))
-        return auto.from_pretrained(model_args.model_name_or_path)
-    config = fresh_config(model_args, vocab_size, special)
+        config = AutoConfig.from_pretrained(storage.fetched(model_args.model_name_or_path))
+    else:
+        config = fresh_config(model_args, vocab_size, special)
+    options = _scan_option(model_args, config)
     if abstract:
-        return nnx.eval_shape(lambda: auto.from_config(config, seed=seed))
-    return auto.from_config(config, seed=seed)
+        return nnx.eval_shape(lambda: auto.from_config(config, seed=seed, **options))
+    if model_args.model_name_or_path:
+        return auto.from_pretrained(model_args.model_name_or_path, **options)
+    return auto.from_config(config, seed=seed, **options)
+
+
+SCANNABLE = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def _scan_option(model_args: ModelArguments, config) -> dict[str, bool]:
+    if not model_args.scan_layers:
+        return {}
+    if model_args.task != "causal_lm" or config.model_type not in SCANNABLE:
+        raise BadInput(f"scan_layers: only the causal-LM Llama family ({', '.join(SCANNABLE)}) scans its layers; "
+                       f"this model is {config.model_type!r} ({model_args.task}): set scan_layers false.")
+    return {"scan_layers": True}
 
 
 # ------------------------------------------------------------------------------------------------------- data

@@ -33,6 +33,25 @@ def _hf_name(path: tuple) -> tuple[str, bool]:
     return ".".join([*module, leaf]), False
 
 
+def _layer_count(model: nnx.Module, path: tuple) -> int | None:
+    """How many layers parameter `path` stacks along its leading axis (a scan_layers model), else None."""
+    stacked = getattr(model, "stacked_layers", None)
+    if stacked is None:
+        return None
+    prefix, count = stacked
+    return count if tuple(str(p) for p in path[: len(prefix)]) == prefix else None
+
+
+def _hf_names(model: nnx.Module, path: tuple) -> list[tuple[str, bool]]:
+    """The HF tensors of one nnx parameter: one, or one per layer for a stacked parameter (layer i's name has
+    the index after the prefix, as `model.layers.{i}.self_attn...`)."""
+    count = _layer_count(model, path)
+    if count is None:
+        return [_hf_name(path)]
+    at = len(model.stacked_layers[0])
+    return [_hf_name((*path[:at], i, *path[at:])) for i in range(count)]
+
+
 # The most bytes one gather replicates on every device at once: a larger parameter (a 128k-vocabulary embedding
 # is 2 GB in float32) is gathered in row blocks, so the export never needs a whole parameter's room per chip.
 GATHER_BLOCK_BYTES = 256 * 2**20
@@ -90,10 +109,13 @@ def to_hf_state_dict(model: nnx.Module, keep: bool = True) -> dict[str, np.ndarr
     holds one gathered block at a time (the whole model is 32 GB at 8B)."""
     out = {}
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        name, transposed = _hf_name(path)
+        names = _hf_names(model, path)
         value = host_value(var[...], keep)
-        if keep:
-            out[name] = np.ascontiguousarray(value.T if transposed else value)
+        if not keep:
+            continue
+        layers = [value] if _layer_count(model, path) is None else list(value)
+        for (name, transposed), part in zip(names, layers, strict=True):
+            out[name] = np.ascontiguousarray(part.T if transposed else part)
     return out
 
 
@@ -194,31 +216,40 @@ def load_weights(model: nnx.Module, directory: str, *, mesh=None, rules=None, dt
         specs = sharding.flatten_specs(sharding.param_specs(model, mesh, rules or sharding.merged_rules()))
     expected = set()
     for path, var in flat.items():
-        name, transposed = _hf_name(path)
-        expected.add(name)
+        names = _hf_names(model, path)
+        stacked = _layer_count(model, path) is not None
         label = ".".join(map(str, path))
-        if name not in files.files:
-            raise KeyError(f"Weight {name!r} (parameter {label}) is missing from {directory}.")
-        shape, stored_dtype = files.header(name)
-        shape = tuple(reversed(shape)) if transposed else shape
-        if shape != tuple(var.shape):
-            raise ValueError(
-                f"Weight {name!r} has shape {shape} in {directory}, but the model's parameter {label} has shape "
-                f"{tuple(var.shape)}."
-            )
+        layer_shape = tuple(var.shape[1:]) if stacked else tuple(var.shape)
         target = np.dtype(dtype or var.dtype)
-        if np.issubdtype(target, np.floating) and not stored_dtype.startswith(("F", "BF")):
-            raise BadInput(f"Weight {name!r} in {directory} is stored as integers, but the model's parameter {label} "
-                           "is floating point: the folder is not a checkpoint of this model (or is quantized).")
+        for name, transposed in names:
+            expected.add(name)
+            if name not in files.files:
+                raise KeyError(f"Weight {name!r} (parameter {label}) is missing from {directory}.")
+            shape, stored_dtype = files.header(name)
+            shape = tuple(reversed(shape)) if transposed else shape
+            if shape != layer_shape:
+                raise ValueError(
+                    f"Weight {name!r} has shape {shape} in {directory}, but the model's parameter {label} has shape "
+                    f"{layer_shape}" + (" per layer." if stacked else ".")
+                )
+            if np.issubdtype(target, np.floating) and not stored_dtype.startswith(("F", "BF")):
+                raise BadInput(f"Weight {name!r} in {directory} is stored as integers, but the model's parameter "
+                               f"{label} is floating point: the folder is not a checkpoint of this model (or is "
+                               "quantized).")
+
+        def read(index, names=names, stacked=stacked):
+            if not stacked:
+                name, transposed = names[0]
+                return files.read(name, index, transposed).astype(target)
+            index = tuple(index) or (slice(None),)
+            picked = range(len(names))[index[0]]  # the layers this device holds
+            return np.stack([files.read(names[i][0], index[1:], names[i][1]).astype(target) for i in picked])
+
         if mesh is None:
-            var.set_value(jax.numpy.asarray(files.read(name, (), transposed).astype(target)))
+            var.set_value(jax.numpy.asarray(read(())))
         else:
             placement = jax.sharding.NamedSharding(mesh, specs[path])
-            var.set_value(
-                jax.make_array_from_callback(
-                    shape, placement, lambda idx, n=name, t=transposed: files.read(n, idx, t).astype(target)
-                )
-            )
+            var.set_value(jax.make_array_from_callback(tuple(var.shape), placement, read))
     tied = set(getattr(model, "tied_hf_weights", ()))
     if getattr(model.config, "tie_word_embeddings", False):
         tied.add("lm_head.weight")

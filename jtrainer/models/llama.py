@@ -185,7 +185,11 @@ class LlamaDecoderLayer(nnx.Module):
 
 
 class LlamaModel(nnx.Module):
-    def __init__(self, config: LlamaConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+    """Embedding, decoder layers, final norm. `scan_layers`: the layers' parameters stacked along a leading
+    `layers` axis and run by one `nnx.scan` over a single compiled layer (MaxText's scan_layers), so compile
+    time does not grow with depth; same outputs and gradients, same HF names on export and import."""
+
+    def __init__(self, config: LlamaConfig, *, dtype, param_dtype, rngs: nnx.Rngs, scan_layers: bool = False):
         self.embed_tokens = Embed(
             config.vocab_size,
             config.hidden_size,
@@ -195,12 +199,16 @@ class LlamaModel(nnx.Module):
             rngs=rngs,
         )
         self.embed_tokens.embedding.set_metadata(logical_axes=("vocab", "embed"))
-        self.layers = nnx.List(
-            [
-                LlamaDecoderLayer(config, i, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-                for i in range(config.num_hidden_layers)
-            ]
-        )
+        self.scan_layers = scan_layers
+        if scan_layers:
+            self.layers = _stacked_layers(config, dtype, param_dtype, rngs)
+        else:
+            self.layers = nnx.List(
+                [
+                    LlamaDecoderLayer(config, i, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+                    for i in range(config.num_hidden_layers)
+                ]
+            )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, param_dtype=param_dtype)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.inv_freq = rope_inverse_frequencies(config, head_dim)  # a static tuple: part of the graph
@@ -233,6 +241,8 @@ class LlamaModel(nnx.Module):
             same = segment_ids_BxL[:, None, :, None] == segment_ids_BxL[:, None, None, :]
             mask = _both(mask, same & (segment_ids_BxL != 0)[:, None, None, :])
         x = constrain(x, ACTIVATION_AXES)
+        if self.scan_layers:
+            return self._scanned(x, cos, sin, mask, offsets_LxS, cache, start, length)
         new_keys, new_values = [], []
         for i, layer in enumerate(self.layers):
             if cache is not None:
@@ -246,6 +256,56 @@ class LlamaModel(nnx.Module):
             return self.norm(x)
         return self.norm(x), KVCache(new_keys, new_values, cache.index + length)
 
+    def _scanned(self, x, cos, sin, mask, offsets_LxS, cache, start, length):
+        """The layers as one scan; a cache's keys and values are then stacked too, [layers, batch, ...]."""
+        owner = _RematSettings(self.gradient_checkpointing, self.remat_policy)
+        if cache is None:
+            def body(layer, x):
+                return constrain(call_block(owner, layer, x, cos, sin, mask, offsets_LxS), ACTIVATION_AXES)
+
+            x = nnx.scan(body, in_axes=(0, nnx.Carry), out_axes=nnx.Carry)(self.layers, x)
+            return self.norm(x)
+
+        def cached(layer, x, keys, values):
+            x, (keys, values) = layer(x, cos, sin, mask, offsets_LxS, ((keys, values), start))
+            return constrain(x, ACTIVATION_AXES), (keys, values)
+
+        x, (keys, values) = nnx.scan(cached, in_axes=(0, nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0))(
+            self.layers, x, cache.keys, cache.values
+        )
+        return self.norm(x), KVCache(keys, values, cache.index + length)
+
+
+@dataclasses.dataclass(frozen=True)
+class _RematSettings:
+    """What `call_block` reads of its owner, taken out of the module so the scanned body closes over no module."""
+
+    gradient_checkpointing: bool
+    remat_policy: str | None
+
+
+def _stacked_layers(config, dtype, param_dtype, rngs: nnx.Rngs) -> "LlamaDecoderLayer":
+    """One LlamaDecoderLayer whose every parameter has a leading axis of num_hidden_layers (logical `layers`,
+    never sharded), each layer initialised from its own split of `rngs`."""
+    windows = set(attention_variant(config)["windows"])
+    if len(windows) > 1:
+        raise ValueError(
+            f"scan_layers runs one compiled layer for all, but this config's layers differ (sliding windows "
+            f"{sorted(windows, key=str)} by config.layer_types): load it with scan_layers=False."
+        )
+
+    @nnx.split_rngs(splits=config.num_hidden_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs):
+        return LlamaDecoderLayer(config, 0, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+    layers = make(rngs)
+    for _, var in nnx.iter_graph(layers):
+        if isinstance(var, nnx.Param):
+            axes = var.get_metadata().get("logical_axes")
+            var.set_metadata(logical_axes=("layers", *(axes or (None,) * (var[...].ndim - 1))))
+    return layers
+
 
 def _both(mask, other):
     return other if mask is None else mask & other
@@ -254,11 +314,18 @@ def _both(mask, other):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
-    """Keys and values of every layer, [batch, max_length, kv_heads, head_dim], and the next free slot."""
+    """Keys and values of every layer, [batch, max_length, kv_heads, head_dim], and the next free slot. With
+    scan_layers they are two arrays [layers, batch, max_length, kv_heads, head_dim] instead of lists."""
 
-    keys: list[jax.Array]
-    values: list[jax.Array]
+    keys: list[jax.Array] | jax.Array
+    values: list[jax.Array] | jax.Array
     index: jax.Array
+
+    def reorder(self, rows: jax.Array) -> "KVCache":
+        """The cache with its batch rows taken in the order `rows` (beam search)."""
+        if isinstance(self.keys, list):
+            return KVCache([c[rows] for c in self.keys], [c[rows] for c in self.values], self.index)
+        return KVCache(self.keys[:, rows], self.values[:, rows], self.index)
 
 
 class LlamaForCausalLM(PretrainedMixin, nnx.Module):
@@ -275,14 +342,15 @@ class LlamaForCausalLM(PretrainedMixin, nnx.Module):
     def logits_use_input_embeddings(self) -> bool:
         return bool(self.config.tie_word_embeddings)
 
-    def __init__(self, config: LlamaConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(self, config: LlamaConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs,
+                 scan_layers: bool = False):
         self._config = StaticConfig(config)
         # Positions per chunk of the training loss computed without whole logits (the Trainer's use_liger_kernel
         # sets it; None: whole logits). `deterministic` is nnx's train()/eval() flag: evaluation and prediction
         # always produce logits, as Liger's skip_logits holds only in training.
         self.loss_chunk_positions: int | None = None
         self.deterministic = False
-        self.model = LlamaModel(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.model = LlamaModel(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs, scan_layers=scan_layers)
         if not config.tie_word_embeddings:
             self.lm_head = _linear(
                 config.hidden_size,
@@ -294,6 +362,11 @@ class LlamaForCausalLM(PretrainedMixin, nnx.Module):
                 config.initializer_range,
                 ("embed", "vocab"),
             )
+
+    @property
+    def stacked_layers(self) -> tuple[tuple[str, ...], int] | None:
+        """(path prefix, count) of parameters stacked along a leading layer axis (scan_layers), for hf_io."""
+        return (("model", "layers"), self.config.num_hidden_layers) if self.model.scan_layers else None
 
     def check_mesh(self, mesh) -> None:
         """Tensor parallelism splits attention heads: the `tensor` axis must divide the number of heads."""
@@ -344,9 +417,12 @@ class LlamaForCausalLM(PretrainedMixin, nnx.Module):
 
     def init_cache(self, batch: int, max_length: int, dtype=jnp.float32) -> KVCache:
         """An empty KV cache for `batch` sequences of up to `max_length` tokens."""
-        attn = self.model.layers[0].self_attn
-        shape = (batch, max_length, attn.num_kv_heads, attn.head_dim)
-        n = len(self.model.layers)
+        config = self.config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        shape = (batch, max_length, config.num_key_value_heads or config.num_attention_heads, head_dim)
+        n = config.num_hidden_layers
+        if self.model.scan_layers:
+            return KVCache(jnp.zeros((n, *shape), dtype), jnp.zeros((n, *shape), dtype), jnp.zeros((), jnp.int32))
         return KVCache([jnp.zeros(shape, dtype) for _ in range(n)], [jnp.zeros(shape, dtype) for _ in range(n)],
                        jnp.zeros((), jnp.int32))
 
