@@ -5,6 +5,8 @@ nothing runs on a TPU). Prints the memory per chip against its HBM, XLA's FLOPs 
     pip install -e ".[tpu]"
     python benchmarks/size_targets.py                 # the 1B Llama on v5e-16 (fsdp and data parallel), ~6 min
     python benchmarks/size_targets.py --rows 1b-v5e-16 --rows 1b-v5p-8
+    python benchmarks/size_targets.py --rows 8b-v5p-8 --rows 8b-v5p-8-chunked --rows 8b-h100x8   # Llama-3-8B's shape
+GPU rows (h100x8) need the CUDA plugin: pip install -e ".[gpu-target]".
 """
 
 from __future__ import annotations
@@ -26,7 +28,23 @@ ROWS: dict[str, tuple[str, str, list[str]]] = {
     "1b-v6e-8x2-slices": ("configs/llama_1b_fsdp_v5e_16.yaml", "v6e-8", ["--num_slices", "2",
                                                                        "--mesh_shape", '{"data": 2, "fsdp": 8}']),
     "gpt2-v4-8": ("configs/gpt2_small_tpu_v4_8.yaml", "v4-8", []),
+    # scan_layers: one compiled decoder layer for all 16 (compare the compile column with 1b-v5e-16's)
+    "1b-v5e-16-scan": ("configs/llama_1b_fsdp_v5e_16.yaml", "v5litepod-16", ["--scan_layers", "true"]),
+    "1b-v5e-16-scan-chunked": ("configs/llama_1b_fsdp_v5e_16.yaml", "v5litepod-16",
+                               ["--scan_layers", "true", "--use_liger_kernel", "true"]),
 }
+# Llama-3-8B's shape (32 layers, 4096/14336, 32/8 heads, vocabulary 128,256) on the same recipe, scanned layers.
+LLAMA3_8B = ["--hidden_size", "4096", "--intermediate_size", "14336", "--num_hidden_layers", "32",
+             "--num_attention_heads", "32", "--num_key_value_heads", "8", "--tokenizer_vocab_size", "128256",
+             "--max_position_embeddings", "8192", "--scan_layers", "true"]
+ROWS["1b-h100x8"] = ("configs/llama_1b_fsdp_v5e_16.yaml", "h100x8", ["--per_device_train_batch_size", "8"])
+ROWS["1b-h100x8-scan"] = ("configs/llama_1b_fsdp_v5e_16.yaml", "h100x8", ["--per_device_train_batch_size", "8",
+                                                                         "--scan_layers", "true"])
+for _target, _batch in (("v5litepod-16", "1"), ("v5p-8", "4"), ("h100x8", "2")):
+    _rows = {"": [], "-chunked": ["--use_liger_kernel", "true"]}
+    for _suffix, _extra in _rows.items():
+        ROWS[f"8b-{_target}{_suffix}"] = ("configs/llama_1b_fsdp_v5e_16.yaml", _target, [
+            *LLAMA3_8B, "--per_device_train_batch_size", _batch, "--per_device_eval_batch_size", _batch, *_extra])
 DEFAULT_ROWS = ["1b-v5e-16", "1b-v5e-16-data-parallel"]
 
 
@@ -38,7 +56,8 @@ def size(config: str, target: str, extra: list[str]) -> dict:
     printed = io.StringIO()
     start = time.perf_counter()
     with contextlib.redirect_stdout(printed):
-        result = run_check(model_args, data_args, training_args, run_args.target, run_args.num_slices)
+        result = run_check(model_args, data_args, training_args, run_args.target, run_args.num_slices,
+                           run_args.num_nodes)
     result["seconds"] = time.perf_counter() - start
     result["printed"] = printed.getvalue()
     return result
@@ -66,8 +85,18 @@ def main() -> None:
         estimate = result["estimate"] or {}
         print(f"| {name} | {target} | {result['parameters'] / 1e9:.2f}B | {total / 2**30:.2f} GiB | "
               f"{total / hbm:.0%} of {hbm / 2**30:.0f} GiB | {'yes' if result['fits'] else 'no'} | "
-              f"{result['flops_per_step_per_device']:.2e} | {estimate.get('step_s', float('nan')):.2f} s | "
-              f"{estimate.get('mfu', float('nan')):.0%} | {result['seconds']:.0f} s |")
+              f"{result['flops_per_step_per_device']:.2e} | {_step(estimate)} | "
+              f"{_mfu(estimate)} | {result['seconds']:.0f} s |")
+
+
+def _step(estimate: dict) -> str:
+    if "step_s" not in estimate:
+        return ""
+    return f"{'>= ' if estimate['mfu'] is None else ''}{estimate['step_s']:.2f} s"
+
+
+def _mfu(estimate: dict) -> str:
+    return "" if estimate.get("mfu") is None else f"{estimate['mfu']:.0%}"
 
 
 if __name__ == "__main__":

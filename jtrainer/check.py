@@ -206,31 +206,37 @@ def compile_step(model_args, data_args, training_args, target: targets.Target | 
     }
 
 
-def roofline(numbers: dict[str, Any], target: targets.Target) -> dict[str, float] | None:
+def roofline(numbers: dict[str, Any], target: targets.Target, undercounted: str | None = None) -> dict | None:
     """An estimate, not a measurement: the step takes at least its FLOPs at the chip's peak and its memory
     traffic at the HBM bandwidth; MFU is 6ND over that time at peak. The FLOPs are the larger of XLA's count
-    and 6ND per chip (XLA's cost analysis can count a loop's body once). None where XLA reports no FLOPs."""
+    and 6ND per chip (XLA's cost analysis counts a loop's body once). Where XLA's counts are missing (GPU
+    targets) or known to be short (`undercounted` says why: the layers' scan), only the lower bound of 6ND at
+    peak is given, without an MFU (it would be 100% by construction). None for a chip of unknown peak."""
     from jtrainer.throughput import peak_flops
 
     peak = peak_flops(target.devices[0])
-    if not peak or not numbers["flops_per_step_per_device"]:
+    if not peak:
         return None
-    flops = max(numbers["flops_per_step_per_device"], numbers["model_flops_per_step"] / numbers["devices"])
-    compute_s = flops / peak
+    six_nd = numbers["model_flops_per_step"] / numbers["devices"]
+    if not numbers["flops_per_step_per_device"] or undercounted:
+        why = undercounted or "XLA reports no FLOPs or bytes for this target"
+        return {"step_s": six_nd / peak, "bound": "compute", "basis": f"lower bound: 6ND at peak ({why})",
+                "mfu": None}
+    compute_s = max(numbers["flops_per_step_per_device"], six_nd) / peak
     memory_s = numbers["bytes_accessed_per_device"] / target.chip.hbm_bytes_per_s
     step_s = max(compute_s, memory_s)
-    return {"step_s": step_s, "bound": "compute" if compute_s >= memory_s else "memory",
+    return {"step_s": step_s, "bound": "compute" if compute_s >= memory_s else "memory", "basis": "roofline",
             "mfu": numbers["model_flops_per_step"] / (step_s * peak * numbers["devices"])}
 
 
 def run_check(model_args, data_args, training_args, target_name: str | None = None,
-              num_slices: int = 1) -> dict[str, Any]:
+              num_slices: int = 1, num_nodes: int = 1) -> dict[str, Any]:
     """Print the field report and the compiled step's numbers (for `target_name`, e.g. "v5litepod-16", when
     given); returns both, with "fits"."""
     from jtrainer.cli import say
 
     jobs.check_task(model_args)
-    target = targets.resolve(target_name, num_slices) if target_name else None
+    target = targets.resolve(target_name, num_slices, num_nodes) if target_name else None
     report = field_report(training_args)
     say("jtrainer check: TrainingArguments set in this config")
     width = max((len(name) for name, *_ in report), default=10)
@@ -238,7 +244,9 @@ def run_check(model_args, data_args, training_args, target_name: str | None = No
         shown = getattr(value, "value", value)
         say(f"  {name:<{width}}  {status:<8}  {shown!r}" + (f"  ({why})" if why else ""))
     where = (f"{target.name} ({target.chips} x {target.chip.device_kind}, topology {target.topology}"
-             + (f" x {target.num_slices} slices" if target.num_slices > 1 else "") + ", compiled here, not run)"
+             + (f" x {target.num_slices} slices" if target.num_slices > 1 else "")
+             + (f" = {num_nodes} node(s) x {target.chips // num_nodes} GPUs" if isinstance(target.chip, targets.Gpu)
+                else "") + ", compiled here, not run)"
              if target else "this machine")
     try:
         numbers = compile_step(model_args, data_args, training_args, target)
@@ -274,8 +282,11 @@ def run_check(model_args, data_args, training_args, target_name: str | None = No
             + (" (the chunked loss's LM head counted for one chunk)" if training_args.chunked_loss_positions() else "")
             + (" (the scanned layers counted once)" if model_args.scan_layers else ""))
     say(f"  model FLOPs per step (6ND) {numbers['model_flops_per_step']:.3e}")
-    estimate = roofline(numbers, target) if target else None
-    if estimate is not None:
+    undercounted = "XLA counts the scanned layers once" if model_args.scan_layers else None
+    estimate = roofline(numbers, target, undercounted) if target else None
+    if estimate is not None and estimate["mfu"] is None:
+        say(f"  step time (estimate)       at least {estimate['step_s']:.3f} s, {estimate['basis']}")
+    elif estimate is not None:
         say(f"  step time (estimate)       {estimate['step_s']:.3f} s, {estimate['bound']}-bound roofline")
         say(f"  MFU (estimate)             {estimate['mfu']:.1%}")
     if not fits:

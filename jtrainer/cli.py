@@ -42,9 +42,11 @@ class RunArguments:
     target: str | None = field(
         default=None,
         metadata={"help": "jtrainer check: compile for this TPU slice instead of this machine, named as gcloud's "
-                  "accelerator types (v4-8, v5litepod-16, v5p-8, v6e-16, ...); needs libtpu (jax[tpu])."},
+                  "accelerator types (v4-8, v5litepod-16, v5p-8, v6e-16, ...; needs libtpu, jax[tpu]), or for "
+                  "GPU nodes (h100x8, h200x8, a100x8; needs the CUDA plugin, jax[cuda12-local])."},
     )
-    num_slices: int = field(default=1, metadata={"help": "jtrainer check --target: slices joined over DCN."})
+    num_slices: int = field(default=1, metadata={"help": "jtrainer check --target: TPU slices joined over DCN."})
+    num_nodes: int = field(default=1, metadata={"help": "jtrainer check --target h100x8: GPU nodes."})
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "default.yaml")
 
@@ -321,7 +323,8 @@ def main(argv: list[str] | None = None) -> int:
 
             if run_args.target is not None:
                 targets.compile_here_on_cpu()
-            result = run_check(model_args, data_args, training_args, run_args.target, run_args.num_slices)
+            result = run_check(model_args, data_args, training_args, run_args.target, run_args.num_slices,
+                               run_args.num_nodes)
             return 0 if result["fits"] else 1
         if run_args.target is not None:
             raise BadInput("--target is an option of `jtrainer check` (sizing a run for another machine).")

@@ -5,6 +5,11 @@ TPU targets are libtpu's compile-only topologies (`pip install "jax[tpu]==<the j
 no TPU is contacted), named as gcloud names accelerator types: `v4-N` and `v5p-N` count TensorCores (two per
 chip), `v5litepod-N` (alias `v5e-N`) and `v6e-N` count chips; `num_slices` > 1 gives a multi-slice target
 whose slices are joined by the data-center network.
+
+GPU targets are the CUDA plugin's deviceless topologies (`pip install "jax[cuda12-local]==<the jax in use>"`: the
+plugin without CUDA libraries; no GPU or driver is needed to compile): `h100x8`, `h200x8`, `a100x8` name a node of
+that many GPUs, `num_nodes` > 1 several such nodes. XLA does not refuse a GPU layout that overflows memory and
+reports no FLOPs there, so `jtrainer check` compares the memory itself and estimates time from 6ND.
 """
 
 from __future__ import annotations
@@ -43,9 +48,50 @@ EXAMPLES = "v4-8, v4-32, v5litepod-16 (v5e-16), v5p-8, v6e-16"
 
 
 @dataclasses.dataclass(frozen=True)
+class Gpu:
+    """One GPU model: its memory, bandwidth and what XLA's GPU compiler needs to know of it."""
+
+    device_kind: str
+    hbm_bytes: int
+    hbm_bytes_per_s: float
+    compute_capability: int  # major version: 8 Ampere, 9 Hopper
+    sm_count: int
+    fp32_units_per_sm: int
+    clock_ghz: float
+    l2_bytes: int
+    shared_memory_per_sm: int
+    shared_memory_per_block_optin: int
+
+    def target_config(self) -> str:
+        """XLA's GpuTargetConfig (text proto) for a deviceless compile."""
+        info = {
+            "threads_per_block_limit": 1024, "threads_per_warp": 32, "shared_memory_per_block": 49152,
+            "shared_memory_per_core": self.shared_memory_per_sm, "threads_per_core_limit": 2048,
+            "core_count": self.sm_count, "fpus_per_core": self.fp32_units_per_sm,
+            "block_dim_limit_x": 2**31 - 1, "block_dim_limit_y": 65535, "block_dim_limit_z": 65535,
+            "memory_bandwidth": int(self.hbm_bytes_per_s), "l2_cache_size": self.l2_bytes,
+            "clock_rate_ghz": self.clock_ghz, "device_memory_size": self.hbm_bytes,
+            "shared_memory_per_block_optin": self.shared_memory_per_block_optin,
+            "registers_per_core_limit": 65536, "registers_per_block_limit": 65536,
+        }
+        fields = "\n".join(f"  {key}: {value}" for key, value in info.items())
+        return (f"gpu_device_info {{\n{fields}\n  cuda_compute_capability {{ major: {self.compute_capability} }}\n}}\n"
+                f'platform_name: "CUDA"\ndevice_description_str: "{self.device_kind}"\n')
+
+
+MIB = 2**20
+GPUS: dict[str, Gpu] = {  # memory as nvidia-smi reports it (MiB), bandwidth and SM layout from NVIDIA's data sheets
+    "h100": Gpu("NVIDIA H100 80GB HBM3", 81559 * MIB, 3.35e12, 9, 132, 128, 1.98, 50 * MIB, 228 * 1024, 227 * 1024),
+    "h200": Gpu("NVIDIA H200", 143771 * MIB, 4.8e12, 9, 132, 128, 1.98, 50 * MIB, 228 * 1024, 227 * 1024),
+    "a100": Gpu("NVIDIA A100-SXM4-80GB", 81920 * MIB, 2.039e12, 8, 108, 64, 1.41, 40 * MIB, 164 * 1024, 163 * 1024),
+}
+GPU_EXAMPLES = "h100x8, h200x8, a100x8 (GPUs per node; --num_nodes for more nodes)"
+
+
+@dataclasses.dataclass(frozen=True)
 class Target:
     name: str
-    chip: Chip
+    chip: Chip | Gpu
     chips_per_slice: int
     num_slices: int
     topology: str  # libtpu's name, e.g. "v5e:4x4"
@@ -90,7 +136,8 @@ def parse(name: str) -> tuple[Chip, int]:
     """`v5litepod-16` -> (the v5e chip, 16 chips)."""
     match = re.fullmatch(r"(v4|v5p|v5litepod|v5e|v6e)-(\d+)", name.strip().lower())
     if not match:
-        raise BadInput(f"--target {name!r}: not a TPU accelerator type; use gcloud's names, e.g. {EXAMPLES}.")
+        raise BadInput(f"--target {name!r}: not a TPU accelerator type or GPU node; use gcloud's names, e.g. "
+                       f"{EXAMPLES}, or {GPU_EXAMPLES}.")
     chip = TPU_CHIPS[_ALIASES.get(match[1], match[1])]
     count = int(match[2])
     if count % chip.cores_in_name or count < chip.cores_in_name:
@@ -103,8 +150,26 @@ def parse(name: str) -> tuple[Chip, int]:
     return chip, chips
 
 
-def resolve(name: str, num_slices: int = 1) -> Target:
-    """The target's compile-only devices (libtpu's topology description)."""
+def parse_gpu(name: str) -> tuple[Gpu, int] | None:
+    """`h100x8` -> (the H100, 8 GPUs per node); None when `name` is no GPU target."""
+    match = re.fullmatch(r"(h100|h200|a100)x(\d+)", name.strip().lower())
+    if not match:
+        return None
+    per_node = int(match[2])
+    if not 1 <= per_node <= 8:
+        raise BadInput(f"--target {name!r}: a node holds 1 to 8 GPUs ({match[1]}x8); add nodes with --num_nodes.")
+    return GPUS[match[1]], per_node
+
+
+def resolve(name: str, num_slices: int = 1, num_nodes: int = 1) -> Target:
+    """The target's compile-only devices (libtpu's topology description, or the CUDA plugin's for GPUs)."""
+    gpu = parse_gpu(name)
+    if gpu is not None:
+        if num_slices != 1:
+            raise BadInput(f"--num_slices {num_slices}: for TPU slices; GPU targets take --num_nodes.")
+        return _resolve_gpu(name, *gpu, num_nodes)
+    if num_nodes != 1:
+        raise BadInput(f"--num_nodes {num_nodes}: for GPU targets ({GPU_EXAMPLES}); TPU slices take --num_slices.")
     chip, chips = parse(name)
     if num_slices < 1:
         raise BadInput(f"--num_slices {num_slices}: at least 1.")
@@ -128,6 +193,25 @@ def resolve(name: str, num_slices: int = 1) -> Target:
             num_slices=num_slices,
         )
     return Target(name, chip, chips, num_slices, topology, tuple(description.devices))
+
+
+def _resolve_gpu(name: str, gpu: Gpu, per_node: int, num_nodes: int) -> Target:
+    if num_nodes < 1:
+        raise BadInput(f"--num_nodes {num_nodes}: at least 1.")
+    import importlib.util
+
+    import jax
+
+    if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+        raise BadInput(
+            f"--target {name}: compiling for a GPU needs the CUDA plugin: pip install \"jax[cuda12-local]=="
+            f"{jax.__version__}\" (the plugin without CUDA libraries; no GPU is used)."
+        )
+    from jax.experimental import topologies
+
+    topology = f"1x{num_nodes}x{per_node}"  # slices x nodes x GPUs per node
+    description = topologies.get_topology_desc(name, "cuda", target_config=gpu.target_config(), topology=topology)
+    return Target(name, gpu, per_node * num_nodes, 1, topology, tuple(description.devices))
 
 
 def compile_here_on_cpu() -> None:

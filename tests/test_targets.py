@@ -114,3 +114,45 @@ def test_flops_count_every_micro_batch():
     one, two = results
     assert two["model_flops_per_step"] == 2 * one["model_flops_per_step"]
     assert two["flops_per_step_per_device"] == pytest.approx(2 * one["flops_per_step_per_device"], rel=0.02)
+
+
+@pytest.mark.parametrize("name, per_node, kind", [
+    ("h100x8", 8, "NVIDIA H100 80GB HBM3"), ("h200x8", 8, "NVIDIA H200"), ("a100x4", 4, "NVIDIA A100-SXM4-80GB"),
+])
+def test_the_cuda_plugin_builds_gpu_nodes_without_a_gpu(name, per_node, kind):
+    target = targets.resolve(name, num_nodes=2)
+    assert len(target.devices) == target.chips == 2 * per_node and target.topology == f"1x2x{per_node}"
+    assert {d.device_kind for d in target.devices} == {kind}
+    with pytest.raises(BadInput, match="a node holds 1 to 8 GPUs"):
+        targets.resolve("h100x16")
+    with pytest.raises(BadInput, match="GPU targets take --num_nodes"):
+        targets.resolve("h100x8", num_slices=2)
+
+
+def test_check_sizes_a_gpu_node_itself_and_refuses_what_overflows(capsys):
+    """XLA compiles a GPU layout whatever its size; the check compares memory with the GPU's itself (fits: exit 0;
+    a batch whose logits need 120 GiB: exit 1 naming what to change) and, without XLA's FLOPs, gives only the
+    6ND lower bound of the step time."""
+    parsed = parse_train_args([CONFIG, *SMALL, "--eval_strategy", "no", "--mesh_shape", '{"fsdp": -1}'], "check")
+    result = run_check(*parsed[:3], "h100x8")
+    printed = capsys.readouterr().out
+    assert result["fits"] and result["devices"] == 8 and result["device_kind"] == "NVIDIA H100 80GB HBM3"
+    assert result["memory_per_device"]["parameters"] == pytest.approx(result["parameters"] * 4 / 8, rel=0.05)
+    assert "of 79.65 GiB" in printed and "at least" in printed and "lower bound: 6ND at peak" in printed
+    assert "MFU (estimate)" not in printed and result["estimate"]["mfu"] is None
+    code = ("import sys; sys.modules['torch'] = None\nfrom jtrainer.cli import main\n"
+            f"sys.exit(main(['check', {CONFIG!r}, '--target', 'a100x1', *{TINY!r}, '--eval_strategy', 'no', "
+            "'--hidden_size', '256', '--tokenizer_vocab_size', '250000', '--block_size', '2048', "
+            "'--per_device_train_batch_size', '64']))\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 1, run.stdout[-2000:] + run.stderr[-3000:]
+    assert "jtrainer check: the train step does not fit:" in run.stdout and "of 80.00 GiB" in run.stdout
+    assert "per_device_train_batch_size" in run.stdout.splitlines()[-1]
+
+
+def test_the_check_of_scanned_layers_gives_no_mfu_from_counts_xla_makes_once(capsys):
+    parsed = parse_train_args([CONFIG, *TINY, "--eval_strategy", "no", "--scan_layers", "true"], "check")
+    result = run_check(*parsed[:3], "v5litepod-16")
+    printed = capsys.readouterr().out
+    assert result["fits"] and result["estimate"]["mfu"] is None
+    assert "(the scanned layers counted once)" in printed and "XLA counts the scanned layers once" in printed
