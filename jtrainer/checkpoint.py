@@ -32,6 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 import optax
 import orbax.checkpoint as ocp
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
@@ -219,9 +220,10 @@ class PendingCheckpoint:
     last byte is written (manifest, commit marker, rename, then `on_commit`), independent of the next save;
     `commit()` waits for that (and re-raises its error); `done` says whether it has happened."""
 
-    def __init__(self, folder: str, checkpointer, is_main: bool, step: int, on_commit: Callable[[], None]):
+    def __init__(self, folder: str, checkpointer, is_main: bool, step: int, on_commit: Callable[[], None],
+                 finish_files: Callable[[str, str], None] | None = None):
         self.folder, self.checkpointer, self.is_main, self.step = folder, checkpointer, is_main, step
-        self.on_commit = on_commit
+        self.on_commit, self.finish_files = on_commit, finish_files
         self._finished = threading.Event()
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
@@ -261,7 +263,11 @@ class PendingCheckpoint:
                     self.checkpointer.close()
         _barrier(f"jtrainer_ckpt_written_{self.step}")
         with _writing(self.folder, self.is_main):
-            self._rename_into_place(_writing_folder(self.folder))
+            tmp = _writing_folder(self.folder)
+            if self.is_main and self.finish_files is not None:  # files made from the arrays just written
+                with storage.staged_folder(tmp) as local:
+                    self.finish_files(tmp, local)
+            self._rename_into_place(tmp)
         _barrier(f"jtrainer_ckpt_committed_{self.step}")
         self.on_commit()
 
@@ -290,12 +296,15 @@ def save_checkpoint(
     *,
     asynchronous: bool = False,
     on_commit: Callable[[], None] = lambda: None,
+    finish_files: Callable[[str, str], None] | None = None,
 ) -> PendingCheckpoint | None:
     """Write a checkpoint into `folder.tmp`, then commit it by renaming to `folder` (see the module doc).
 
     With `asynchronous`, orbax writes the arrays in the background (after copying them off the devices) and the
     returned PendingCheckpoint commits itself when they are written; `on_commit` runs after the rename (rotation
-    goes there, so nothing is deleted before its successor exists).
+    goes there, so nothing is deleted before its successor exists). `finish_files(written, local)`, on the main
+    process once every process's arrays are written (in the committer thread when asynchronous), writes files
+    made from them (the HF export read back from `written`'s train state) into the local folder `local`.
     """
     tmp = _writing_folder(folder)
     with _writing(folder, is_main):
@@ -318,7 +327,7 @@ def save_checkpoint(
             if checkpointer is not None:
                 checkpointer.close()
             raise
-    pending = PendingCheckpoint(folder, checkpointer, is_main, step, on_commit)
+    pending = PendingCheckpoint(folder, checkpointer, is_main, step, on_commit, finish_files)
     if asynchronous:
         pending.commit_in_background()
         return pending
@@ -333,6 +342,23 @@ def _test_pause(step: int) -> float:
         return 0.0
     at, _, seconds = value.rpartition(":")
     return float(seconds) if (not at or int(at) == step) else 0.0
+
+
+def read_params(folder: str) -> dict:
+    """The parameters of a checkpoint's train state (written, not necessarily committed) as host numpy arrays,
+    read by this process alone: no device, no collective, no other process takes part, so a background thread
+    may read them while the main thread trains."""
+    path = _orbax_path(storage.join(folder, TRAIN_STATE_DIR))
+    me = jax.process_index()
+    alone = ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})
+    handler = ocp.PyTreeCheckpointHandler(multiprocessing_options=alone)
+    with contextlib.closing(ocp.Checkpointer(handler, multiprocessing_options=alone)) as reader:
+        saved = reader.metadata(path).item_metadata.tree["params"]
+        item = jax.tree.map(lambda m: np.zeros((), m.dtype), saved)
+        as_numpy = jax.tree.map(lambda m: ocp.RestoreArgs(restore_type=np.ndarray), saved)
+        restored = reader.restore(path, args=ocp.args.PyTreeRestore(
+            item={"params": item}, restore_args={"params": as_numpy}, partial_restore=True))
+    return restored["params"]
 
 
 def _orbax_path(path: str) -> str:

@@ -107,7 +107,12 @@ class SavingMixin:
                 folder,
             )
             return
-        tensors = self._hf_tensors()  # on many hosts a collective: every process takes part
+        # The HF export of our models is read back from the train state just written, inside the commit (off the
+        # step's path, on process 0 alone); otherwise gathered now (on many hosts a collective: every process).
+        in_commit = self._export_in_commit()
+        if in_commit:
+            self._sync_model()  # callbacks' `model` holds the saved parameters, as with the export gathered here
+        tensors = None if in_commit else self._hf_tensors()
         if self.state.best_global_step:
             best = checkpoint.checkpoint_folder(run_dir, self.state.best_global_step)
             if best == folder or storage.exists(best):  # saves are committed in order: an earlier one exists
@@ -123,7 +128,7 @@ class SavingMixin:
         process_rng, loop_state = host_rng.capture(), getattr(self, "_loop_state", None)
 
         def write_files(tmp: str) -> None:
-            self._write_model(tmp, tensors)
+            self._write_model(tmp, tensors, weights=not in_commit)
             self.state.save_to_json(os.path.join(tmp, checkpoint.TRAINER_STATE_NAME))
             if scheduler_state is not None:
                 with open(os.path.join(tmp, checkpoint.SCHEDULER_NAME), "w") as f:
@@ -143,6 +148,12 @@ class SavingMixin:
             if self.args.push_to_hub:
                 self._push_from_checkpoint(folder)
 
+        def export_weights(written: str, local: str) -> None:
+            from jtrainer.models import hf_io
+
+            params = checkpoint.read_params(written)
+            hf_io.write_weights(hf_io.hf_tensors_from_params(self.model, params), local)
+
         train_state = None if self.args.save_only_model else self._train_state
         self._pending_checkpoint = checkpoint.save_checkpoint(
             folder,
@@ -152,7 +163,15 @@ class SavingMixin:
             self.state.global_step,
             asynchronous=self.args.async_checkpointing,
             on_commit=on_commit,
+            finish_files=export_weights if in_commit else None,
         )
+
+    def _export_in_commit(self) -> bool:
+        """Whether a checkpoint's HF weights can come from its saved train state: one of our models (an HF
+        config and nnx parameters), the train state saved, and the model holding the trained parameters
+        (not a schedule-free optimizer's evaluation ones)."""
+        return (self._train_state is not None and not self.args.save_only_model and hasattr(self.model, "config")
+                and not self._optimizer_eval_mode)
 
     def _params_finite(self) -> bool:
         if self._train_state is None:
@@ -254,11 +273,15 @@ class SavingMixin:
 
         return hf_io.to_hf_state_dict(self.model, keep=self.args.should_save)
 
-    def _write_model(self, output_dir: str, tensors) -> None:
+    def _write_model(self, output_dir: str, tensors, weights: bool = True) -> None:
+        """The HF folder: config and weights (`weights=False`: the config only, its weights come later),
+        tokenizer and training arguments."""
         from jtrainer.models import hf_io
 
         os.makedirs(output_dir, exist_ok=True)
-        if tensors is None:
+        if not weights:
+            self.model.config.save_pretrained(output_dir)
+        elif tensors is None:
             self.model.save_pretrained(output_dir)
         elif hasattr(self.model, "config"):
             hf_io.write_hf_folder(self.model.config, tensors, output_dir)

@@ -2,7 +2,8 @@
 
     python tests/ckpt_job.py OUT_DIR MAX_STEPS SAVE_STEPS EVAL(0|1) [MESH_JSON GLOBAL_BATCH [RESUME_FROM]]
 Touches OUT_DIR/step (the global step) after every step, and OUT_DIR/evaluating during evaluations;
-with CKPT_JOB_RAISE_AT_STEP=N a callback raises after step N; with CKPT_JOB_DISK_AT_STEP=N the disk fails after
+with CKPT_JOB_RAISE_AT_STEP=N a callback raises after step N; with CKPT_JOB_SAVE_MODEL=1 save_model() writes
+OUT_DIR/final at the end; with CKPT_JOB_DISK_AT_STEP=N the disk fails after
 step N: CKPT_JOB_DISK=full (no file may grow past 1 KiB: EFBIG, as ENOSPC) or readonly (OUT_DIR loses write access).
 """
 
@@ -125,6 +126,8 @@ if __name__ == "__main__":
     resume = sys.argv[7] if len(sys.argv) > 7 else None
     trainer = make_trainer(out, max_steps, save_steps, evaluate, mesh or None, batch)
     trainer.train(resume_from_checkpoint=resume)
+    if os.environ.get("CKPT_JOB_SAVE_MODEL"):  # the export gathered at the end, beside the checkpoints' own
+        trainer.save_model(os.path.join(out, "final") if "://" not in out else out + "/final")
     if jax.process_index() == 0:
         from jtrainer import storage
 

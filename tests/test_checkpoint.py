@@ -293,3 +293,28 @@ def test_save_only_model_and_callback_states(tmp_path):
     resumed.args.restore_callback_states_from_checkpoint = True
     resumed.train(resume_from_checkpoint=True)
     assert counter.count == 3  # 2 restored from the checkpoint, then one more step
+
+
+def test_the_checkpoint_export_is_read_back_in_the_commit_not_gathered_in_the_step(tmp_path, monkeypatch):
+    """A checkpoint's model.safetensors comes from its saved train state, written by the committer (off the
+    step's path, no gather on any process); it equals save_model()'s export byte for byte. Without a train state
+    (save_only_model) the export is gathered as before."""
+    from jtrainer.models import hf_io
+
+    gathered = []
+    real = hf_io.to_hf_state_dict
+    monkeypatch.setattr(hf_io, "to_hf_state_dict", lambda *a, **k: gathered.append(1) or real(*a, **k))
+    trainer = make_trainer(str(tmp_path / "run"), 4, 2, False)
+    trainer.train()
+    assert gathered == []
+    trainer.save_model(str(tmp_path / "final"))
+    assert gathered == [1]
+    for step in (2, 4):
+        checkpoint.verify_checkpoint(str(tmp_path / "run" / f"checkpoint-{step}"))
+    exported = (tmp_path / "run" / "checkpoint-4" / "model.safetensors").read_bytes()
+    assert exported == (tmp_path / "final" / "model.safetensors").read_bytes()
+
+    only_model = make_trainer(str(tmp_path / "only"), 2, 2, False)
+    only_model.args.save_only_model = True
+    only_model.train()
+    assert len(gathered) > 1 and (tmp_path / "only" / "checkpoint-2" / "model.safetensors").exists()

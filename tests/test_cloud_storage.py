@@ -143,7 +143,8 @@ def _pair(url, args, port):
     procs = []
     for i in range(2):
         env = _env(url, JTRAINER_COORDINATOR=f"127.0.0.1:{port}", JTRAINER_NUM_PROCESSES="2",
-                   JTRAINER_PROCESS_ID=str(i), XLA_FLAGS="--xla_force_host_platform_device_count=4")
+                   JTRAINER_PROCESS_ID=str(i), XLA_FLAGS="--xla_force_host_platform_device_count=4",
+                   CKPT_JOB_SAVE_MODEL="1")
         procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, "ckpt_job.py"), *args], env=env,
                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
     for proc in procs:
@@ -172,6 +173,9 @@ def test_two_processes_save_to_gcs_and_resume_bit_identically(gcs):
     assert all(resumed[k] == full[k] for k in ("3", "4"))
     assert fs.cat_file("bkt/mh-full/checkpoint-4/model.safetensors") == \
         fs.cat_file("bkt/mh-resumed/checkpoint-4/model.safetensors")
+    # The checkpoint's export, read back from its train state by process 0 inside the commit, is the export
+    # save_model() gathers from both processes' shards, byte for byte.
+    assert fs.cat_file("bkt/mh-full/checkpoint-4/model.safetensors") == fs.cat_file("bkt/mh-full/final/model.safetensors")
     manifest = json.loads(fs.cat_file("bkt/mh-full/checkpoint-4/manifest.json"))
     assert any("ocdbt.process_1" in name for name in manifest)  # process 1 wrote its shards there too
     checkpoint.verify_checkpoint("gs://bkt/mh-resumed/checkpoint-4")

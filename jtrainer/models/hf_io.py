@@ -109,13 +109,29 @@ def to_hf_state_dict(model: nnx.Module, keep: bool = True) -> dict[str, np.ndarr
     holds one gathered block at a time (the whole model is 32 GB at 8B)."""
     out = {}
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        names = _hf_names(model, path)
         value = host_value(var[...], keep)
-        if not keep:
-            continue
-        layers = [value] if _layer_count(model, path) is None else list(value)
-        for (name, transposed), part in zip(names, layers, strict=True):
-            out[name] = np.ascontiguousarray(part.T if transposed else part)
+        if keep:
+            out.update(_named(model, path, value))
+    return out
+
+
+def _named(model: nnx.Module, path: tuple, value: np.ndarray) -> dict[str, np.ndarray]:
+    """One parameter's value as its HF tensors (one per layer for a stacked parameter), in HF's layout."""
+    names = _hf_names(model, path)
+    layers = [value] if _layer_count(model, path) is None else list(value)
+    return {name: np.ascontiguousarray(part.T if transposed else part)
+            for (name, transposed), part in zip(names, layers, strict=True)}
+
+
+def hf_tensors_from_params(model: nnx.Module, params: dict) -> dict[str, np.ndarray]:
+    """HF-named tensors of a parameter tree read back from a checkpoint (nested dicts as `nnx.to_pure_dict`
+    gives, keys possibly strings), in the order `to_hf_state_dict` gives them (so shards split alike)."""
+    out = {}
+    for path, _ in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        node = params
+        for key in path:
+            node = node[key] if key in node else node[str(key)]
+        out.update(_named(model, path, np.asarray(node)))
     return out
 
 
@@ -127,6 +143,11 @@ def save_pretrained(model: nnx.Module, save_directory: str, max_shard_size: int 
 def write_hf_folder(config, tensors: dict[str, np.ndarray], save_directory: str, max_shard_size: int = 5 * 1024**3):
     os.makedirs(save_directory, exist_ok=True)
     config.save_pretrained(save_directory)
+    write_weights(tensors, save_directory, max_shard_size)
+
+
+def write_weights(tensors: dict[str, np.ndarray], save_directory: str, max_shard_size: int = 5 * 1024**3) -> None:
+    """model.safetensors, or shards of at most `max_shard_size` bytes with HF's index."""
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
     for name, value in tensors.items():
