@@ -114,11 +114,57 @@ def mesh_devices() -> list:
 
 
 def make_mesh(sizes: dict[str, int] | None = None, devices: Sequence[Any] | None = None) -> Mesh:
-    """A 4-axis mesh; `data` is outermost, so on many hosts it spans hosts (the DCN axis) by default."""
+    """A 4-axis mesh laid out for the machine (`device_grid`); `data` is outermost, so on many hosts and
+    slices it spans them (the DCN axis) by default."""
     devices = list(devices if devices is not None else mesh_devices())
     sizes = sizes or {DATA: len(devices), FSDP: 1, TENSOR: 1, SEQUENCE: 1}
-    grid = np.asarray(devices, dtype=object).reshape([sizes[a] for a in MESH_AXES])
+    grid = device_grid([sizes[a] for a in MESH_AXES], devices)
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def device_grid(shape: list[int], devices: list) -> np.ndarray:
+    """The devices arranged as the mesh `shape` [data, fsdp, tensor, sequence] along the interconnect.
+
+    One process: `mesh_utils.create_device_mesh`, which follows the chips' torus (TPU) so each mesh axis runs
+    over neighbouring chips. Several processes (hosts, slices): `create_hybrid_device_mesh` with each process a
+    granule, its devices laid out for the torus inside it, the processes split over the batch axes (`data`
+    first, then `fsdp`) in process order, which puts slices on `data`. Each process's rows of a batch then stay
+    one contiguous block (what the loader feeds). Where neither applies (a split that would interleave the
+    processes' rows, devices mesh_utils does not know), the devices keep their order (a plain reshape)."""
+    from jax.experimental import mesh_utils
+
+    plain = np.asarray(devices, dtype=object).reshape(shape)
+    processes = sorted({d.process_index for d in devices})
+    try:
+        if len(processes) == 1:
+            grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+        else:
+            granules = len(processes)
+            over_data = math.gcd(shape[0], granules)
+            over_fsdp = granules // over_data
+            if shape[1] % over_fsdp or (over_fsdp > 1 and shape[0] // over_data > 1):
+                return plain
+            inner = [shape[0] // over_data, shape[1] // over_fsdp, shape[2], shape[3]]
+            grid = mesh_utils.create_hybrid_device_mesh(inner, [over_data, over_fsdp, 1, 1], devices,
+                                                        process_is_granule=True, allow_split_physical_axes=True)
+    except (ValueError, NotImplementedError, AssertionError, KeyError, AttributeError):
+        return plain
+    return grid if _rows_contiguous(grid) else plain
+
+
+def _rows_contiguous(grid: np.ndarray) -> bool:
+    """Whether every process's devices take one contiguous run of the batch axes (data x fsdp, flattened)."""
+    owners = [d.process_index for d in grid.reshape(grid.shape[0] * grid.shape[1], -1)[:, 0]]
+    per_row = grid.reshape(grid.shape[0] * grid.shape[1], -1)
+    if any(len({d.process_index for d in row}) > 1 for row in per_row):
+        return False  # tensor / sequence shards of one row on several processes: rows are shared, not split
+    seen, last = set(), None
+    for owner in owners:
+        if owner != last and owner in seen:
+            return False
+        seen.add(owner)
+        last = owner
+    return True
 
 
 def merged_rules(overrides: Any = None) -> dict[str, Any]:

@@ -102,7 +102,7 @@ def test_a_trainer_run_with_scanned_layers_equals_the_unrolled_run(tmp_path):
     def run(scan):
         args = TrainingArguments(output_dir=scratch_dir(), per_device_train_batch_size=4, max_steps=3,
                                  learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to="none",
-                                 disable_tqdm=True, gradient_checkpointing=True, seed=1)
+                                 disable_tqdm=True, activation_checkpointing=True, seed=1)
         model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "ref"), scan_layers=scan)
         trainer = Trainer(model=model, args=args, train_dataset=token_rows(12, length=16))
         with count_compiles() as compiles:

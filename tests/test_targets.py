@@ -156,3 +156,29 @@ def test_the_check_of_scanned_layers_gives_no_mfu_from_counts_xla_makes_once(cap
     printed = capsys.readouterr().out
     assert result["fits"] and result["estimate"]["mfu"] is None
     assert "(the scanned layers counted once)" in printed and "XLA counts the scanned layers once" in printed
+
+
+@pytest.mark.parametrize("name, slices, sizes, ring", [
+    ("v5litepod-16", 1, {"data": 1, "fsdp": 16, "tensor": 1, "sequence": 1}, True),
+    ("v4-32", 1, {"data": 2, "fsdp": 8, "tensor": 1, "sequence": 1}, False),
+    ("v5litepod-16", 1, {"data": 1, "fsdp": 4, "tensor": 4, "sequence": 1}, True),
+    ("v6e-8", 2, {"data": 2, "fsdp": 8, "tensor": 1, "sequence": 1}, False),
+])
+def test_the_mesh_follows_the_torus_keeps_each_hosts_rows_together_and_puts_slices_on_data(name, slices, sizes,
+                                                                                           ring):
+    from jtrainer import sharding
+
+    target = targets.resolve(name, slices)
+    grid = sharding.make_mesh(sizes, list(target.devices)).devices
+    rows = grid.reshape(sizes["data"] * sizes["fsdp"], -1)
+    owners = [row[0].process_index for row in rows]
+    assert all(len({d.process_index for d in row}) == 1 for row in rows)  # a row's tensor shards on one host
+    assert owners == sorted(owners)  # each process's rows: one contiguous block, in process order
+    for i in range(sizes["data"]):  # several slices: the data axis runs over them (DCN), fsdp inside one
+        assert len({getattr(d, "slice_index", 0) for d in grid[i].reshape(-1)}) == 1
+    if slices > 1:
+        assert [grid[i, 0, 0, 0].slice_index for i in range(sizes["data"])] == list(range(slices))
+    if ring:  # inside a v5e host (a 2x2 block) the chips run along the torus (mesh_utils), not by device id
+        host = list(rows[:4, 0]) if sizes["tensor"] == 1 else list(rows[0])
+        for a, b in zip(host, host[1:]):
+            assert sum(abs(x - y) for x, y in zip(a.coords, b.coords)) == 1, [d.coords for d in host]
