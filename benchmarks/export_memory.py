@@ -4,7 +4,12 @@ memory grew during each save (Linux VmHWM, reset just before it). The first save
 the later ones show the tensors held. Only process 0 writes the export, so only it should hold
 the whole model (~240 MB of float32 here, 32 GB at 8B); the other takes part in the gathers and keeps nothing.
 
+With a train state in the checkpoint (the default) the export is read back from it by process 0 inside the
+commit: no gather, so process 1's memory should not grow by the model at all; `--gathered` saves with
+save_only_model=True, whose export is gathered (process 0 keeps it, process 1 one block at a time).
+
     python benchmarks/export_memory.py            # ~2 minutes on 2 cores
+    python benchmarks/export_memory.py --gathered
 """
 
 from __future__ import annotations
@@ -52,7 +57,8 @@ def worker(out: str) -> None:
     rng = np.random.RandomState(0)
     rows = [{"input_ids": ids, "labels": ids} for ids in rng.randint(0, 32000, (16, 64)).tolist()]
     args = TrainingArguments(output_dir=out, mesh_shape={"fsdp": -1}, per_device_train_batch_size=1, max_steps=3,
-                             save_steps=1, async_checkpointing=False, save_only_model=True, report_to="none",
+                             save_steps=1, async_checkpointing=False, report_to="none",
+                             save_only_model=os.environ.get("EXPORT_MEMORY_MODE") == "gathered",
                              disable_tqdm=True, logging_steps=1)
     trainer = Trainer(model, args, train_dataset=rows, callbacks=[SaveMemory()])
     params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
@@ -63,14 +69,15 @@ def worker(out: str) -> None:
 
 def main() -> None:
     with tempfile.TemporaryDirectory() as out:
-        env = dict(os.environ, JAX_PLATFORMS="cpu", JTRAINER_COMPILATION_CACHE_DIR="none")
+        env = dict(os.environ, JAX_PLATFORMS="cpu", JTRAINER_COMPILATION_CACHE_DIR="none",
+                   EXPORT_MEMORY_MODE="gathered" if "--gathered" in sys.argv else "in-commit")
         subprocess.run([sys.executable, "-m", "jtrainer.cli", "launch", "--num_processes", "2",
                         "--devices_per_process", "4", os.path.abspath(__file__), os.path.join(out, "run")],
                        env=env, cwd=ROOT, check=True)
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1:
+    if len(sys.argv) > 1 and not sys.argv[1].startswith("--"):
         worker(sys.argv[1])
     else:
         main()

@@ -85,7 +85,7 @@ def main() -> None:
         estimate = result["estimate"] or {}
         print(f"| {name} | {target} | {result['parameters'] / 1e9:.2f}B | {total / 2**30:.2f} GiB | "
               f"{total / hbm:.0%} of {hbm / 2**30:.0f} GiB | {'yes' if result['fits'] else 'no'} | "
-              f"{result['flops_per_step_per_device']:.2e} | {_step(estimate)} | "
+              f"{result['flops_per_step_per_device'] or float('nan'):.2e} | {_step(estimate)} | "
               f"{_mfu(estimate)} | {result['seconds']:.0f} s |")
 
 
