@@ -37,16 +37,19 @@ class _AutoModel:
 
     @classmethod
     def from_config(cls, config, *, seed: int = 0, **kwargs: Any) -> nnx.Module:
-        return cls._model_class(config)(config, rngs=nnx.Rngs(seed), **kwargs)
+        return cls._model_class(config).from_config(config, seed=seed, **kwargs)
 
     @classmethod
-    def from_pretrained(cls, directory: str, **kwargs: Any) -> nnx.Module:
-        """A local HF folder (config.json + safetensors), or one on gs:// / s3:// (downloaded once). Takes
-        dtype= and mesh=."""
-        from jtrainer import storage
+    def from_pretrained(cls, pretrained_model_name_or_path: str, *model_args, config=None, **kwargs: Any) -> nnx.Module:
+        """transformers' AutoModel*.from_pretrained: the class from the config's `model_type` (`config=`, or the
+        folder's config.json), then that class's from_pretrained with the same keywords (see
+        `PretrainedMixin.from_pretrained`: local folders, gs:// / s3://, Hub ids, dtype=, mesh=, ...)."""
+        from jtrainer.models import loading
 
-        directory = storage.fetched(directory)
-        return cls._model_class(AutoConfig.from_pretrained(directory)).from_pretrained(directory, **kwargs)
+        if config is None:
+            hub = {k: kwargs[k] for k in loading.HUB_KEYWORDS if k in kwargs}
+            config = AutoConfig.from_pretrained(loading.resolve_folder(pretrained_model_name_or_path, hub))
+        return cls._model_class(config).from_pretrained(pretrained_model_name_or_path, config=config, **kwargs)
 
 
 class AutoModelForCausalLM(_AutoModel):

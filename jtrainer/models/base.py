@@ -119,8 +119,18 @@ class PretrainedMixin:
                 node.gradient_checkpointing, node.remat_policy = True, policy
 
     @classmethod
-    def from_config(cls, config, *, seed: int = 0, **kwargs):
-        return cls(config, rngs=nnx.Rngs(seed), **kwargs)
+    def from_config(cls, config, *, seed: int = 0, dtype=None, torch_dtype=None, **kwargs):
+        """A freshly initialised model of `config`, as HF's from_config (its keywords: `dtype` casts the
+        parameters; `trust_remote_code` and `attn_implementation` as in from_pretrained)."""
+        from jtrainer.models import loading
+
+        loading.refuse_inapplicable(kwargs, config)
+        _, kwargs = loading.split_keywords(kwargs)
+        model = cls(config, rngs=nnx.Rngs(seed), **kwargs)
+        target = loading.weight_dtype(dtype if dtype is not None else torch_dtype, config)
+        if target is not None:
+            _cast_parameters(model, target)
+        return model
 
     def save_pretrained(self, save_directory: str, **kwargs) -> None:
         from jtrainer.models import hf_io
@@ -128,18 +138,45 @@ class PretrainedMixin:
         hf_io.save_pretrained(self, save_directory, **kwargs)
 
     @classmethod
-    def from_pretrained(cls, directory: str, *, dtype=None, mesh=None, logical_axis_rules=None, **kwargs):
-        """A local folder of config.json + safetensors (as PyTorch transformers writes it).
+    def from_pretrained(cls, pretrained_model_name_or_path: str, *model_args, config=None, dtype=None,
+                        torch_dtype=None, mesh=None, logical_axis_rules=None, ignore_mismatched_sizes: bool = False,
+                        seed: int = 0, **kwargs):
+        """transformers' from_pretrained: a folder of config.json + safetensors as PyTorch transformers writes
+        it, a gs:// / s3:// URL, or a Hub id (through huggingface_hub's cache; `cache_dir`, `revision`, `token`,
+        `local_files_only`, `subfolder` as HF's). `config=` replaces config.json; keywords naming config
+        attributes override it. Weights the folder lacks (another head, a base model) are initialised (from
+        `seed`) and reported, as are unused ones; another shape is an error unless `ignore_mismatched_sizes`.
 
         The model is built abstractly (no random weights are allocated), then every parameter is read from
-        disk; with `mesh`, straight onto its sharding, slice by slice. `dtype` (e.g. jnp.bfloat16) casts them.
+        disk; with `mesh`, straight onto its sharding, slice by slice. `dtype` ("auto", a name, a torch or jax
+        dtype) casts them; unset, they stay float32 master weights.
         """
-        from jtrainer import sharding, storage
-        from jtrainer.models import hf_io
+        from jtrainer import sharding
+        from jtrainer.models import hf_io, loading
 
-        directory = storage.fetched(directory)  # gs:// or s3://: downloaded once
-        config = cls.config_class.from_pretrained(directory)
-        model = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0), **kwargs))
+        asked = dict(kwargs)
+        loading.refuse_inapplicable(asked)  # before any download
+        hub, kwargs = loading.split_keywords(dict(kwargs))
+        output_loading_info = kwargs.pop("output_loading_info", False)
+        directory = loading.resolve_folder(pretrained_model_name_or_path, hub)
+        if config is None:
+            config = cls.config_class.from_pretrained(directory)
+        loading.refuse_inapplicable(asked, config)
+        config, model_kwargs = loading.config_and_model_kwargs(config, kwargs)
+        build = lambda: cls(config, rngs=nnx.Rngs(seed), **model_kwargs)  # noqa: E731
+        model = nnx.eval_shape(build)
         rules = sharding.merged_rules(logical_axis_rules) if mesh is not None else None
-        hf_io.load_weights(model, directory, mesh=mesh, rules=rules, dtype=dtype)
-        return model
+        target = loading.weight_dtype(dtype if dtype is not None else torch_dtype, config)
+        report = hf_io.load_weights(model, directory, mesh=mesh, rules=rules, dtype=target, strict=False,
+                                    fresh=build, ignore_mismatched_sizes=ignore_mismatched_sizes,
+                                    source=pretrained_model_name_or_path)
+        config._name_or_path = pretrained_model_name_or_path
+        return (model, report.to_dict()) if output_loading_info else model
+
+
+def _cast_parameters(model: nnx.Module, dtype) -> None:
+    """Every floating-point parameter of `model` in `dtype`, in place."""
+    for _, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        value = var[...]
+        if jnp.issubdtype(value.dtype, jnp.floating):
+            var.set_value(value.astype(dtype))

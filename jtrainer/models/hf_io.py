@@ -7,8 +7,10 @@ nnx paths follow HF module names; only the leaf names and layouts differ: `kerne
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
+import logging
 import os
 
 import jax
@@ -18,6 +20,8 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from jtrainer.errors import BadInput
+
+logger = logging.getLogger(__name__)
 
 WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
@@ -221,11 +225,52 @@ def _open(path: str):
         yield f
 
 
-def load_weights(model: nnx.Module, directory: str, *, mesh=None, rules=None, dtype=None) -> None:
+@dataclasses.dataclass
+class LoadReport:
+    """What `load_weights` found, in HF's terms (transformers' LoadStateDictInfo): checkpoint tensors the model
+    has no parameter for, parameters the checkpoint lacks, and those whose shapes differ."""
+
+    missing_keys: list[str] = dataclasses.field(default_factory=list)
+    unexpected_keys: list[str] = dataclasses.field(default_factory=list)
+    mismatched_keys: list[tuple[str, tuple, tuple]] = dataclasses.field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        """As transformers' `output_loading_info=True` gives it."""
+        return {"missing_keys": set(self.missing_keys), "unexpected_keys": set(self.unexpected_keys),
+                "mismatched_keys": set(self.mismatched_keys), "error_msgs": []}
+
+    def text(self, model_name: str, source: str) -> str | None:
+        """HF's load report: one line per key and status, then what each status means (None: nothing to say)."""
+        rows = [f"{k}  UNEXPECTED" for k in self.unexpected_keys] + [f"{k}  MISSING" for k in self.missing_keys]
+        rows += [f"{k}  MISMATCH  Reinit due to size mismatch - ckpt: {a} vs model:{b}"
+                 for k, a, b in self.mismatched_keys]
+        if not rows:
+            return None
+        notes = []
+        if self.unexpected_keys:
+            notes.append("- UNEXPECTED:\tcan be ignored when loading from different task/architecture; not ok if you "
+                         "expect identical arch.")
+        if self.missing_keys:
+            notes.append("- MISSING:\tthose params were newly initialized because missing from the checkpoint. "
+                         "Consider training on your downstream task.")
+        if self.mismatched_keys:
+            notes.append("- MISMATCH:\tckpt weights were loaded, but they did not match the original empty weight "
+                         "shapes.")
+        return (f"{model_name} LOAD REPORT from: {source}\nKey  Status\n" + "\n".join(rows) + "\n\nNotes:\n"
+                + "\n".join(notes))
+
+
+def load_weights(model: nnx.Module, directory: str, *, mesh=None, rules=None, dtype=None, strict: bool = True,
+                 fresh=None, ignore_mismatched_sizes: bool = False, source: str | None = None) -> LoadReport:
     """Fill a model's parameters from HF weight files, checking names and shapes.
 
     With a mesh, each parameter is created directly on its sharding (logical rules as in training) from the
     slices each device needs: the whole model is never gathered on one device. `dtype` casts the weights.
+    `strict` (a checkpoint of this very model): a missing or unexpected weight or another shape is an error.
+    Otherwise HF's from_pretrained rules: parameters the files lack take their values from `fresh()` (a newly
+    initialised model of the same class), unexpected tensors are reported and skipped, and a shape mismatch is
+    an error unless `ignore_mismatched_sizes` (the parameter is then initialised afresh); the report is
+    logged as HF logs it and returned.
     """
     from jtrainer import sharding
 
@@ -235,30 +280,43 @@ def load_weights(model: nnx.Module, directory: str, *, mesh=None, rules=None, dt
     specs = {}
     if mesh is not None:
         specs = sharding.flatten_specs(sharding.param_specs(model, mesh, rules or sharding.merged_rules()))
-    expected = set()
+    report, expected, afresh = LoadReport(), set(), []
     for path, var in flat.items():
         names = _hf_names(model, path)
         stacked = _layer_count(model, path) is not None
         label = ".".join(map(str, path))
         layer_shape = tuple(var.shape[1:]) if stacked else tuple(var.shape)
         target = np.dtype(dtype or var.dtype)
+        usable = True
         for name, transposed in names:
             expected.add(name)
             if name not in files.files:
-                raise KeyError(f"Weight {name!r} (parameter {label}) is missing from {directory}.")
+                if strict:
+                    raise KeyError(f"Weight {name!r} (parameter {label}) is missing from {directory}.")
+                report.missing_keys.append(name)
+                usable = False
+                continue
             shape, stored_dtype = files.header(name)
             shape = tuple(reversed(shape)) if transposed else shape
             if shape != layer_shape:
-                raise ValueError(
-                    f"Weight {name!r} has shape {shape} in {directory}, but the model's parameter {label} has shape "
-                    f"{layer_shape}" + (" per layer." if stacked else ".")
-                )
+                if strict:
+                    raise ValueError(
+                        f"Weight {name!r} has shape {shape} in {directory}, but the model's parameter {label} has "
+                        f"shape {layer_shape}" + (" per layer." if stacked else ".")
+                    )
+                stored = tuple(files.header(name)[0])
+                report.mismatched_keys.append((name, stored, tuple(reversed(layer_shape)) if transposed else layer_shape))
+                usable = False
+                continue
             if np.issubdtype(target, np.floating) and not stored_dtype.startswith(("F", "BF")):
                 raise BadInput(f"Weight {name!r} in {directory} is stored as integers, but the model's parameter "
                                f"{label} is floating point: the folder is not a checkpoint of this model (or is "
                                "quantized).")
+        if not usable:
+            afresh.append((path, var, target))
+            continue
 
-        def read(index, names=names, stacked=stacked):
+        def read(index, names=names, stacked=stacked, target=target):
             if not stacked:
                 name, transposed = names[0]
                 return files.read(name, index, transposed).astype(target)
@@ -274,7 +332,26 @@ def load_weights(model: nnx.Module, directory: str, *, mesh=None, rules=None, dt
     tied = set(getattr(model, "tied_hf_weights", ()))
     if getattr(model.config, "tie_word_embeddings", False):
         tied.add("lm_head.weight")
-    unexpected = set(files.files) - expected - tied
-    if unexpected:
-        raise KeyError(f"Unexpected weights in {directory}: {sorted(unexpected)}")
+    unexpected = sorted(set(files.files) - expected - tied)
+    if unexpected and strict:
+        raise KeyError(f"Unexpected weights in {directory}: {unexpected}")
+    report.unexpected_keys = unexpected
+    if not strict:
+        text = report.text(type(model).__name__, source or directory)
+        if text:
+            logger.warning(text)
+        if report.mismatched_keys and not ignore_mismatched_sizes:
+            details = "\n\t".join(f"size mismatch for {k}: copying a param with shape {a} from checkpoint, the shape "
+                                   f"in current model is {b}." for k, a, b in report.mismatched_keys)
+            raise RuntimeError(f"Error(s) in loading state_dict for {type(model).__name__}:\n\t{details}\n\tYou may "
+                               "consider adding `ignore_mismatched_sizes=True` to `from_pretrained(...)` if "
+                               "appropriate.")
+    if afresh:
+        initial = dict(nnx.to_flat_state(nnx.state(fresh(), nnx.Param)))
+        for path, var, target in afresh:
+            value = jax.numpy.asarray(initial[path][...], target)
+            if mesh is not None:
+                value = jax.device_put(value, jax.sharding.NamedSharding(mesh, specs[path]))
+            var.set_value(value)
     nnx.update(model, params)
+    return report
