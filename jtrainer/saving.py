@@ -281,10 +281,12 @@ class SavingMixin:
         os.makedirs(output_dir, exist_ok=True)
         if not weights:
             self.model.config.save_pretrained(output_dir)
+            hf_io.write_generation_config(self.model, output_dir)
         elif tensors is None:
             self.model.save_pretrained(output_dir)
         elif hasattr(self.model, "config"):
             hf_io.write_hf_folder(self.model.config, tensors, output_dir)
+            hf_io.write_generation_config(self.model, output_dir)
         else:
             from safetensors.numpy import save_file
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import weakref
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -49,6 +51,11 @@ class Embed(nnx.Embed):
         magnitude = self.neftune_noise_alpha / math.sqrt(out.shape[1] * out.shape[2])
         noise = jax.random.uniform(key, out.shape, jnp.float32, -magnitude, magnitude)
         return out + noise.astype(out.dtype)
+
+    @property
+    def weight(self) -> jax.Array:
+        """The [vocab, dim] table, under torch's name (`model.get_input_embeddings().weight.shape[0]`)."""
+        return self.embedding[...]
 
     def attend(self, query, out_sharding=None):
         """Logits of a tied LM head, query @ embedding^T, through `linear.dense` (a GEMM-speed weight gradient on
@@ -97,6 +104,7 @@ class PretrainedMixin:
     # Whether the vocabulary logits are computed with the input embedding table (a tied LM head): that product's
     # FLOPs are then not counted by the non-embedding parameters (see `throughput.flops_per_token`).
     logits_use_input_embeddings = False
+    generates = False  # causal and seq2seq LMs: generation_config.json is saved beside config.json
 
     @property
     def config(self):
@@ -105,6 +113,68 @@ class PretrainedMixin:
     def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
         """HF's count of parameters (every nnx.Param is trainable)."""
         return count_parameters(self, exclude_embeddings)
+
+    def parameters(self) -> Iterator["ParameterView"]:
+        """Every parameter once (a tied head has none of its own), as torch's `model.parameters()` is counted:
+        `sum({p.data_ptr(): p.numel() for p in model.parameters()}.values())`."""
+        for _, var in nnx.to_flat_state(nnx.state(self, nnx.Param)):
+            yield ParameterView(var)
+
+    def can_generate(self) -> bool:
+        """HF's: whether `generate` applies (causal and seq2seq LMs)."""
+        return self.generates
+
+    @property
+    def generation_config(self):
+        """HF's GenerationConfig of the model (from its config, as transformers builds it); changes persist."""
+        if self not in _GENERATION_CONFIGS:
+            from transformers import GenerationConfig
+
+            _GENERATION_CONFIGS[self] = GenerationConfig.from_model_config(self.config)
+        return _GENERATION_CONFIGS[self]
+
+    @generation_config.setter
+    def generation_config(self, value) -> None:
+        _GENERATION_CONFIGS[self] = value
+
+    def get_output_embeddings(self):
+        """The LM head with torch's `.weight` [vocab, dim]: the input embeddings when tied, None without one."""
+        head = getattr(self, "lm_head", None)
+        if head is not None:
+            return OutputEmbeddings(head)
+        if self.logits_use_input_embeddings:
+            return self.get_input_embeddings()
+        return None
+
+    def resize_token_embeddings(self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None,
+                                mean_resizing: bool = True):
+        """HF's resize_token_embeddings: every vocabulary-sized parameter (input table, untied head, its bias)
+        grows or shrinks to `new_num_tokens` (rounded up to `pad_to_multiple_of`); tied heads stay tied; the
+        config's vocab_size follows. New rows are the mean of the old ones (HF's mean_resizing draws them from a
+        normal around that mean with 1e-9 times their covariance; mean_resizing=False: HF's normal(0, initializer
+        range) init). Returns the input embeddings."""
+        embed = self.get_input_embeddings()
+        old = int(embed.embedding[...].shape[0])
+        if new_num_tokens is None and pad_to_multiple_of is None:
+            return embed
+        new = old if new_num_tokens is None else int(new_num_tokens)
+        if pad_to_multiple_of is not None:
+            new = -(-new // int(pad_to_multiple_of)) * int(pad_to_multiple_of)
+        if new == old:
+            return embed
+        std = float(getattr(self.config, "initializer_range", 0.02))
+        for _, var in nnx.to_flat_state(nnx.state(self, nnx.Param)):
+            axes = tuple(var.get_metadata().get("logical_axes") or ())
+            if "vocab" in axes and var[...].shape[axes.index("vocab")] == old:
+                var.set_value(_resized(var[...], axes.index("vocab"), new, mean_resizing, std))
+        for _, node in nnx.iter_graph(self):
+            if isinstance(node, nnx.Embed) and node.num_embeddings == old:
+                node.num_embeddings = new
+            elif isinstance(node, nnx.Linear) and node.out_features == old:
+                node.out_features = new
+        self.config.vocab_size = new
+        self._config = StaticConfig(self.config)  # a new key: compiled steps of the old size are not shared
+        return embed
 
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None) -> None:
         """Remat each block; `{"policy": NAME}` picks a `jax.checkpoint_policies` policy (default: save nothing)."""
@@ -172,6 +242,69 @@ class PretrainedMixin:
                                     source=pretrained_model_name_or_path)
         config._name_or_path = pretrained_model_name_or_path
         return (model, report.to_dict()) if output_loading_info else model
+
+
+_GENERATION_CONFIGS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # kept off the module's graph
+
+
+class ParameterView:
+    """One parameter as a torch script counts it: numel(), data_ptr() (the same for a parameter shared
+    twice), shape, dtype; `.data` is the array."""
+
+    requires_grad = True
+
+    def __init__(self, var: nnx.Variable):
+        self._var = var
+
+    @property
+    def data(self) -> jax.Array:
+        return self._var[...]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self._var[...].shape)
+
+    @property
+    def dtype(self):
+        return self._var[...].dtype
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def data_ptr(self) -> int:
+        return id(self._var)
+
+
+class OutputEmbeddings:
+    """An untied LM head seen as torch's Linear: `.weight` is [vocab, dim] (the kernel transposed)."""
+
+    def __init__(self, head: nnx.Module):
+        self.module = head
+
+    @property
+    def weight(self) -> jax.Array:
+        return self.module.kernel[...].T
+
+    @property
+    def bias(self) -> jax.Array | None:
+        bias = getattr(self.module, "bias", None)
+        return None if bias is None else bias[...]
+
+
+def _resized(value: jax.Array, axis: int, new: int, mean_resizing: bool, std: float) -> jax.Array:
+    """`value` cut or extended to `new` entries along `axis`; new entries the mean of the old (or HF's init)."""
+    old = value.shape[axis]
+    if new < old:
+        return jax.lax.slice_in_dim(value, 0, new, axis=axis)
+    shape = list(value.shape)
+    shape[axis] = new - old
+    if mean_resizing:
+        added = jnp.broadcast_to(jnp.mean(value.astype(jnp.float32), axis=axis, keepdims=True), shape)
+    elif value.ndim == 1:
+        added = jnp.zeros(shape)
+    else:
+        added = std * jax.random.normal(jax.random.key(0), shape)
+    return jnp.concatenate([value, added.astype(value.dtype)], axis=axis)
 
 
 def _cast_parameters(model: nnx.Module, dtype) -> None:

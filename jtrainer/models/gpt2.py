@@ -120,6 +120,7 @@ class GPT2Model(nnx.Module):
 class GPT2LMHeadModel(PretrainedMixin, nnx.Module):
     """HF's `GPT2LMHeadModel` (the LM head is tied to `wte`, as in every GPT-2 checkpoint)."""
 
+    generates = True
     config_class = GPT2Config
     accepts_loss_kwargs = True
     loss_shifts_labels = True

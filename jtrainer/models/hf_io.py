@@ -142,6 +142,14 @@ def hf_tensors_from_params(model: nnx.Module, params: dict) -> dict[str, np.ndar
 def save_pretrained(model: nnx.Module, save_directory: str, max_shard_size: int = 5 * 1024**3) -> None:
     """config.json + model.safetensors (sharded with an index past `max_shard_size` bytes), as HF writes them."""
     write_hf_folder(model.config, to_hf_state_dict(model), save_directory, max_shard_size)
+    write_generation_config(model, save_directory)
+
+
+def write_generation_config(model: nnx.Module, save_directory: str) -> None:
+    """generation_config.json beside config.json for a model that generates, as transformers' save_pretrained."""
+    can_generate = getattr(model, "can_generate", None)
+    if can_generate is not None and can_generate():
+        model.generation_config.save_pretrained(save_directory)
 
 
 def write_hf_folder(config, tensors: dict[str, np.ndarray], save_directory: str, max_shard_size: int = 5 * 1024**3):

@@ -331,6 +331,7 @@ class KVCache:
 class LlamaForCausalLM(PretrainedMixin, nnx.Module):
     """HF's `LlamaForCausalLM`: `__call__(input_ids, attention_mask, position_ids, labels, num_items_in_batch)`."""
 
+    generates = True
     config_class = LlamaConfig
     accepts_loss_kwargs = True
     loss_shifts_labels = True

@@ -212,6 +212,7 @@ def shift_right(labels, decoder_start_token_id: int, pad_token_id: int):
 class T5ForConditionalGeneration(PretrainedMixin, nnx.Module):
     """HF's `T5ForConditionalGeneration`: `__call__(input_ids, attention_mask, decoder_input_ids, labels, ...)`."""
 
+    generates = True
     config_class = T5Config
     accepts_loss_kwargs = True
     tied_hf_weights = ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight")
