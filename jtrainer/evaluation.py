@@ -26,7 +26,9 @@ from transformers.trainer_utils import (
 from jtrainer import data, distributed, optim, sharding
 from jtrainer.losses import IGNORE_INDEX
 from jtrainer.overrides import check_loader
-from jtrainer.step import EvalOutputs, LossSpec, batch_label_values, make_eval_step, make_shard_loss_step
+from jtrainer.step import (
+    EvalOutputs, LossSpec, PreprocessPlacement, batch_label_values, make_eval_step, make_shard_loss_step,
+)
 
 
 def concat_padded(arrays: list[np.ndarray], pad: int = IGNORE_INDEX) -> np.ndarray:
@@ -175,10 +177,31 @@ class EvaluationMixin:
         self.model.train()
         key = (graphdef, spec, want_logits, self.preprocess_logits_for_metrics, ignore_keys)
         if key not in _SHARED_EVAL_STEPS:
-            _SHARED_EVAL_STEPS[key] = jax.jit(
-                make_eval_step(graphdef, spec, want_logits, self.preprocess_logits_for_metrics, ignore_keys)
-            )
-        return _SHARED_EVAL_STEPS[key]
+            placement = PreprocessPlacement()
+            step = jax.jit(make_eval_step(graphdef, spec, want_logits, self.preprocess_logits_for_metrics,
+                                          ignore_keys, placement))
+            _SHARED_EVAL_STEPS[key] = (step, placement)
+        step, self._preprocess_placement = _SHARED_EVAL_STEPS[key]
+        return step
+
+    def _preprocess_on_host(self, predictions, labels):
+        """HF's call of preprocess_logits_for_metrics, for a function JAX could not trace: torch tensors of the
+        batch's logits and labels in, its result back as numpy."""
+        try:
+            import torch
+        except ImportError:
+            raise TypeError(
+                "preprocess_logits_for_metrics could not be traced by JAX "
+                f"({self._preprocess_placement.reason!r}) and torch is not installed to call it with torch "
+                "tensors as HF does: write it with jax.numpy (e.g. logits.argmax(axis=-1)) or install torch."
+            ) from self._preprocess_placement.reason
+
+        def to_torch(tree):
+            return jax.tree.map(lambda x: torch.from_numpy(np.ascontiguousarray(x)), tree)
+
+        result = self.preprocess_logits_for_metrics(to_torch(predictions),
+                                                   None if labels is None else to_torch(labels))
+        return jax.tree.map(lambda t: t.detach().cpu().numpy() if hasattr(t, "detach") else np.asarray(t), result)
 
     def _eval_ragged_rows(self, spec: LossSpec, dataloader) -> bool:
         """Whether a ragged last batch runs at its own rows (one data shard, a loss padding would change), as in
@@ -262,6 +285,8 @@ class EvaluationMixin:
                     batch_labels = self._prediction_labels(batch_labels[:, : np.shape(batch[self.label_names[0]])[-1]])
             elif want_logits and out.logits is not None:
                 batch_preds = host(out.logits)
+                if self.preprocess_logits_for_metrics is not None and self._preprocess_placement.on_host:
+                    batch_preds = self._preprocess_on_host(batch_preds, batch_labels)
             main = padded.get(getattr(self.model, "main_input_name", "input_ids"))
             batch_inputs = host(main) if ("inputs" in include and main is not None) else None
             if batch_losses is not None:

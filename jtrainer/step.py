@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import enum
 import zlib
 from collections.abc import Callable
@@ -335,15 +336,28 @@ def batch_label_values(inputs: dict[str, Any], label_names: tuple[str, ...]) -> 
 _MODEL_LOSS = (LossMode.MODEL_SUM, LossMode.MODEL_MEAN)  # the model computes the loss from the labels itself
 
 
+@dataclasses.dataclass
+class PreprocessPlacement:
+    """Where `preprocess_logits_for_metrics` runs: in the step while JAX can trace it; `on_host` once it could
+    not (a torch-style function: `logits.argmax(dim=-1)`), with the error that said so."""
+
+    on_host: bool = False
+    reason: BaseException | None = None
+
+
 def make_eval_step(
     graphdef,
     spec: LossSpec,
     want_logits: bool,
     preprocess_logits: Callable | None = None,
     ignore_keys: tuple[str, ...] = (),
+    placement: PreprocessPlacement | None = None,
 ):
     """A pure evaluation step on one batch [rows, ...]: the batch's mean loss and (optionally) its predictions,
-    chosen from the outputs by HF's prediction_step rules (`prediction_values`)."""
+    chosen from the outputs by HF's prediction_step rules (`prediction_values`). `preprocess_logits` is traced
+    into the step; when tracing it fails, the step returns the predictions as they are and marks `placement`
+    so the caller runs the function on the host, as HF calls it."""
+    placement = placement if placement is not None else PreprocessPlacement()
 
     def eval_step(params, model_state, inputs: dict[str, jax.Array]) -> EvalOutputs:
         labels = inputs.get(spec.label_names[0]) if spec.label_names else None
@@ -359,8 +373,11 @@ def make_eval_step(
         predictions = None
         if want_logits:
             predictions = prediction_values(outputs, all_labels is not None, ignore_keys)
-            if preprocess_logits is not None and predictions is not None:
-                predictions = preprocess_logits(predictions, all_labels)
+            if preprocess_logits is not None and predictions is not None and not placement.on_host:
+                try:
+                    predictions = preprocess_logits(predictions, all_labels)
+                except Exception as error:  # not traceable by JAX (torch methods, host-side code): the host's
+                    placement.on_host, placement.reason = True, error
         return EvalOutputs(None if loss is None else jnp.mean(loss).astype(jnp.float32), predictions)
 
     return eval_step

@@ -1,0 +1,50 @@
+"""preprocess_logits_for_metrics written for torch (run_clm's `logits.argmax(dim=-1)`) works unedited: JAX cannot
+trace it, so it runs on the host with torch tensors, as HF calls it; one JAX can trace runs inside the eval step.
+Both give HF's metrics on the same model and data."""
+
+import numpy as np
+import torch
+import transformers
+
+from conftest import scratch_dir, tiny_llama_config, token_rows, torch_rows
+from jtrainer import Trainer, TrainingArguments
+from jtrainer.models import AutoModelForCausalLM
+
+
+def torch_style(logits, labels):  # run_clm's, verbatim
+    if isinstance(logits, tuple):
+        logits = logits[0]
+    return logits.argmax(dim=-1)
+
+
+def jax_style(logits, labels):
+    return logits.argmax(axis=-1)
+
+
+def accuracy(p):
+    preds, labels = p.predictions[:, :-1].reshape(-1), p.label_ids[:, 1:].reshape(-1)
+    keep = labels != -100
+    return {"accuracy": float((preds[keep] == labels[keep]).mean())}
+
+
+def test_a_torch_style_preprocess_runs_on_the_host_and_gives_hfs_metrics(tmp_path):
+    torch.manual_seed(0)
+    reference = transformers.LlamaForCausalLM(tiny_llama_config())
+    reference.save_pretrained(tmp_path / "ref")
+    rows = token_rows(10, length=12, seed=4)
+    hf = transformers.Trainer(
+        model=reference, args=transformers.TrainingArguments(output_dir=str(tmp_path / "hf"), report_to="none",
+                                                             per_device_eval_batch_size=4, use_cpu=True),
+        eval_dataset=torch_rows(rows), compute_metrics=accuracy, preprocess_logits_for_metrics=torch_style)
+    expected = hf.evaluate()
+    results = {}
+    for name, function in (("torch", torch_style), ("jax", jax_style)):
+        trainer = Trainer(model=AutoModelForCausalLM.from_pretrained(str(tmp_path / "ref")),
+                          args=TrainingArguments(output_dir=scratch_dir(), report_to="none",
+                                                 per_device_eval_batch_size=4),
+                          eval_dataset=rows, compute_metrics=accuracy, preprocess_logits_for_metrics=function)
+        results[name] = trainer.evaluate()
+        assert trainer._preprocess_placement.on_host == (name == "torch")
+    for result in results.values():
+        assert result["eval_accuracy"] == expected["eval_accuracy"]
+        np.testing.assert_allclose(result["eval_loss"], expected["eval_loss"], rtol=1e-5)
