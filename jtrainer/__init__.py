@@ -1,6 +1,18 @@
 """jtrainer: the Hugging Face Trainer API on one jit-compiled JAX train step."""
 
-from jtrainer import host_allocator
+import logging as _logging
+import os as _os
+
+# A script's own logging.basicConfig(...) must still take effect: whatever our imports (orbax, absl) add to the
+# root logger is taken off again at the end of this file. transformers' "PyTorch was not found" advisory is
+# not news to a JAX user.
+_ROOT_HANDLERS, _ROOT_LEVEL = list(_logging.getLogger().handlers), _logging.getLogger().level
+try:
+    import torch as _torch  # noqa: F401
+except ImportError:
+    _os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+from jtrainer import host_allocator  # noqa: E402
 
 host_allocator.apply_default()  # before XLA's CPU threads first allocate (see host_allocator)
 
@@ -50,3 +62,8 @@ __all__ = [
     "TrainingArguments",
     "get_last_checkpoint",
 ]
+
+for _handler in _logging.getLogger().handlers[:]:
+    if _handler not in _ROOT_HANDLERS:
+        _logging.getLogger().removeHandler(_handler)
+_logging.getLogger().setLevel(_ROOT_LEVEL)

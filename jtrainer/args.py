@@ -99,10 +99,10 @@ class TrainingArguments(transformers.TrainingArguments):
         },
     )
     log_throughput: bool = field(
-        default=True,
+        default=False,
         metadata={
             "help": "Add train_tokens_per_second and, on accelerators with a known peak, train_mfu (model FLOPs "
-            "utilisation) to every training log."
+            "utilisation) to every training log (off: log_history has exactly HF's keys; on in jtrainer's configs)."
         },
     )
     mesh_shape: dict | str | None = field(
@@ -321,18 +321,24 @@ class TrainingArguments(transformers.TrainingArguments):
     # --- Properties that HF answers from torch/accelerate; here from JAX. ---
     @property
     def n_gpu(self) -> int:
-        """Devices this process feeds; HF's per-device batch sizes are multiplied by it."""
+        """HF's count of the GPUs this process drives: its local GPUs, 0 on a CPU or TPU (as torch reports)."""
         import jax
 
-        return jax.local_device_count()
+        return jax.local_device_count() if jax.default_backend() == "gpu" else 0
 
     @property
     def train_batch_size(self) -> int:
-        return self.per_device_train_batch_size * self.n_gpu
+        """Rows per step this process feeds: HF's per-device size times its devices (all local devices here,
+        as HF's DataParallel multiplies by n_gpu)."""
+        import jax
+
+        return self.per_device_train_batch_size * jax.local_device_count()
 
     @property
     def eval_batch_size(self) -> int:
-        return self.per_device_eval_batch_size * self.n_gpu
+        import jax
+
+        return self.per_device_eval_batch_size * jax.local_device_count()
 
     @property
     def device(self):

@@ -13,13 +13,13 @@ class MetricsMixin:
     """HF's formatting and saving of a split's metrics (process 0 prints and writes)."""
 
     def metrics_format(self, metrics: dict[str, float]) -> dict[str, Any]:
-        """HF's format: runtimes as h:mm:ss, total_flos in GF, floats rounded to 4 places."""
+        """HF's format: runtimes as h:mm:ss.cc, total_flos in GF, floats rounded to 4 places."""
         out = {}
         for key, value in metrics.items():
             if "_mem_" in key:
                 out[key] = f"{value >> 20}MB"
             elif "_runtime" in key:
-                out[key] = str(datetime.timedelta(seconds=int(value)))
+                out[key] = f"{datetime.timedelta(seconds=int(value))}.{int(abs(value - int(value)) * 100):02d}"
             elif key == "total_flos":
                 out[key] = f"{int(value) >> 30}GF"
             elif isinstance(value, float):
@@ -31,11 +31,12 @@ class MetricsMixin:
     def log_metrics(self, split: str, metrics: dict[str, float]) -> None:
         if not self.is_world_process_zero():
             return
-        formatted = self.metrics_format(metrics)
-        width = max((len(k) for k in formatted), default=0)
         print(f"***** {split} metrics *****")
+        formatted = self.metrics_format(metrics)
+        width = max(len(str(k)) for k in formatted)
+        value_width = max(len(str(v)) for v in formatted.values())
         for key in sorted(formatted):
-            print(f"  {key: <{width}} = {formatted[key]:>9}")
+            print(f"  {key: <{width}} = {formatted[key]:>{value_width}}")
 
     def save_metrics(self, split: str, metrics: dict[str, float], combined: bool = True) -> None:
         if not self.is_world_process_zero():

@@ -108,7 +108,12 @@ def test_the_loop_reads_the_device_only_when_it_logs(monkeypatch):
 
 
 def test_throughput_in_the_logs_and_mfu_table():
-    trainer = Trainer(LlamaForCausalLM.from_config(tiny_llama_config()), _args(), train_dataset=token_rows(16))
+    default = Trainer(LlamaForCausalLM.from_config(tiny_llama_config()), _args(), train_dataset=token_rows(16))
+    default.train()  # HF's log keys by default
+    assert not any("train_tokens_per_second" in h for h in default.state.log_history)
+    args = _args()
+    args.log_throughput = True
+    trainer = Trainer(LlamaForCausalLM.from_config(tiny_llama_config()), args, train_dataset=token_rows(16))
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert all(h["train_tokens_per_second"] > 0 for h in logs)
