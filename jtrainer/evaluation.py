@@ -7,6 +7,7 @@ padding, as HF's nested concatenation does.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from typing import Any
@@ -87,6 +88,7 @@ def _mean_loss(losses: np.ndarray, drop_non_finite: bool) -> float:
 
 
 # Eval steps shared by every Trainer of this process, keyed by structure.
+hf_logger = logging.getLogger("transformers.trainer")  # HF's banners, as transformers.Trainer logs them
 _SHARED_EVAL_STEPS: dict[Any, Any] = {}
 
 
@@ -244,6 +246,12 @@ class EvaluationMixin:
         if generating:
             self._sync_model()  # generation reads the model: give it the trained parameters
         self.callback_handler.eval_dataloader = dataloader
+        hf_logger.info(f"\n***** Running {description} *****")
+        if dataloader.sized:
+            hf_logger.info(f"  Num examples = {len(dataloader.dataset)}")
+        else:
+            hf_logger.info("  Num examples: Unknown")
+        hf_logger.info(f"  Batch size = {args.eval_batch_size}")
         pad_id = getattr(self.processing_class, "pad_token_id", None) or 0
         shapes = data.ShapeKeeper(dataloader.local_rows, pad_id, agree=distributed.agree_max)
         spec, step = None, None

@@ -21,6 +21,7 @@ from jtrainer import checkpoint, host_rng, storage
 from jtrainer.state import TrainState
 
 logger = logging.getLogger(__name__)
+hf_logger = logging.getLogger("transformers.trainer")  # HF's own messages, through transformers' logger
 
 
 class SavingMixin:
@@ -71,6 +72,9 @@ class SavingMixin:
         committed in the step (async_checkpointing=False, HF's event order), else at the first step boundary
         after its background commit, with the TrainerState as it was at the save."""
         self._on_save_state = copy.deepcopy(self.state)
+        # The save asked for is done (HF's on_save clears the flag; here it may come later): a later check in
+        # the same step, such as the epoch's end, must not write the same checkpoint again.
+        self.control.should_save = False
         if self._pending_checkpoint is None:
             self._deliver_on_save()
 
@@ -155,6 +159,7 @@ class SavingMixin:
             hf_io.write_weights(hf_io.hf_tensors_from_params(self.model, params), local)
 
         train_state = None if self.args.save_only_model else self._train_state
+        hf_logger.info(f"Saving model checkpoint to {folder}")
         self._pending_checkpoint = checkpoint.save_checkpoint(
             folder,
             train_state,
@@ -254,6 +259,7 @@ class SavingMixin:
 
     def _load_best_model(self) -> None:
         best = self.state.best_model_checkpoint
+        hf_logger.info(f"Loading best model from {best} (score: {self.state.best_metric}).")
         if self._train_state is not None and storage.isdir(storage.join(best, checkpoint.TRAIN_STATE_DIR)):
             self._train_state = checkpoint.restore_train_state(best, self._train_state)
             self._sync_model()
@@ -300,6 +306,7 @@ class SavingMixin:
         """The model in HF format (config.json + safetensors) and the tokenizer, as PyTorch transformers loads it."""
         tensors = self._hf_tensors()
         if self.args.should_save:
+            hf_logger.info(f"Saving model checkpoint to {output_dir or self.args.output_dir}")
             with storage.staged_folder(output_dir or self.args.output_dir) as local:
                 self._write_model(local, tensors)
         if self.args.push_to_hub and not _internal_call:

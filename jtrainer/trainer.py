@@ -60,6 +60,9 @@ from jtrainer.step import (
 from jtrainer.step import compute_loss as step_compute_loss
 
 logger = logging.getLogger(__name__)
+# HF's own messages (banners, "Training completed"), through transformers' logger, so a script's
+# transformers.utils.logging.set_verbosity_info() shows them as under transformers.Trainer.
+hf_logger = logging.getLogger("transformers.trainer")
 
 
 def _is_causal_lm(model: Any) -> bool:
@@ -763,10 +766,10 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         self._init_training_state(max_steps, loader, trial)
         run = self._prepare_for_training(max_steps, loader, resume_from_checkpoint, updates_per_epoch)
         run.epochs, run.steps_in_epoch = epochs, steps_in_epoch
-        self._log_training_banner(run, resume_from_checkpoint)
 
         self.callback_handler.train_dataloader = loader
         self.state.init_training_references(self, max_steps, epochs, trial)
+        self._log_training_banner(run, resume_from_checkpoint)
         run.start_time = time.time()
         self._initial_num_input_tokens_seen = self.state.num_input_tokens_seen
         self._initial_global_step = self.state.global_step
@@ -842,20 +845,20 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
     def _log_training_banner(self, run: "TrainingRun", resume_from_checkpoint) -> None:
         """HF's "***** Running training *****" summary."""
         args, loader = self.args, run.loader
-        logger.info("***** Running training *****")
+        hf_logger.info("***** Running training *****")
         if loader.sized:
-            logger.info(f"  Num examples = {len(loader.dataset):,}")
-        logger.info(f"  Num Epochs = {run.epochs:,}")
-        logger.info(f"  Num update steps per epoch = {run.updates_per_epoch:,}")
-        logger.info(f"  Instantaneous batch size per device = {args.per_device_train_batch_size:,}")
+            hf_logger.info(f"  Num examples = {len(loader.dataset):,}")
+        hf_logger.info(f"  Num Epochs = {run.epochs:,}")
+        hf_logger.info(f"  Num update steps per epoch = {run.updates_per_epoch:,}")
+        hf_logger.info(f"  Instantaneous batch size per device = {args.per_device_train_batch_size:,}")
         total = loader.batch_size * args.gradient_accumulation_steps
-        logger.info(f"  Total train batch size (w. parallel, distributed & accumulation) = {total:,}")
-        logger.info(f"  Gradient Accumulation steps = {args.gradient_accumulation_steps}")
-        logger.info(f"  Total optimization steps = {self.state.max_steps:,}")
+        hf_logger.info(f"  Total train batch size (w. parallel, distributed & accumulation) = {total:,}")
+        hf_logger.info(f"  Gradient Accumulation steps = {args.gradient_accumulation_steps}")
+        hf_logger.info(f"  Total optimization steps = {self.state.max_steps:,}")
         count = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self._train_state.params))
-        logger.info(f"  Number of trainable parameters = {count:,}")
+        hf_logger.info(f"  Number of trainable parameters = {count:,}")
         if resume_from_checkpoint is not None:
-            logger.info(f"  Resuming training from checkpoint with epoch {run.epochs_trained} and global step "
+            hf_logger.info(f"  Resuming training from checkpoint with epoch {run.epochs_trained} and global step "
                         f"{self.state.global_step}")
 
     def _run_epoch(self, run: "TrainingRun", epoch: int, trial, ignore_keys_for_eval) -> None:
@@ -1068,6 +1071,7 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
 
     def _finalize_training(self, trial, num_train_samples, start_time) -> TrainOutput:
         self._total_loss_scalar += self._logged_loss()
+        hf_logger.info("\n\nTraining completed. Do not forget to share your model on huggingface.co/models =)\n\n")
         steps_trained = self.state.global_step - self._initial_global_step
         train_loss = self._total_loss_scalar / max(steps_trained, 0.001)
         metrics = speed_metrics(
