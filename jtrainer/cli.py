@@ -48,7 +48,9 @@ class RunArguments:
     num_slices: int = field(default=1, metadata={"help": "jtrainer check --target: TPU slices joined over DCN."})
     num_nodes: int = field(default=1, metadata={"help": "jtrainer check --target h100x8: GPU nodes."})
 
-DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "default.yaml")
+# The shipped configs are package data (jtrainer/configs; the repository's configs/ links there), so a wheel
+# install runs the main job too.
+DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "default.yaml")
 
 
 def say(message: str) -> None:
@@ -225,7 +227,10 @@ def read_config(path: str) -> dict:
     """A config file's field -> value mapping (YAML or JSON), refused with the file named if it is missing, does
     not parse, is not a mapping or repeats a key."""
     if not os.path.isfile(path):
-        raise BadInput(f"config file {path!r} not found.")
+        shipped = os.path.join(os.path.dirname(DEFAULT_CONFIG), os.path.basename(path))
+        if os.path.dirname(path) not in ("", "configs") or not os.path.isfile(shipped):
+            raise BadInput(f"config file {path!r} not found.")
+        path = shipped  # a shipped config named as in the README (configs/NAME.yaml), from an installed wheel
     try:
         with open(path) as f:
             values = yaml.load(f, Loader=_UniqueKeyLoader)
