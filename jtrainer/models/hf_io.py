@@ -346,8 +346,8 @@ def load_weights(model: nnx.Module, directory: str, *, mesh=None, rules=None, dt
     report.unexpected_keys = unexpected
     if not strict:
         text = report.text(type(model).__name__, source or directory)
-        if text:
-            logger.warning(text)
+        if text:  # where transformers logs its load report, so a script sees it where it would
+            logging.getLogger("transformers.modeling_utils").warning(text)
         if report.mismatched_keys and not ignore_mismatched_sizes:
             details = "\n\t".join(f"size mismatch for {k}: copying a param with shape {a} from checkpoint, the shape "
                                    f"in current model is {b}." for k, a, b in report.mismatched_keys)

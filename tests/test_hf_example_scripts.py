@@ -1,0 +1,138 @@
+"""transformers' own run_glue.py (../shared/hf_examples, unmodified) as a client: its `from transformers import`
+lines for Trainer, TrainingArguments and AutoModelFor* are pointed at jtrainer by a mechanical rewrite at test
+time (nothing else changes), and it runs beside the original under torch on the same tiny local model and data,
+offline (a local accuracy metric folder, sequential sampling)."""
+
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES = os.environ.get("JTRAINER_HF_EXAMPLES", os.path.join(ROOT, "..", "shared", "hf_examples"))
+JTRAINER_NAMES = {"Trainer", "TrainingArguments", "Seq2SeqTrainer", "Seq2SeqTrainingArguments"}
+
+pytestmark = pytest.mark.skipif(not os.path.isdir(EXAMPLES), reason=f"HF's example scripts are not at {EXAMPLES}")
+
+ACCURACY = '''
+import datasets
+import evaluate
+
+
+class Accuracy(evaluate.Metric):
+    def _info(self):
+        features = datasets.Features({"predictions": datasets.Value("int32"), "references": datasets.Value("int32")})
+        return evaluate.MetricInfo(description="accuracy", citation="", inputs_description="", features=features)
+
+    def _compute(self, predictions, references):
+        return {"accuracy": float(sum(int(p == r) for p, r in zip(predictions, references)) / len(references))}
+'''
+
+
+def rewrite_imports(source: str) -> str:
+    """The script with Trainer, TrainingArguments, Seq2Seq* and AutoModelFor* taken from jtrainer instead of
+    transformers: those names leave its `from transformers import (...)` block, two import lines follow it."""
+    out, moved, inside = [], [], False
+    for line in source.splitlines():
+        if line.startswith("from transformers import ("):
+            inside = True
+        elif inside and line.strip() == ")":
+            inside = False
+            out.append(line)
+            top = sorted(n for n in moved if n in JTRAINER_NAMES)
+            models = sorted(n for n in moved if n.startswith("AutoModelFor"))
+            out += [f"from jtrainer import {', '.join(top)}"] if top else []
+            out += [f"from jtrainer.models import {', '.join(models)}"] if models else []
+            continue
+        elif inside and (line.strip().rstrip(",") in JTRAINER_NAMES or line.strip().startswith("AutoModelFor")):
+            moved.append(line.strip().rstrip(","))
+            continue
+        out.append(line)
+    return "\n".join(out) + "\n"
+
+
+@pytest.fixture(scope="module")
+def glue(tmp_path_factory):
+    """Tiny BERT checkpoints (dropout off, so torch and JAX draw nothing), a tokenizer, 3-class data, a metric."""
+    import torch
+    import transformers
+
+    folder = tmp_path_factory.mktemp("glue")
+    words = [f"w{i}" for i in range(40)]
+    (folder / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]) + "\n")
+    tokenizer = transformers.BertTokenizerFast(vocab_file=str(folder / "vocab.txt"))
+    config = dict(vocab_size=45, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                  max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    for name, model_class, labels in (("base", transformers.BertForMaskedLM, 2),
+                                      ("three", transformers.BertForSequenceClassification, 3),
+                                      ("two", transformers.BertForSequenceClassification, 2)):
+        torch.manual_seed(0)
+        model_class(transformers.BertConfig(**config, num_labels=labels)).save_pretrained(folder / name)
+        tokenizer.save_pretrained(folder / name)
+    rng = random.Random(0)
+    for split, n in (("train", 32), ("validation", 16)):
+        rows = [{"sentence": " ".join(rng.choice(words) for _ in range(rng.randint(3, 10))), "label": rng.randint(0, 2)}
+                for _ in range(n)]
+        (folder / f"{split}.json").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (folder / "accuracy").mkdir()  # evaluate.load("accuracy") finds ./accuracy/accuracy.py first: offline
+    (folder / "accuracy" / "accuracy.py").write_text(ACCURACY)
+    source = open(os.path.join(EXAMPLES, "run_glue.py")).read()
+    (folder / "run_glue_hf.py").write_text(source)
+    (folder / "run_glue_jtrainer.py").write_text(rewrite_imports(source))
+    return folder
+
+
+def _run(folder, which: str, model: str, out: str, *extra):
+    args = ["--model_name_or_path", model, "--train_file", "train.json", "--validation_file", "validation.json",
+            "--do_train", "--do_eval", "--max_seq_length", "16", "--per_device_train_batch_size", "4",
+            "--per_device_eval_batch_size", "4", "--max_steps", "6", "--learning_rate", "1e-3", "--seed", "0",
+            "--report_to", "none", "--train_sampling_strategy", "sequential", "--logging_steps", "1",
+            "--output_dir", out, *extra]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_EVALUATE_OFFLINE="1", JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, f"run_glue_{which}.py", *args], cwd=folder, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+def _results(folder, out):
+    return json.loads((folder / out / "all_results.json").read_text())
+
+
+def test_the_import_rewrite_changes_only_imports():
+    source = open(os.path.join(EXAMPLES, "run_glue.py")).read()
+    before, after = source.splitlines(), rewrite_imports(source).splitlines()
+    removed = [line for line in before if line not in after]
+    added = [line for line in after if line not in before]
+    assert sorted(x.strip() for x in removed) == ["AutoModelForSequenceClassification,", "Trainer,", "TrainingArguments,"]
+    assert added == ["from jtrainer import Trainer, TrainingArguments",
+                     "from jtrainer.models import AutoModelForSequenceClassification"]
+
+
+def test_run_glue_fine_tunes_a_classifier_with_torchs_numbers(glue):
+    theirs = _run(glue, "hf", "three", "out_hf")
+    assert theirs.returncode == 0, theirs.stderr[-3000:]
+    ours = _run(glue, "jtrainer", "three", "out_jt")
+    assert ours.returncode == 0, ours.stderr[-3000:]
+    expected, got = _results(glue, "out_hf"), _results(glue, "out_jt")
+    assert set(got) == set(expected)
+    for key in ("train_loss", "eval_loss"):
+        assert got[key] == pytest.approx(expected[key], rel=1e-3), key
+    assert got["eval_accuracy"] == expected["eval_accuracy"] and got["total_flos"] == expected["total_flos"]
+
+
+def test_run_glue_from_a_masked_lm_base_and_over_a_two_label_checkpoint_as_transformers(glue):
+    # A base checkpoint: the classifier and pooler are initialised and reported, training runs. (Their initial
+    # values are each framework's own random draw, so the losses are not compared.)
+    for which in ("hf", "jtrainer"):
+        run = _run(glue, which, "base", f"base_{which}")
+        assert run.returncode == 0, run.stderr[-3000:]
+    assert "BertForSequenceClassification LOAD REPORT" in run.stderr and "classifier.weight  MISSING" in run.stderr
+    assert set(_results(glue, "base_jtrainer")) == set(_results(glue, "base_hf"))
+    # Three labels in the data over a two-label checkpoint: transformers' size-mismatch error, then the flag.
+    for which in ("hf", "jtrainer"):
+        refused = _run(glue, which, "two", f"two_{which}")
+        assert refused.returncode != 0 and "ignore_mismatched_sizes" in refused.stderr, (which, refused.stderr[-2000:])
+        allowed = _run(glue, which, "two", f"two_{which}_ok", "--ignore_mismatched_sizes")
+        assert allowed.returncode == 0, allowed.stderr[-3000:]
