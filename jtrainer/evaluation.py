@@ -199,7 +199,7 @@ class EvaluationMixin:
             ) from self._preprocess_placement.reason
 
         def to_torch(tree):
-            return jax.tree.map(lambda x: torch.from_numpy(np.ascontiguousarray(x)), tree)
+            return jax.tree.map(lambda x: torch.from_numpy(np.array(x)), tree)  # a writable copy, as torch wants
 
         result = self.preprocess_logits_for_metrics(to_torch(predictions),
                                                    None if labels is None else to_torch(labels))

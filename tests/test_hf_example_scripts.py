@@ -136,3 +136,58 @@ def test_run_glue_from_a_masked_lm_base_and_over_a_two_label_checkpoint_as_trans
         assert refused.returncode != 0 and "ignore_mismatched_sizes" in refused.stderr, (which, refused.stderr[-2000:])
         allowed = _run(glue, which, "two", f"two_{which}_ok", "--ignore_mismatched_sizes")
         assert allowed.returncode == 0, allowed.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def clm(tmp_path_factory, glue):
+    """A tiny Llama whose tokenizer (a byte-level BPE of 70 tokens) outgrows its 64 embeddings, and text files."""
+    import shutil
+
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from conftest import tiny_llama_config
+
+    folder = tmp_path_factory.mktemp("clm")
+    rng = random.Random(0)
+    words = [f"w{i}" for i in range(30)]
+    lines = [" ".join(rng.choice(words) for _ in range(rng.randint(5, 15))) for _ in range(200)]
+    (folder / "train.txt").write_text("\n".join(lines[:160]) + "\n")
+    (folder / "validation.txt").write_text("\n".join(lines[160:]) + "\n")
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    bpe.train_from_iterator(lines, trainers.BpeTrainer(vocab_size=70, special_tokens=["<|endoftext|>"],
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>",
+                                                     bos_token="<|endoftext|>")
+    assert len(tokenizer) > 64  # run_clm resizes the embeddings
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(tiny_llama_config(bos_token_id=0, eos_token_id=0)).save_pretrained(folder / "model")
+    tokenizer.save_pretrained(folder / "model")
+    shutil.copytree(glue / "accuracy", folder / "accuracy")
+    source = open(os.path.join(EXAMPLES, "run_clm.py")).read()
+    (folder / "run_clm_hf.py").write_text(source)
+    (folder / "run_clm_jtrainer.py").write_text(rewrite_imports(source))
+    return folder
+
+
+def test_run_clm_fine_tunes_with_resized_embeddings_and_torchs_numbers(clm):
+    """run_clm's path: resize_token_embeddings for a larger tokenizer, its torch-style
+    preprocess_logits_for_metrics (`logits.argmax(dim=-1)`), perplexity; the same numbers as torch."""
+    args = ["--model_name_or_path", "model", "--train_file", "train.txt", "--validation_file", "validation.txt",
+            "--do_train", "--do_eval", "--block_size", "16", "--per_device_train_batch_size", "4",
+            "--per_device_eval_batch_size", "4", "--max_steps", "4", "--seed", "0", "--report_to", "none",
+            "--train_sampling_strategy", "sequential"]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_EVALUATE_OFFLINE="1", JAX_PLATFORMS="cpu")
+    results = {}
+    for which in ("hf", "jtrainer"):
+        run = subprocess.run([sys.executable, f"run_clm_{which}.py", *args, "--output_dir", f"out_{which}"],
+                             cwd=clm, env=env, capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr[-3000:]
+        results[which] = _results(clm, f"out_{which}")
+    expected, got = results["hf"], results["jtrainer"]
+    assert set(got) == set(expected)
+    for key in ("train_loss", "eval_loss", "perplexity"):
+        assert got[key] == pytest.approx(expected[key], rel=1e-3), key
+    assert got["eval_accuracy"] == expected["eval_accuracy"] and got["total_flos"] == expected["total_flos"]
