@@ -191,3 +191,82 @@ def test_run_clm_fine_tunes_with_resized_embeddings_and_torchs_numbers(clm):
     for key in ("train_loss", "eval_loss", "perplexity"):
         assert got[key] == pytest.approx(expected[key], rel=1e-3), key
     assert got["eval_accuracy"] == expected["eval_accuracy"] and got["total_flos"] == expected["total_flos"]
+
+
+ROUGE = '''
+import datasets
+import evaluate
+from rouge_score import rouge_scorer, scoring
+
+
+class Rouge(evaluate.Metric):
+    def _info(self):
+        features = datasets.Features({"predictions": datasets.Value("string"), "references": datasets.Value("string")})
+        return evaluate.MetricInfo(description="rouge", citation="", inputs_description="", features=features)
+
+    def _compute(self, predictions, references, use_stemmer=False):
+        scorer = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL", "rougeLsum"], use_stemmer=use_stemmer)
+        aggregator = scoring.BootstrapAggregator()
+        for reference, prediction in zip(references, predictions):
+            aggregator.add_scores(scorer.score(reference, prediction))
+        return {key: value.mid.fmeasure for key, value in aggregator.aggregate().items()}
+'''
+
+
+def test_run_summarization_trains_and_generates_with_torchs_numbers(tmp_path):
+    """Seq2SeqTrainer with predict_with_generate on a tiny T5, offline (nltk's punkt data as empty parameter
+    files, a local rouge metric on rouge_score): the same losses, generated lengths, ROUGE and keys as torch."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    rng = random.Random(0)
+    words = [f"w{i}" for i in range(30)]
+
+    def sentence():
+        return " ".join(rng.choice(words) for _ in range(rng.randint(6, 14))) + "."
+
+    rows = [{"text": f"{sentence()} {sentence()}", "summary": sentence()} for _ in range(40)]
+    for split, part in (("train", rows[:32]), ("validation", rows[32:])):
+        (tmp_path / f"{split}.json").write_text("".join(json.dumps(r) + "\n" for r in part))
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    bpe.train_from_iterator([r["text"] + " " + r["summary"] for r in rows], trainers.BpeTrainer(
+        vocab_size=64, special_tokens=["<pad>", "</s>", "<unk>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, pad_token="<pad>", eos_token="</s>",
+                                                     unk_token="<unk>")
+    config = transformers.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                                   feed_forward_proj="gated-gelu", tie_word_embeddings=False, dropout_rate=0.0,
+                                   decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+    torch.manual_seed(0)
+    transformers.T5ForConditionalGeneration(config).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    punkt = tmp_path / "nltk_data" / "tokenizers"
+    (punkt / "punkt").mkdir(parents=True)
+    (punkt / "punkt_tab" / "english").mkdir(parents=True)
+    for name in ("collocations.tab", "sent_starters.txt", "abbrev_types.txt", "ortho_context.tab"):
+        (punkt / "punkt_tab" / "english" / name).write_text("")
+    (tmp_path / "rouge").mkdir()
+    (tmp_path / "rouge" / "rouge.py").write_text(ROUGE)
+    source = open(os.path.join(EXAMPLES, "run_summarization.py")).read()
+    (tmp_path / "run_summarization_hf.py").write_text(source)
+    (tmp_path / "run_summarization_jtrainer.py").write_text(rewrite_imports(source))
+    args = ["--model_name_or_path", "model", "--train_file", "train.json", "--validation_file", "validation.json",
+            "--text_column", "text", "--summary_column", "summary", "--do_train", "--do_eval",
+            "--predict_with_generate", "--max_source_length", "32", "--max_target_length", "12",
+            "--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "4", "--max_steps", "4",
+            "--seed", "0", "--report_to", "none", "--train_sampling_strategy", "sequential", "--learning_rate", "1e-3"]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_EVALUATE_OFFLINE="1", JAX_PLATFORMS="cpu",
+               NLTK_DATA=str(tmp_path / "nltk_data"))
+    results = {}
+    for which in ("hf", "jtrainer"):
+        run = subprocess.run([sys.executable, f"run_summarization_{which}.py", *args, "--output_dir", f"out_{which}"],
+                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr[-3000:]
+        results[which] = _results(tmp_path, f"out_{which}")
+    expected, got = results["hf"], results["jtrainer"]
+    assert set(got) == set(expected)
+    for key in ("train_loss", "eval_loss"):
+        assert got[key] == pytest.approx(expected[key], rel=1e-3), key
+    for key in ("eval_gen_len", "eval_rouge1", "eval_rougeL", "total_flos"):
+        assert got[key] == expected[key], key
