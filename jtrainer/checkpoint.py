@@ -171,6 +171,20 @@ def write_manifest(folder: str) -> None:
     storage.write_text(storage.join(folder, MANIFEST_NAME), json.dumps(entries, indent=1, sort_keys=True))
 
 
+TORCH_CHECKPOINT = (
+    "{folder} was written by transformers.Trainer (torch: optimizer.pt, no train_state/): jtrainer cannot resume "
+    "its optimizer and scheduler state yet. Start from its weights instead: load the model with "
+    "from_pretrained({folder!r}) (or --model_name_or_path) and train without resume_from_checkpoint."
+)
+
+
+def written_by_torch_trainer(folder: str) -> bool:
+    """Whether `folder` is a transformers.Trainer checkpoint (torch's optimizer.pt / training_args.bin, no
+    orbax train state)."""
+    return (not storage.isdir(storage.join(folder, TRAIN_STATE_DIR))
+            and any(storage.isfile(storage.join(folder, n)) for n in ("optimizer.pt", "training_args.bin")))
+
+
 def _inside(folder: str, rel: str) -> bool:
     """Whether manifest entry `rel` names a file inside `folder` (no absolute path, no way out through `..`)."""
     if os.path.isabs(rel) or "://" in rel:
@@ -183,6 +197,8 @@ def _inside(folder: str, rel: str) -> bool:
 def verify_checkpoint(folder: str) -> None:
     """Raise CheckpointIntegrityError naming the file if `folder` is uncommitted, truncated or corrupted."""
     if not storage.isfile(storage.join(folder, COMMIT_NAME)):
+        if written_by_torch_trainer(folder):
+            raise CheckpointIntegrityError(TORCH_CHECKPOINT.format(folder=folder))
         raise CheckpointIntegrityError(f"Checkpoint {folder} is not committed: {COMMIT_NAME} is missing.")
     manifest_path = storage.join(folder, MANIFEST_NAME)
     if not storage.isfile(manifest_path):

@@ -187,6 +187,8 @@ class SavingMixin:
     def _resume(self, folder: str, like: TrainState, updates_per_epoch: int, fresh=None):
         """Restore `folder` into the state laid out like `like` (abstract or concrete; `fresh()` builds a real
         fresh state where part of the state must start afresh) and the loop's bookkeeping."""
+        if checkpoint.written_by_torch_trainer(folder):
+            raise ValueError(checkpoint.TORCH_CHECKPOINT.format(folder=folder))
         if not storage.isdir(storage.join(folder, checkpoint.TRAIN_STATE_DIR)):
             raise ValueError(
                 f"Can't find a valid checkpoint at {folder}: it has no train state (saved with save_only_model?)."

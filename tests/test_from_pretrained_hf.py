@@ -122,3 +122,27 @@ def test_options_that_cannot_apply_are_refused_by_name(tmp_path):
     # Harmless ones are accepted: the weights are read lazily anyway, the attention is jtrainer's own.
     AutoModelForCausalLM.from_pretrained(str(tmp_path), low_cpu_mem_usage=True, attn_implementation="sdpa")
     shutil.rmtree(tmp_path)
+
+
+def test_a_torch_trainer_checkpoint_is_named_as_such_and_its_weights_load(tmp_path):
+    """transformers.Trainer's checkpoint-N (torch optimizer.pt, no train state): resuming it says what it is and
+    what to do instead (its optimizer state is not read yet); from_pretrained loads its weights."""
+    from conftest import scratch_dir, token_rows, torch_rows
+    from jtrainer import Trainer, TrainingArguments
+
+    torch.manual_seed(0)
+    hf = transformers.Trainer(model=transformers.LlamaForCausalLM(tiny_llama_config()),
+                              args=transformers.TrainingArguments(output_dir=str(tmp_path / "hf"), max_steps=1,
+                                                                  save_steps=1, report_to="none", use_cpu=True),
+                              train_dataset=torch_rows(token_rows(4, length=8)))
+    hf.train()
+    folder = str(tmp_path / "hf" / "checkpoint-1")
+    ours = Trainer(model=AutoModelForCausalLM.from_pretrained(folder),
+                   args=TrainingArguments(output_dir=scratch_dir(), max_steps=2, report_to="none"),
+                   train_dataset=token_rows(4, length=8))
+    with pytest.raises(ValueError, match="was written by transformers.Trainer .*cannot resume its optimizer"):
+        ours.train(resume_from_checkpoint=folder)
+    from jtrainer import checkpoint
+
+    with pytest.raises(checkpoint.CheckpointIntegrityError, match="from_pretrained"):
+        checkpoint.verify_checkpoint(folder)
