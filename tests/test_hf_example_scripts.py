@@ -270,3 +270,22 @@ def test_run_summarization_trains_and_generates_with_torchs_numbers(tmp_path):
         assert got[key] == pytest.approx(expected[key], rel=1e-3), key
     for key in ("eval_gen_len", "eval_rouge1", "eval_rougeL", "total_flos"):
         assert got[key] == expected[key], key
+
+
+def test_run_clm_from_scratch_counts_parameters_as_torch(clm):
+    """run_clm's from-scratch branch (--config_name, no model): from_config, and its torch-style parameter count
+    `sum({p.data_ptr(): p.numel() ...})` logged through the script's own logging format. (Each framework draws
+    its own initial weights, so the losses are not compared.)"""
+    args = ["--config_name", "model", "--tokenizer_name", "model", "--train_file", "train.txt", "--validation_file",
+            "validation.txt", "--do_train", "--do_eval", "--block_size", "16", "--per_device_train_batch_size", "4",
+            "--per_device_eval_batch_size", "4", "--max_steps", "2", "--seed", "0", "--report_to", "none"]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_EVALUATE_OFFLINE="1", JAX_PLATFORMS="cpu")
+    said = {}
+    for which in ("hf", "jtrainer"):
+        run = subprocess.run([sys.executable, f"run_clm_{which}.py", *args, "--output_dir", f"scratch_{which}"],
+                             cwd=clm, env=env, capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr[-3000:]
+        said[which] = [line.split(" - ", 3)[-1] for line in (run.stdout + run.stderr).splitlines()
+                       if "Training new model from scratch" in line]
+    assert said["jtrainer"] == said["hf"] and len(said["hf"]) == 1
+    assert set(_results(clm, "scratch_jtrainer")) == set(_results(clm, "scratch_hf"))
