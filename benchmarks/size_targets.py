@@ -38,6 +38,8 @@ LLAMA3_8B = ["--hidden_size", "4096", "--intermediate_size", "14336", "--num_hid
              "--num_attention_heads", "32", "--num_key_value_heads", "8", "--tokenizer_vocab_size", "128256",
              "--max_position_embeddings", "8192", "--scan_layers", "true"]
 ROWS["1b-h100x8"] = ("configs/llama_1b_fsdp_v5e_16.yaml", "h100x8", ["--per_device_train_batch_size", "8"])
+ROWS["1b-h100x8-chunked"] = ("configs/llama_1b_fsdp_v5e_16.yaml", "h100x8", ["--per_device_train_batch_size", "8",
+                                                                            "--use_liger_kernel", "true"])
 ROWS["1b-h100x8-scan"] = ("configs/llama_1b_fsdp_v5e_16.yaml", "h100x8", ["--per_device_train_batch_size", "8",
                                                                          "--scan_layers", "true"])
 for _target, _batch in (("v5litepod-16", "1"), ("v5p-8", "4"), ("h100x8", "2")):
