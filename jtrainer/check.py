@@ -249,7 +249,7 @@ def run_check(model_args, data_args, training_args, target_name: str | None = No
                 else "") + ", compiled here, not run)"
              if target else "this machine")
     try:
-        numbers = compile_step(model_args, data_args, training_args, target)
+        numbers = _compile_fitting(model_args, data_args, training_args, target, where)
     except StepDoesNotFit as error:
         say(f"jtrainer check: does not fit {where}: {error}.")
         say(f"  {ADVICE}")
@@ -294,6 +294,42 @@ def run_check(model_args, data_args, training_args, target_name: str | None = No
         say(f"jtrainer check: the {'train' if worst == needed else 'eval'} step does not fit: {_size(worst)} per "
             f"device, {_size(budget)} available. {ADVICE}")
     return {"fields": report, **numbers, "fits": fits, "estimate": estimate}
+
+
+def _compile_fitting(model_args, data_args, training_args, target, where: str) -> dict[str, Any]:
+    """compile_step; with auto_find_batch_size (as training would search on that machine), the train step is
+    compiled again at HF's smaller batch sizes (x0.9, a divisor of the effective batch, accumulation raised to
+    keep it) until it fits the target's memory, and `training_args` is left at the batch found."""
+    from jtrainer.cli import say
+
+    effective = training_args.per_device_train_batch_size * training_args.gradient_accumulation_steps
+    first = training_args.per_device_train_batch_size
+    while True:
+        try:
+            numbers = compile_step(model_args, data_args, training_args, target)
+            needed, budget = numbers["step_bytes_per_device"], numbers["device_memory_bytes"]
+            if not training_args.auto_find_batch_size or needed is None or budget is None or needed <= budget:
+                if training_args.per_device_train_batch_size != first:
+                    say(f"jtrainer check: auto_find_batch_size: per_device_train_batch_size "
+                        f"{training_args.per_device_train_batch_size}, gradient_accumulation_steps "
+                        f"{training_args.gradient_accumulation_steps} fit {where}")
+                return numbers
+            why = f"{_size(needed)} per device, {_size(budget)} available"
+            fallback = numbers
+        except StepDoesNotFit as error:
+            if not training_args.auto_find_batch_size or str(error).startswith("the eval step"):
+                raise  # the search is over the training batch only
+            why, fallback = str(error), None
+        smaller = batch_size.next_batch_size(training_args.per_device_train_batch_size, effective)
+        if smaller == 0:
+            if fallback is None:
+                raise StepDoesNotFit(f"no per_device_train_batch_size fits (auto_find_batch_size): {why}")
+            return fallback
+        say(f"jtrainer check: auto_find_batch_size: per_device_train_batch_size "
+            f"{training_args.per_device_train_batch_size} does not fit {where} ({why}); trying {smaller} with "
+            f"gradient_accumulation_steps {effective // smaller}")
+        training_args.per_device_train_batch_size = smaller
+        training_args.gradient_accumulation_steps = effective // smaller
 
 
 ADVICE = ("Split parameters and optimizer state over more devices (mesh_shape fsdp), lower "

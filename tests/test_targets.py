@@ -182,3 +182,19 @@ def test_the_mesh_follows_the_torus_keeps_each_hosts_rows_together_and_puts_slic
         host = list(rows[:4, 0]) if sizes["tensor"] == 1 else list(rows[0])
         for a, b in zip(host, host[1:]):
             assert sum(abs(x - y) for x, y in zip(a.coords, b.coords)) == 1, [d.coords for d in host]
+
+
+def test_auto_find_batch_size_on_a_target_finds_the_batch_that_fits(capsys):
+    """The search training would run on that machine, done by cross-compiling: a 250k vocabulary at 64 rows of 512
+    tokens per v5e chip overflows; HF's smaller sizes are tried (effective batch kept) until one fits."""
+    parsed = parse_train_args([CONFIG, "--hidden_size", "256", "--intermediate_size", "256", "--num_hidden_layers",
+                               "1", "--num_attention_heads", "4", "--num_key_value_heads", "2", "--block_size", "512",
+                               "--tokenizer_vocab_size", "250000", "--per_device_train_batch_size", "64",
+                               "--eval_strategy", "no", "--auto_find_batch_size", "true"], "check")
+    result = run_check(*parsed[:3], "v5litepod-16")
+    printed = capsys.readouterr().out
+    args = parsed[2]
+    assert result["fits"] and args.per_device_train_batch_size < 64
+    assert args.per_device_train_batch_size * args.gradient_accumulation_steps == 64
+    assert "auto_find_batch_size: per_device_train_batch_size 64 does not fit v5litepod-16" in printed
+    assert result["step_bytes_per_device"] <= 16 * 2**30
