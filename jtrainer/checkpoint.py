@@ -503,10 +503,11 @@ def _restore_with(checkpointer, directory: str, path: str, like, fresh=None):
                 f"Checkpoint {directory}: parameter {name} has shape {saved[name]} but the model's has shape {shape}."
             )
     missing = sorted(set(wanted) - set(saved))
-    if missing and any(".layers.0." in n for n in saved) != any(".layers.0." in n for n in wanted):
-        raise ValueError(f"Checkpoint {directory} was saved with{'out' if '.layers.0.' in str(list(saved)) else ''} "
-                         "scan_layers and this model is built the other way: build the model as it was saved (its "
-                         "HF export, config.json + safetensors, loads either way).")
+    saved_unrolled = any(".layers.0." in n for n in saved)  # scan_layers stacks them: no per-layer index
+    if missing and saved_unrolled != any(".layers.0." in n for n in wanted):
+        raise ValueError(f"Checkpoint {directory} was saved with{'out' if saved_unrolled else ''} scan_layers and "
+                         "this model is built the other way: build the model as it was saved (its HF export, "
+                         "config.json + safetensors, loads either way).")
     if missing:
         raise ValueError(f"Checkpoint {directory} has no parameters {missing[:5]}: it was saved from another model.")
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)

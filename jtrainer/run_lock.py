@@ -86,12 +86,19 @@ def _read_holder(path: str) -> LockHolder | None:
 
 
 def is_stale(path: str, holder: LockHolder, stale_after_s: float = STALE_AFTER_S) -> bool:
+    try:
+        beat = os.path.getmtime(path)
+    except FileNotFoundError:
+        beat = None
+    return _holder_gone(holder, beat, stale_after_s)
+
+
+def _holder_gone(holder: LockHolder, last_beat: float | None, stale_after_s: float) -> bool:
+    """A holder on this host is gone when its process is; one elsewhere when its last heartbeat (None: no lock
+    left) is older than `stale_after_s`."""
     if holder.host == socket.gethostname() and holder.pid > 0:
         return not _process_alive(holder.pid, holder.pid_start)
-    try:
-        return time.time() - os.path.getmtime(path) > stale_after_s
-    except FileNotFoundError:
-        return True
+    return last_beat is None or time.time() - last_beat > stale_after_s
 
 
 class RunLock:
@@ -197,7 +204,7 @@ class ObjectStoreRunLock(RunLock):
         found = self._read()
         if found is not None:
             holder, beat = found
-            if not self._is_stale(holder, beat):
+            if not _holder_gone(holder, beat, self.stale_after_s):
                 raise OutputDirLocked(
                     f"output_dir {self.folder!r} is in use by another jtrainer run ({holder.describe()}): wait for "
                     f"it to end or choose another output_dir (remove {self.path} only if that run is gone)."
@@ -215,11 +222,6 @@ class ObjectStoreRunLock(RunLock):
         self._heartbeat = threading.Thread(target=self._beat, name="jtrainer-lock-heartbeat", daemon=True)
         self._heartbeat.start()
         return self
-
-    def _is_stale(self, holder: LockHolder, beat: float) -> bool:
-        if holder.host == socket.gethostname() and holder.pid > 0:
-            return not _process_alive(holder.pid, holder.pid_start)
-        return time.time() - beat > self.stale_after_s
 
     def _write(self) -> None:
         storage.write_text(self.path, json.dumps({"holder": dataclasses.asdict(self.holder), "beat": time.time()}))

@@ -154,10 +154,10 @@ def device_grid(shape: list[int], devices: list) -> np.ndarray:
 
 def _rows_contiguous(grid: np.ndarray) -> bool:
     """Whether every process's devices take one contiguous run of the batch axes (data x fsdp, flattened)."""
-    owners = [d.process_index for d in grid.reshape(grid.shape[0] * grid.shape[1], -1)[:, 0]]
     per_row = grid.reshape(grid.shape[0] * grid.shape[1], -1)
     if any(len({d.process_index for d in row}) > 1 for row in per_row):
         return False  # tensor / sequence shards of one row on several processes: rows are shared, not split
+    owners = [row[0].process_index for row in per_row]
     seen, last = set(), None
     for owner in owners:
         if owner != last and owner in seen:

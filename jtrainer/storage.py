@@ -174,23 +174,19 @@ def digest(path: str) -> dict:
     """What the manifest records of a file: its size and a content hash. Local files are hashed (sha256);
     object stores already keep a hash of every object (GCS crc32c/md5, S3 ETag), which is read instead of
     downloading the bytes again."""
-    if not is_url(path):
-        import hashlib
-
-        h = hashlib.sha256()
-        with open(path, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
-        return {"sha256": h.hexdigest(), "bytes": os.path.getsize(path)}
-    fs, p = _fs(path)
-    info = fs.info(p)
-    for key in ("crc32c", "md5Hash", "ETag", "etag"):
-        if info.get(key):
-            return {key: str(info[key]).strip('"'), "bytes": int(info["size"])}
+    if is_url(path):
+        fs, p = _fs(path)
+        info = fs.info(p)
+        for key in ("crc32c", "md5Hash", "ETag", "etag"):
+            if info.get(key):
+                return {key: str(info[key]).strip('"'), "bytes": int(info["size"])}
     import hashlib
 
-    with fs.open(p, "rb") as f:
-        return {"sha256": hashlib.sha256(f.read()).hexdigest(), "bytes": int(info["size"])}
+    h = hashlib.sha256()
+    with open_file(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return {"sha256": h.hexdigest(), "bytes": getsize(path)}
 
 
 @contextlib.contextmanager
@@ -220,13 +216,18 @@ def local_folder(folder: str) -> Iterator[str]:
     if not is_url(folder):
         yield folder
         return
-    fs, p = _fs(folder)
     with tempfile.TemporaryDirectory(prefix="jtrainer-fetch-") as local:
-        for rel in files_under(folder):
-            target = os.path.join(local, *rel.split("/"))
-            os.makedirs(os.path.dirname(target), exist_ok=True)
-            fs.get_file(posixpath.join(p, rel), target)
+        _download(folder, local)
         yield local
+
+
+def _download(folder: str, local: str) -> None:
+    """Copy every file under `folder` (a URL) to the same relative paths under the local folder `local`."""
+    fs, p = _fs(folder)
+    for rel in files_under(folder):
+        target = os.path.join(local, *rel.split("/"))
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        fs.get_file(posixpath.join(p, rel), target)
 
 
 _FETCHED: dict[str, str] = {}
@@ -243,10 +244,6 @@ def fetched(folder: str) -> str:
 
         local = tempfile.mkdtemp(prefix="jtrainer-fetch-")
         atexit.register(shutil.rmtree, local, True)
-        fs, p = _fs(key)
-        for rel in files_under(key):
-            target = os.path.join(local, *rel.split("/"))
-            os.makedirs(os.path.dirname(target), exist_ok=True)
-            fs.get_file(posixpath.join(p, rel), target)
+        _download(key, local)
         _FETCHED[key] = local
     return _FETCHED[key]

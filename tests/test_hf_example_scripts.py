@@ -85,15 +85,30 @@ def glue(tmp_path_factory):
     return folder
 
 
+def _script(folder, script: str, which: str, args: list[str], **env) -> subprocess.CompletedProcess:
+    """One run of `script` in `folder`, offline: the original (`which="hf"`, under torch) or its import-rewritten
+    copy ("jtrainer")."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_EVALUATE_OFFLINE="1", JAX_PLATFORMS="cpu", **env)
+    return subprocess.run([sys.executable, f"{script}_{which}.py", *args], cwd=folder, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+def _both(folder, script: str, args: list[str], out: str, **env) -> dict[str, subprocess.CompletedProcess]:
+    """The script under torch and under jtrainer, into `{out}_hf` and `{out}_jtrainer`; both must succeed."""
+    runs = {}
+    for which in ("hf", "jtrainer"):
+        runs[which] = _script(folder, script, which, [*args, "--output_dir", f"{out}_{which}"], **env)
+        assert runs[which].returncode == 0, runs[which].stderr[-3000:]
+    return runs
+
+
 def _run(folder, which: str, model: str, out: str, *extra):
     args = ["--model_name_or_path", model, "--train_file", "train.json", "--validation_file", "validation.json",
             "--do_train", "--do_eval", "--max_seq_length", "16", "--per_device_train_batch_size", "4",
             "--per_device_eval_batch_size", "4", "--max_steps", "6", "--learning_rate", "1e-3", "--seed", "0",
             "--report_to", "none", "--train_sampling_strategy", "sequential", "--logging_steps", "1",
             "--output_dir", out, *extra]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_EVALUATE_OFFLINE="1", JAX_PLATFORMS="cpu")
-    return subprocess.run([sys.executable, f"run_glue_{which}.py", *args], cwd=folder, env=env, capture_output=True,
-                          text=True, timeout=600)
+    return _script(folder, "run_glue", which, args)
 
 
 def _results(folder, out):
@@ -179,14 +194,8 @@ def test_run_clm_fine_tunes_with_resized_embeddings_and_torchs_numbers(clm):
             "--do_train", "--do_eval", "--block_size", "16", "--per_device_train_batch_size", "4",
             "--per_device_eval_batch_size", "4", "--max_steps", "4", "--seed", "0", "--report_to", "none",
             "--train_sampling_strategy", "sequential"]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_EVALUATE_OFFLINE="1", JAX_PLATFORMS="cpu")
-    results = {}
-    for which in ("hf", "jtrainer"):
-        run = subprocess.run([sys.executable, f"run_clm_{which}.py", *args, "--output_dir", f"out_{which}"],
-                             cwd=clm, env=env, capture_output=True, text=True, timeout=600)
-        assert run.returncode == 0, run.stderr[-3000:]
-        results[which] = _results(clm, f"out_{which}")
-    expected, got = results["hf"], results["jtrainer"]
+    _both(clm, "run_clm", args, "out")
+    expected, got = _results(clm, "out_hf"), _results(clm, "out_jtrainer")
     assert set(got) == set(expected)
     for key in ("train_loss", "eval_loss", "perplexity"):
         assert got[key] == pytest.approx(expected[key], rel=1e-3), key
@@ -256,15 +265,8 @@ def test_run_summarization_trains_and_generates_with_torchs_numbers(tmp_path):
             "--predict_with_generate", "--max_source_length", "32", "--max_target_length", "12",
             "--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "4", "--max_steps", "4",
             "--seed", "0", "--report_to", "none", "--train_sampling_strategy", "sequential", "--learning_rate", "1e-3"]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_EVALUATE_OFFLINE="1", JAX_PLATFORMS="cpu",
-               NLTK_DATA=str(tmp_path / "nltk_data"))
-    results = {}
-    for which in ("hf", "jtrainer"):
-        run = subprocess.run([sys.executable, f"run_summarization_{which}.py", *args, "--output_dir", f"out_{which}"],
-                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-        assert run.returncode == 0, run.stderr[-3000:]
-        results[which] = _results(tmp_path, f"out_{which}")
-    expected, got = results["hf"], results["jtrainer"]
+    _both(tmp_path, "run_summarization", args, "out", NLTK_DATA=str(tmp_path / "nltk_data"))
+    expected, got = _results(tmp_path, "out_hf"), _results(tmp_path, "out_jtrainer")
     assert set(got) == set(expected)
     for key in ("train_loss", "eval_loss"):
         assert got[key] == pytest.approx(expected[key], rel=1e-3), key
@@ -279,13 +281,8 @@ def test_run_clm_from_scratch_counts_parameters_as_torch(clm):
     args = ["--config_name", "model", "--tokenizer_name", "model", "--train_file", "train.txt", "--validation_file",
             "validation.txt", "--do_train", "--do_eval", "--block_size", "16", "--per_device_train_batch_size", "4",
             "--per_device_eval_batch_size", "4", "--max_steps", "2", "--seed", "0", "--report_to", "none"]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_EVALUATE_OFFLINE="1", JAX_PLATFORMS="cpu")
-    said = {}
-    for which in ("hf", "jtrainer"):
-        run = subprocess.run([sys.executable, f"run_clm_{which}.py", *args, "--output_dir", f"scratch_{which}"],
-                             cwd=clm, env=env, capture_output=True, text=True, timeout=600)
-        assert run.returncode == 0, run.stderr[-3000:]
-        said[which] = [line.split(" - ", 3)[-1] for line in (run.stdout + run.stderr).splitlines()
-                       if "Training new model from scratch" in line]
+    said = {which: [line.split(" - ", 3)[-1] for line in (run.stdout + run.stderr).splitlines()
+                    if "Training new model from scratch" in line]
+            for which, run in _both(clm, "run_clm", args, "scratch").items()}
     assert said["jtrainer"] == said["hf"] and len(said["hf"]) == 1
     assert set(_results(clm, "scratch_jtrainer")) == set(_results(clm, "scratch_hf"))

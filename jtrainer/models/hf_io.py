@@ -304,16 +304,16 @@ def load_weights(model: nnx.Module, directory: str, *, mesh=None, rules=None, dt
                 report.missing_keys.append(name)
                 usable = False
                 continue
-            shape, stored_dtype = files.header(name)
-            shape = tuple(reversed(shape)) if transposed else shape
+            stored, stored_dtype = files.header(name)  # in torch's layout
+            shape = tuple(reversed(stored)) if transposed else stored
             if shape != layer_shape:
                 if strict:
                     raise ValueError(
                         f"Weight {name!r} has shape {shape} in {directory}, but the model's parameter {label} has "
                         f"shape {layer_shape}" + (" per layer." if stacked else ".")
                     )
-                stored = tuple(files.header(name)[0])
-                report.mismatched_keys.append((name, stored, tuple(reversed(layer_shape)) if transposed else layer_shape))
+                report.mismatched_keys.append((name, tuple(stored), tuple(reversed(layer_shape)) if transposed
+                                               else layer_shape))
                 usable = False
                 continue
             if np.issubdtype(target, np.floating) and not stored_dtype.startswith(("F", "BF")):
