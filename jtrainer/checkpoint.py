@@ -37,7 +37,7 @@ import optax
 import orbax.checkpoint as ocp
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from jtrainer import storage
+from jtrainer import storage, torch_checkpoint
 from jtrainer.mixed_precision import LossScaleState
 
 logger = logging.getLogger(__name__)
@@ -171,20 +171,6 @@ def write_manifest(folder: str) -> None:
     storage.write_text(storage.join(folder, MANIFEST_NAME), json.dumps(entries, indent=1, sort_keys=True))
 
 
-TORCH_CHECKPOINT = (
-    "{folder} was written by transformers.Trainer (torch: optimizer.pt, no train_state/): jtrainer cannot resume "
-    "its optimizer and scheduler state yet. Start from its weights instead: load the model with "
-    "from_pretrained({folder!r}) (or --model_name_or_path) and train without resume_from_checkpoint."
-)
-
-
-def written_by_torch_trainer(folder: str) -> bool:
-    """Whether `folder` is a transformers.Trainer checkpoint (torch's optimizer.pt / training_args.bin, no
-    orbax train state)."""
-    return (not storage.isdir(storage.join(folder, TRAIN_STATE_DIR))
-            and any(storage.isfile(storage.join(folder, n)) for n in ("optimizer.pt", "training_args.bin")))
-
-
 def _inside(folder: str, rel: str) -> bool:
     """Whether manifest entry `rel` names a file inside `folder` (no absolute path, no way out through `..`)."""
     if os.path.isabs(rel) or "://" in rel:
@@ -197,8 +183,15 @@ def _inside(folder: str, rel: str) -> bool:
 def verify_checkpoint(folder: str) -> None:
     """Raise CheckpointIntegrityError naming the file if `folder` is uncommitted, truncated or corrupted."""
     if not storage.isfile(storage.join(folder, COMMIT_NAME)):
-        if written_by_torch_trainer(folder):
-            raise CheckpointIntegrityError(TORCH_CHECKPOINT.format(folder=folder))
+        if torch_checkpoint.written_by_torch_trainer(folder):
+            # transformers.Trainer's checkpoint-N: no manifest to check (HF takes it by name); resumable when whole.
+            missing = torch_checkpoint.missing_files(folder)
+            if missing:
+                raise CheckpointIntegrityError(
+                    f"Checkpoint {folder} (transformers.Trainer's) lacks {', '.join(missing)}."
+                )
+            _read_json(folder, TRAINER_STATE_NAME)
+            return
         raise CheckpointIntegrityError(f"Checkpoint {folder} is not committed: {COMMIT_NAME} is missing.")
     manifest_path = storage.join(folder, MANIFEST_NAME)
     if not storage.isfile(manifest_path):

@@ -684,6 +684,14 @@ def schedule_count(opt_state) -> jax.Array | None:
     return next((s.count for s in nested_states(opt_state) if getattr(s, "hyperparams", None) is not None), None)
 
 
+def set_schedule_count(opt_state, value: int):
+    """The optimizer state with inject_hyperparams' update count (the schedule's step) set to a host value."""
+    if getattr(opt_state, "hyperparams", None) is not None:
+        count = opt_state.count
+        return opt_state._replace(count=jax.device_put(np.asarray(value, count.dtype), count.sharding))
+    return opt_state._replace(inner_state=set_schedule_count(opt_state.inner_state, value))
+
+
 def current_learning_rate(opt_state) -> jax.Array | None:
     """The rate that the last update used (inject_hyperparams keeps it in the state)."""
     return hyperparameter(opt_state, "learning_rate")

@@ -14,10 +14,11 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from transformers.trainer_callback import ExportableState, TrainerState
 from transformers.trainer_utils import SaveStrategy
 
-from jtrainer import checkpoint, host_rng, storage
+from jtrainer import checkpoint, host_rng, optim, storage, torch_checkpoint
 from jtrainer.state import TrainState
 
 logger = logging.getLogger(__name__)
@@ -187,13 +188,15 @@ class SavingMixin:
     def _resume(self, folder: str, like: TrainState, updates_per_epoch: int, fresh=None):
         """Restore `folder` into the state laid out like `like` (abstract or concrete; `fresh()` builds a real
         fresh state where part of the state must start afresh) and the loop's bookkeeping."""
-        if checkpoint.written_by_torch_trainer(folder):
-            raise ValueError(checkpoint.TORCH_CHECKPOINT.format(folder=folder))
-        if not storage.isdir(storage.join(folder, checkpoint.TRAIN_STATE_DIR)):
+        self._torch_rng_state = None
+        if torch_checkpoint.written_by_torch_trainer(folder):
+            train_state = self._restore_torch_checkpoint(folder, fresh)
+        elif not storage.isdir(storage.join(folder, checkpoint.TRAIN_STATE_DIR)):
             raise ValueError(
                 f"Can't find a valid checkpoint at {folder}: it has no train state (saved with save_only_model?)."
             )
-        train_state = checkpoint.restore_train_state(folder, like, fresh)
+        else:
+            train_state = checkpoint.restore_train_state(folder, like, fresh)
         self.state = load_trainer_state(folder)
         if self.state.best_model_checkpoint is not None and not storage.isdir(self.state.best_model_checkpoint):
             logger.warning(
@@ -214,10 +217,37 @@ class SavingMixin:
             skip = (self.state.global_step % updates_per_epoch) * self.args.gradient_accumulation_steps
         return train_state, epochs_trained, skip
 
+    def _restore_torch_checkpoint(self, folder: str, fresh) -> TrainState:
+        """A transformers.Trainer checkpoint: its weights, AdamW state and schedule step (torch_checkpoint)."""
+        name = optim.check_optimizer_name(self.args.optim)
+        if name not in torch_checkpoint.ADAMW_NAMES:
+            raise torch_checkpoint.TorchCheckpointError(
+                f"resume_from_checkpoint={folder} (a transformers.Trainer checkpoint) with optim={name}: jtrainer "
+                "resumes torch's AdamW state only; use optim='adamw_torch' (HF's default), as the checkpoint was "
+                "trained."
+            )
+        if self._optimizer_recipe is None:
+            raise torch_checkpoint.TorchCheckpointError(
+                f"resume_from_checkpoint={folder} (a transformers.Trainer checkpoint) needs the Trainer's own "
+                "optimizer and HF's lr_scheduler_type schedule (not optimizers=, optimizer_cls_and_kwargs or a "
+                "per-evaluation scheduler): torch's saved state is theirs."
+            )
+        params = nnx.to_pure_dict(nnx.state(self.model, nnx.Param))
+        saved_state = load_trainer_state(folder)
+        train_state, self._torch_rng_state = torch_checkpoint.restore(
+            folder, args=self.args, model=self.model, mesh=self.mesh, rules=self.axis_rules,
+            decay_mask=self._decay_mask_tree(params), fresh=fresh, max_steps_saved=saved_state.max_steps,
+        )
+        return train_state
+
     def _restore_loop_state(self, folder: str) -> None:
         """HF's _load_rng_state: the host generators as at the save, and how the loop padded and drew."""
         from jtrainer.trainer import LoopState
 
+        if self._torch_rng_state is not None:  # HF's own collator draws from the restored generators
+            host_rng.restore(self._torch_rng_state)
+            self._resumed_loop_state = LoopState(self._torch_rng_state, None)
+            return
         saved = checkpoint.load_loop_state(folder, self.args.process_index)
         if saved is None:
             logger.info("%s has no loop state: a random collator will not draw as the saved run did.", folder)

@@ -50,7 +50,10 @@ class StepBatch(NamedTuple):
 class LossSpec:
     mode: LossMode
     label_names: tuple[str, ...] = ("labels",)
-    causal: bool = False
+    causal: bool = False  # the Trainer's own loss shifts labels (HF's causal-LM check of the label smoother)
+    # HF's _loss_shifts_labels: num_items_in_batch counts labels[..., 1:] (the model's loss_type is the causal-LM
+    # loss); not the same as `causal`: HF's GPT2LMHeadModel shifts in its loss but counts every label.
+    count_shifted: bool = False
     label_smoothing: float = 0.0
     compute_loss_func: Callable | None = None
     compute_dtype: Any = None  # jnp.bfloat16 / float16: parameters are cast for compute, master weights stay fp32
@@ -192,8 +195,8 @@ def window_label_count(inputs: dict[str, jax.Array], spec: LossSpec, tail: dict[
     name = spec.label_names[0] if spec.label_names else None
     if name is None or name not in inputs:
         return jnp.ones((), jnp.int32)
-    count = jnp.sum(jax.vmap(lambda lab: count_label_tokens(lab, spec.causal))(inputs[name]))
-    return count if tail is None else count + count_label_tokens(tail[name], spec.causal)
+    count = jnp.sum(jax.vmap(lambda lab: count_label_tokens(lab, spec.count_shifted))(inputs[name]))
+    return count if tail is None else count + count_label_tokens(tail[name], spec.count_shifted)
 
 
 def clip_by_global_norm(grads, max_norm):
@@ -366,7 +369,7 @@ def make_eval_step(
             if labels is None:  # HF: no loss, the model alone
                 loss, outputs = None, model(**{k: v for k, v in inputs.items() if k not in spec.label_names})
             else:  # HF 5.x counts the batch's items in evaluation too
-                num_items = count_label_tokens(labels, spec.causal) if spec.pass_num_items else None
+                num_items = count_label_tokens(labels, spec.count_shifted) if spec.pass_num_items else None
                 if not want_logits and spec.mode in _MODEL_LOSS and getattr(model, "loss_chunk_positions", None):
                     inputs = {**inputs, "skip_logits": True}  # HF's use_liger_kernel with prediction_loss_only
                 loss, outputs = compute_loss(model, inputs, spec, num_items, return_outputs=True)
@@ -390,7 +393,7 @@ def make_shard_loss_step(graphdef, spec: LossSpec, shards: int):
 
     def shard_losses(params, model_state, inputs: dict[str, jax.Array]) -> jax.Array:
         labels = inputs[spec.label_names[0]]
-        num_items = count_label_tokens(labels, spec.causal) if spec.pass_num_items else None
+        num_items = count_label_tokens(labels, spec.count_shifted) if spec.pass_num_items else None
         split = jax.tree.map(lambda v: v.reshape(shards, v.shape[0] // shards, *v.shape[1:]), inputs)
         with bound_model(graphdef, params, model_state, spec.compute_dtype) as model:
             token = _PROCESS_SCALE.set(shards)

@@ -15,6 +15,7 @@ import inspect
 import logging
 import math
 import os
+import re
 import signal
 import sys
 import threading
@@ -70,6 +71,21 @@ def _is_causal_lm(model: Any) -> bool:
         return bool(model.loss_shifts_labels)
     name = type(model).__name__
     return name.endswith("ForCausalLM") or name.endswith("LMHeadModel")
+
+
+# The names PreTrainedModel maps to ForCausalLMLoss through its class name (transformers' LOSS_MAPPING).
+_CAUSAL_LM_LOSS_NAME = re.compile(r"ForCausalLM|ForConditionalGeneration")
+
+
+def _counts_shifted_labels(model: Any) -> bool:
+    """HF's _loss_shifts_labels: num_items_in_batch counts labels[..., 1:] when the model's loss_type is the
+    causal-LM loss (PreTrainedModel derives it from the class name: GPT2LMHeadModel has none) and the model is
+    not an encoder-decoder."""
+    loss_type = getattr(model, "loss_type", None)
+    if loss_type is None and isinstance(model, PretrainedMixin):
+        loss_type = next(iter(_CAUSAL_LM_LOSS_NAME.findall(type(model).__name__)), None)
+    causal_loss = loss_type is not None and _CAUSAL_LM_LOSS_NAME.fullmatch(str(loss_type)) is not None
+    return causal_loss and not getattr(getattr(model, "config", None), "is_encoder_decoder", False)
 
 
 def _accepts_loss_kwargs(model: Any) -> bool:
@@ -398,7 +414,7 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
 
         def loss_of(p, s, inputs):
             with bound_model(graphdef, p, s, spec.compute_dtype) as model:
-                num_items = count_label_tokens(inputs["labels"], spec.causal) if spec.pass_num_items else None
+                num_items = count_label_tokens(inputs["labels"], spec.count_shifted) if spec.pass_num_items else None
                 return step_compute_loss(model, inputs, spec, num_items)
 
         name = f"{type(self).__name__}.compute_loss"
@@ -420,7 +436,8 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         causal = _is_causal_lm(self.model)
         has_labels = any(name in sample for name in self.label_names)
         smoothing = self.args.label_smoothing_factor
-        common = dict(label_names=tuple(self.label_names), causal=causal, compute_dtype=self.args.compute_dtype(training),
+        common = dict(label_names=tuple(self.label_names), causal=causal,
+                      count_shifted=_counts_shifted_labels(self.model), compute_dtype=self.args.compute_dtype(training),
                       accepts_loss_kwargs=self.model_accepts_loss_kwargs)
         if has_labels and self.compute_loss_func is not None:
             return LossSpec(LossMode.CUSTOM, compute_loss_func=self.compute_loss_func, **common)

@@ -159,3 +159,26 @@ def test_evaluate_gathers_logits_only_for_compute_metrics_as_transformers(tmp_pa
     assert ("eval_n" in jt_metrics) is ("eval_n" in hf_metrics) is with_metrics
     if with_metrics:
         assert jt_metrics["eval_n"] == hf_metrics["eval_n"]
+
+
+@pytest.mark.parametrize("name", ["LlamaForCausalLM", "Qwen2ForCausalLM", "GPT2LMHeadModel", "BertForMaskedLM",
+                                  "BertForSequenceClassification", "T5ForConditionalGeneration"])
+def test_num_items_in_batch_counts_labels_as_transformers_trainer(tmp_path, name):
+    """HF counts labels[..., 1:] only where the model's loss_type (from its class name) is the causal-LM loss:
+    GPT2LMHeadModel shifts in its loss but has no loss_type, so every label is counted (15/16 of the mean)."""
+    import transformers
+
+    import jtrainer.models as models
+    from jtrainer.trainer import _counts_shifted_labels
+
+    configs = {"Llama": tiny_llama_config(), "Qwen2": transformers.Qwen2Config(**tiny_llama_config().to_dict()),
+               "GPT2": transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=4, n_positions=64),
+               "Bert": transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1,
+                                               num_attention_heads=4, intermediate_size=64),
+               "T5": transformers.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4,
+                                           decoder_start_token_id=0)}
+    config = configs[next(k for k in configs if name.startswith(k))]
+    hf = transformers.Trainer(model=getattr(transformers, name)(config),
+                              args=transformers.TrainingArguments(output_dir=str(tmp_path), report_to="none",
+                                                                  use_cpu=True))
+    assert _counts_shifted_labels(getattr(models, name).from_config(config)) == hf._loss_shifts_labels

@@ -1,0 +1,295 @@
+"""Resuming a transformers.Trainer (torch) `checkpoint-N`, so the run continues as torch's resume would.
+
+HF's checkpoint holds the weights (model.safetensors, read without torch), `trainer_state.json` (HF's own
+TrainerState), and torch pickles: `optimizer.pt` (AdamW's per-parameter `exp_avg` / `exp_avg_sq` / `step` and
+the param groups' hyperparameters), `scheduler.pt` (LambdaLR's base rates and step) and `rng_state.pth` (python's,
+numpy's and torch's generators). Reading the pickles needs torch. The optimizer's state is keyed by position:
+HF's create_optimizer puts the decayed parameters first, then the others, each in `named_parameters()` order, so
+the names come from the torch model class of the checkpoint's config built on the meta device (no memory) and
+HF's own `get_decay_parameter_names`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import jax
+import numpy as np
+import optax
+
+from jtrainer import host_rng, storage
+from jtrainer.errors import BadInput
+
+logger = logging.getLogger(__name__)
+
+OPTIMIZER_NAME = "optimizer.pt"
+SCHEDULER_NAME = "scheduler.pt"
+TRAINING_ARGS_NAME = "training_args.bin"
+TRAINER_STATE_NAME = "trainer_state.json"
+WEIGHT_NAMES = ("model.safetensors", "model.safetensors.index.json")
+# jtrainer's optimizers that are torch.optim.AdamW (HF's names): the ones whose moments optimizer.pt holds as is.
+ADAMW_NAMES = ("adamw_torch", "adamw_torch_fused", "adamw_torch_xla", "adamw_torch_npu_fused")
+
+NEEDS_TORCH = (
+    "{folder} was written by transformers.Trainer: its optimizer, scheduler and generator states (optimizer.pt, "
+    "scheduler.pt, rng_state.pth) are torch pickles, and torch is not installed. Install it (pip install torch) "
+    "to resume the run, or start from its weights alone: from_pretrained({folder!r}) (or --model_name_or_path) "
+    "without resume_from_checkpoint."
+)
+
+
+class TorchCheckpointError(BadInput):
+    """A transformers.Trainer checkpoint that cannot be resumed as torch would resume it."""
+
+
+def written_by_torch_trainer(folder: str) -> bool:
+    """Whether `folder` is a transformers.Trainer checkpoint (torch's optimizer.pt / training_args.bin, no
+    jtrainer train state)."""
+    return (not storage.isdir(storage.join(folder, "train_state"))
+            and any(storage.isfile(storage.join(folder, n)) for n in (OPTIMIZER_NAME, TRAINING_ARGS_NAME)))
+
+
+def missing_files(folder: str) -> list[str]:
+    """What a torch checkpoint lacks to be resumed (HF's get_last_checkpoint takes it by name alone; jtrainer
+    skips one a crash left half-written)."""
+    missing = [n for n in (TRAINER_STATE_NAME, OPTIMIZER_NAME) if not storage.isfile(storage.join(folder, n))]
+    if not any(storage.isfile(storage.join(folder, n)) for n in WEIGHT_NAMES):
+        missing.append(WEIGHT_NAMES[0])
+    return missing
+
+
+@dataclasses.dataclass(frozen=True)
+class TorchAdamW:
+    """torch.optim.AdamW's state as HF saved it, by HF parameter name (arrays in torch's layout)."""
+
+    step: int  # AdamW's update count
+    schedule_step: int  # the scheduler's (LambdaLR's last_epoch)
+    exp_avg: dict[str, np.ndarray]
+    exp_avg_sq: dict[str, np.ndarray]
+    lr: float  # the param groups' current rate: what the next update applies
+    base_lr: float  # the scheduler's base rate (scheduler.pt)
+    weight_decay: float  # the decayed group's
+    betas: tuple[float, float]
+    eps: float
+    decayed: frozenset[str]  # the parameters HF decays (the first param group)
+
+
+def _torch(folder: str):
+    try:
+        import torch
+    except ImportError as error:
+        raise TorchCheckpointError(NEEDS_TORCH.format(folder=folder)) from error
+    return torch
+
+
+def _load(torch, path: str):
+    """torch.load as HF loads its checkpoint files (weights_only, numpy's types allowed)."""
+    from transformers.trainer_pt_utils import safe_globals
+
+    with safe_globals():
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def torch_parameter_order(torch, folder: str) -> tuple[list[str], dict[str, tuple[int, ...]], frozenset[str]]:
+    """The names of optimizer.pt's parameter indices (HF's decayed group, then the rest, each in
+    named_parameters order), their torch shapes and the decayed names, from the checkpoint's config on the meta
+    device."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(folder)
+    architecture = (getattr(config, "architectures", None) or [None])[0]
+    model_class = getattr(transformers, architecture or "", None)
+    if model_class is None:
+        raise TorchCheckpointError(
+            f"{folder}/config.json names no transformers model class ({architecture!r} in 'architectures'): the "
+            f"order of the parameters in {OPTIMIZER_NAME} cannot be known."
+        )
+    with torch.device("meta"):
+        model = model_class(config)
+    decayed = set(transformers.Trainer.get_decay_parameter_names(None, model))
+    named = [(n, tuple(p.shape)) for n, p in model.named_parameters() if p.requires_grad]
+    order = [n for n, _ in named if n in decayed] + [n for n, _ in named if n not in decayed]
+    return order, dict(named), frozenset(n for n, _ in named if n in decayed)
+
+
+def read_adamw(folder: str) -> TorchAdamW:
+    """optimizer.pt and scheduler.pt of `folder` as a TorchAdamW; refuses anything but HF's default AdamW groups."""
+    torch = _torch(folder)
+    saved = _load(torch, os.path.join(folder, OPTIMIZER_NAME))
+    groups, state = saved["param_groups"], saved["state"]
+    first = groups[0]
+    if "betas" not in first or any(g.get("amsgrad") or g.get("maximize") for g in groups):
+        raise TorchCheckpointError(
+            f"{folder}/{OPTIMIZER_NAME} is not torch.optim.AdamW's state (amsgrad and maximize off): jtrainer resumes "
+            "the moments of HF's adamw_torch optimizers only."
+        )
+    order, shapes, decayed = torch_parameter_order(torch, folder)
+    indices = [i for g in groups for i in g["params"]]
+    if len(indices) != len(order) or len(first["params"]) not in (len(decayed), len(order)):
+        raise TorchCheckpointError(
+            f"{folder}/{OPTIMIZER_NAME} has {len(indices)} parameters in its groups, the model of its config.json "
+            f"{len(order)}: the optimizer was not built by transformers.Trainer.create_optimizer."
+        )
+    exp_avg, exp_avg_sq, steps = {}, {}, set()
+    for position, index in enumerate(indices):
+        name, entry = order[position], state.get(index)
+        if entry is None:  # never updated (no gradient reached it): torch creates its moments as zeros then
+            exp_avg[name] = exp_avg_sq[name] = np.zeros(shapes[name], np.float32)
+            continue
+        if set(entry) != {"step", "exp_avg", "exp_avg_sq"}:
+            raise TorchCheckpointError(
+                f"{folder}/{OPTIMIZER_NAME}: parameter {name} has state {sorted(entry)}, not AdamW's "
+                "(step, exp_avg, exp_avg_sq)."
+            )
+        if tuple(entry["exp_avg"].shape) != shapes[name]:
+            raise TorchCheckpointError(
+                f"{folder}/{OPTIMIZER_NAME}: the moment at index {index} has shape {tuple(entry['exp_avg'].shape)}, "
+                f"but that position is {name} of shape {shapes[name]}: the optimizer's parameter groups are not "
+                "transformers.Trainer's default ones."
+            )
+        exp_avg[name] = entry["exp_avg"].float().numpy()
+        exp_avg_sq[name] = entry["exp_avg_sq"].float().numpy()
+        steps.add(int(entry["step"]))
+    if len(steps) > 1:
+        raise TorchCheckpointError(f"{folder}/{OPTIMIZER_NAME}: its parameters were updated different numbers of "
+                                   f"times ({sorted(steps)}); jtrainer's AdamW keeps one count.")
+    scheduler_path = os.path.join(folder, SCHEDULER_NAME)
+    scheduler = _load(torch, scheduler_path) if os.path.isfile(scheduler_path) else {}
+    step = steps.pop() if steps else 0
+    base_lr = (scheduler.get("base_lrs") or [first.get("initial_lr", first["lr"])])[0]
+    return TorchAdamW(
+        step=step,
+        schedule_step=int(scheduler.get("last_epoch", step)),
+        exp_avg=exp_avg,
+        exp_avg_sq=exp_avg_sq,
+        lr=float(first["lr"]),
+        base_lr=float(base_lr),
+        weight_decay=float(first["weight_decay"]),
+        betas=(float(first["betas"][0]), float(first["betas"][1])),
+        eps=float(first["eps"]),
+        decayed=decayed,
+    )
+
+
+def read_rng_state(folder: str, process_index: int, process_count: int) -> host_rng.HostRngState | None:
+    """rng_state.pth (rng_state_{i}.pth with many processes) as the host generators' state, as HF's
+    _load_rng_state restores it; None (logged as HF does) when the file is absent."""
+    name = f"rng_state_{process_index}.pth" if process_count > 1 else "rng_state.pth"
+    path = os.path.join(folder, name)
+    if not os.path.isfile(path):
+        logger.info("Didn't find an RNG file (%s): reproducibility of a random collator is not guaranteed.", name)
+        return None
+    torch = _torch(folder)
+    saved = _load(torch, path)
+    cpu = saved.get("cpu")
+    return host_rng.HostRngState(
+        python=saved["python"],
+        numpy=saved["numpy"],
+        torch=None if cpu is None else bytes(cpu.numpy().tobytes()),
+    )
+
+
+def _moment_tree(model, params_like, moments: dict[str, np.ndarray], kind: str, folder: str):
+    """A tree like the parameters holding torch's moments in jtrainer's layout (kernels transposed, stacked
+    layers stacked), each placed on the sharding of the fresh moment it replaces."""
+    from jtrainer.models import hf_io
+
+    def one(tree_path, fresh):
+        path = tuple(getattr(k, "key", getattr(k, "idx", k)) for k in tree_path)
+        parts = []
+        for name, transposed in hf_io._hf_names(model, path):
+            if name not in moments:
+                raise TorchCheckpointError(
+                    f"{folder}/{OPTIMIZER_NAME} has no {kind} for {name} (parameter {'.'.join(map(str, path))}): "
+                    "the checkpoint is not of this model."
+                )
+            parts.append(moments[name].T if transposed else moments[name])
+        value = parts[0] if hf_io._layer_count(model, path) is None else np.stack(parts)
+        if value.shape != fresh.shape:
+            raise TorchCheckpointError(f"{folder}/{OPTIMIZER_NAME}: the {kind} of {name} has shape {value.shape} "
+                                       f"here, the parameter {fresh.shape}.")
+        value = np.ascontiguousarray(value, dtype=fresh.dtype)
+        return jax.make_array_from_callback(fresh.shape, fresh.sharding, lambda index: value[index])
+
+    return jax.tree_util.tree_map_with_path(one, params_like)
+
+
+def adamw_state_from_torch(opt_state, model, params_like, saved: TorchAdamW, folder: str):
+    """The optimizer state `opt_state` (fresh, jtrainer's AdamW) holding torch's moments and update count."""
+    found = []
+
+    def replace(node):
+        if not isinstance(node, optax.ScaleByAdamState):
+            return node
+        found.append(node)
+        return node._replace(
+            count=jax.device_put(np.asarray(saved.step, node.count.dtype), node.count.sharding),
+            mu=_moment_tree(model, params_like, saved.exp_avg, "exp_avg", folder),
+            nu=_moment_tree(model, params_like, saved.exp_avg_sq, "exp_avg_sq", folder),
+        )
+
+    opt_state = jax.tree.map(replace, opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
+    if len(found) != 1:
+        raise TorchCheckpointError(f"Resuming {folder}: the optimizer's state has {len(found)} AdamW states, "
+                                   "expected one.")
+    return opt_state
+
+
+def _hf_decayed(model, decay_mask) -> frozenset[str]:
+    """jtrainer's decay mask (a tree of bools like the parameters) as HF parameter names."""
+    from jtrainer.models import hf_io
+
+    names = set()
+    for tree_path, decays in jax.tree_util.tree_flatten_with_path(decay_mask)[0]:
+        if decays:
+            path = tuple(getattr(k, "key", getattr(k, "idx", k)) for k in tree_path)
+            names.update(name for name, _ in hf_io._hf_names(model, path))
+    return frozenset(names)
+
+
+def restore(folder: str, *, args, model, mesh, rules, decay_mask, fresh, max_steps_saved: int):
+    """HF's _load_from_checkpoint, _load_optimizer_and_scheduler and _load_rng_state for a transformers.Trainer
+    `folder`: the model's weights are loaded (placed on `mesh`), and the fresh train state `fresh()` takes torch's
+    AdamW moments and count, the saved param groups' hyperparameters (as torch loads them) and the scheduler's
+    base rate and step. Returns the train state and the saved host generators (or None).
+
+    The first resumed update applies the rate saved in the param groups; jtrainer reproduces it with the saved
+    run's schedule (this run's `lr_scheduler_type` and warmup over the saved `max_steps`) and refuses when that
+    does not give the saved rate. Anything else that cannot continue as torch would is refused by name.
+    """
+    from jtrainer import optim
+    from jtrainer.models import hf_io
+
+    with storage.local_folder(folder) as local:
+        missing = missing_files(local)
+        if missing:
+            raise TorchCheckpointError(f"{folder} (a transformers.Trainer checkpoint) lacks {', '.join(missing)}.")
+        saved = read_adamw(local)
+        ours = _hf_decayed(model, decay_mask)
+        if ours != saved.decayed:
+            differ = sorted(ours ^ saved.decayed)
+            raise TorchCheckpointError(
+                f"{folder}: the parameters jtrainer decays differ from the checkpoint's decayed group "
+                f"({', '.join(differ[:4])}{' ...' if len(differ) > 4 else ''}): the model is not the checkpoint's."
+            )
+        hf_io.load_weights(model, local, mesh=mesh, rules=rules)
+        rng = read_rng_state(local, args.process_index, jax.process_count())
+    state = fresh()
+    opt_state = adamw_state_from_torch(state.opt_state, model, state.params, saved, folder)
+    warmup = args.get_warmup_steps(max_steps_saved)
+    values = {"weight_decay": saved.weight_decay, "b1": saved.betas[0], "b2": saved.betas[1], "eps": saved.eps,
+              "base_learning_rate": saved.base_lr, "warmup_steps": warmup, "total_steps": max_steps_saved}
+    for name, value in values.items():
+        opt_state = optim.set_hyperparam(opt_state, name, value)
+    opt_state = optim.set_schedule_count(opt_state, saved.schedule_step)
+    first_rate = optim.host_learning_rate(args.lr_scheduler_type, saved.base_lr, saved.schedule_step, warmup,
+                                          max_steps_saved, args.lr_scheduler_kwargs)
+    if not np.isclose(first_rate, saved.lr, rtol=1e-9, atol=1e-15):
+        raise TorchCheckpointError(
+            f"{folder}: its optimizer's next rate is {saved.lr!r}, but lr_scheduler_type={getattr(args.lr_scheduler_type, 'value', args.lr_scheduler_type)} "
+            f"with warmup_steps={args.warmup_steps} over its max_steps={max_steps_saved} gives {first_rate!r} at "
+            f"step {saved.schedule_step}: resume with the schedule arguments the checkpoint was trained with."
+        )
+    step = jax.device_put(np.asarray(saved.schedule_step, state.step.dtype), state.step.sharding)
+    return state.replace(step=step, opt_state=opt_state), rng
