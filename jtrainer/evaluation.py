@@ -28,7 +28,8 @@ from jtrainer import data, distributed, optim, sharding
 from jtrainer.losses import IGNORE_INDEX
 from jtrainer.overrides import check_loader
 from jtrainer.step import (
-    EvalOutputs, LossSpec, PreprocessPlacement, batch_label_values, make_eval_step, make_shard_loss_step,
+    EvalOutputs, LossSpec, PreprocessPlacement, batch_label_values, graphdef_in_mode, make_eval_step,
+    make_shard_loss_step,
 )
 
 
@@ -174,9 +175,7 @@ class EvaluationMixin:
 
     def _eval_step(self, spec: LossSpec, want_logits: bool, ignore_keys: tuple[str, ...]):
         """The jitted eval step, shared by structure like the train step (trials of a search reuse it)."""
-        self.model.eval()
-        graphdef = nnx.split(self.model, nnx.Param, ...)[0]
-        self.model.train()
+        graphdef = graphdef_in_mode(self.model, training=False)
         key = (graphdef, spec, want_logits, self.preprocess_logits_for_metrics, ignore_keys)
         if key not in _SHARED_EVAL_STEPS:
             placement = PreprocessPlacement()
@@ -205,6 +204,13 @@ class EvaluationMixin:
                                                    None if labels is None else to_torch(labels))
         return jax.tree.map(lambda t: t.detach().cpu().numpy() if hasattr(t, "detach") else np.asarray(t), result)
 
+    def _gathers_completing_rows(self) -> bool:
+        """HF's gather_function of this evaluation: the Trainer's gather_for_metrics (False) leaves out the rows
+        completing a short last batch on several processes and counts each row's loss once; Seq2SeqTrainer's
+        evaluate/predict gather (True) keeps those rows in the predictions and labels and repeats every batch's
+        loss for a whole batch."""
+        return False
+
     def _eval_ragged_rows(self, spec: LossSpec, dataloader) -> bool:
         """Whether a ragged last batch runs at its own rows (one data shard, a loss padding would change), as in
         training. On several data shards the loader completes it with the first rows, as HF's distributed loader
@@ -216,9 +222,7 @@ class EvaluationMixin:
         """HF's losses of a completed last batch on several processes: each process's batch loss, repeated
         over its rows, the first `rows` of them kept (accelerate's gather_for_metrics)."""
         shards = sharding.data_parallel_size(self.mesh)
-        self.model.eval()
-        graphdef = nnx.split(self.model, nnx.Param, ...)[0]
-        self.model.train()
+        graphdef = graphdef_in_mode(self.model, training=False)
         key = ("shard_losses", graphdef, spec, shards)
         if key not in _SHARED_EVAL_STEPS:
             _SHARED_EVAL_STEPS[key] = jax.jit(make_shard_loss_step(graphdef, spec, shards),
@@ -262,6 +266,7 @@ class EvaluationMixin:
         metrics = None
         include = set(args.include_for_metrics or [])
         num_classes = self._num_classes()
+        gathers_all = self._gathers_completing_rows()
         for (batch, rows), is_last in _with_last(dataloader):
             self._check_labels(batch, num_classes)
             length = shapes.sequence_length([batch])
@@ -278,17 +283,22 @@ class EvaluationMixin:
                 out: EvalOutputs = step(params, model_state, inputs)
             collated_len = distributed.agree_max(max((v.shape[1] for v in batch.values() if v.ndim >= 2), default=0))
 
-            def host(tree):
-                return _slice_tree(jax.tree.map(distributed.gather_rows, tree), rows, length, collated_len or None)
+            # HF's gather_for_metrics drops the rows completing a short last batch; Seq2SeqTrainer's plain gather
+            # keeps them, and counts a short batch's loss as a full batch's.
+            kept = global_rows if gathers_all and dataloader.complete_last else rows
+            loss_rows = dataloader.batch_size if gathers_all else rows
 
-            batch_losses = None if out.loss is None else np.full(rows, float(out.loss), np.float64)
+            def host(tree):
+                return _slice_tree(jax.tree.map(distributed.gather_rows, tree), kept, length, collated_len or None)
+
+            batch_losses = None if out.loss is None else np.full(loss_rows, float(out.loss), np.float64)
             if batch_losses is not None and dataloader.complete_last and rows < global_rows:
-                batch_losses = self._shard_losses(spec, params, model_state, inputs, rows, global_rows)
+                batch_losses = self._shard_losses(spec, params, model_state, inputs, kept, global_rows)
             batch_labels = batch_label_values(padded, tuple(self.label_names))
             batch_labels = None if batch_labels is None else host(batch_labels)
             batch_preds = None
             if generating:
-                batch_preds = self._generate_batch(padded, rows)
+                batch_preds = self._generate_batch(padded, kept)
                 if batch_labels is not None:  # the collated labels' own width, then HF's padding
                     batch_labels = self._prediction_labels(batch_labels[:, : np.shape(batch[self.label_names[0]])[-1]])
             elif want_logits and out.logits is not None:

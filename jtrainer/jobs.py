@@ -38,6 +38,9 @@ class ModelArguments:
     num_hidden_layers: int = field(default=4, metadata={"help": "Layers of a fresh model (T5: per stack)."})
     num_attention_heads: int = field(default=4, metadata={"help": "Attention heads of a fresh model."})
     num_key_value_heads: int = field(default=2, metadata={"help": "Key/value heads (GQA) of a fresh Llama."})
+    head_dim: int | None = field(default=None, metadata={
+        "help": "Width of one attention head of a fresh model (T5's d_kv; Llama's head_dim); unset: "
+                "hidden_size / num_attention_heads, which must then divide."})
     max_position_embeddings: int = field(default=2048, metadata={"help": "Positions of a fresh model."})
     num_labels: int = field(default=2, metadata={"help": "Classes (sequence_classification)."})
     scan_layers: bool = field(default=False, metadata={
@@ -78,6 +81,8 @@ def check_job(model_args: ModelArguments, data_args: DataArguments, training_arg
     check_task(model_args)
     if not model_args.model_name_or_path and model_args.model_type not in MODEL_TYPES:
         raise BadInput(f"model_type={model_args.model_type!r}: use one of {', '.join(MODEL_TYPES)}.")
+    if not model_args.model_name_or_path:
+        head_dim(model_args)
     d, t = data_args, training_args
     if t.max_steps <= 0 and t.num_train_epochs <= 0:
         raise BadInput("max_steps and num_train_epochs are both 0: nothing would be trained; set one above 0.")
@@ -124,18 +129,33 @@ def _position_limit(model_args: ModelArguments) -> tuple[int | None, str]:
     return (int(limit), source) if limit else (None, "")
 
 
+def head_dim(model_args: ModelArguments) -> int:
+    """The width of one attention head: `head_dim`, else hidden_size / num_attention_heads (refused when it
+    does not divide: a rounded width would build another model than the config says)."""
+    m = model_args
+    if m.head_dim is not None:
+        return m.head_dim
+    if m.hidden_size % m.num_attention_heads:
+        raise BadInput(f"hidden_size={m.hidden_size} is not divisible by num_attention_heads={m.num_attention_heads}: "
+                       "set head_dim (T5 v1.1-small: hidden_size 512, 6 heads, head_dim 64).")
+    return m.hidden_size // m.num_attention_heads
+
+
 def fresh_config(model_args: ModelArguments, vocab_size: int, special: dict[str, int] | None = None):
     """An HF config of `model_type` with the common size fields mapped onto the family's names."""
     import transformers
 
     m, special = model_args, dict(special or {})
     kind = m.model_type
+    width = head_dim(m)
     if kind in ("llama", "mistral", "qwen2", "qwen3"):
         cls = transformers.AutoConfig.for_model(kind).__class__
         return cls(vocab_size=vocab_size, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
                    num_hidden_layers=m.num_hidden_layers, num_attention_heads=m.num_attention_heads,
                    num_key_value_heads=m.num_key_value_heads, max_position_embeddings=m.max_position_embeddings,
-                   tie_word_embeddings=True, **special)
+                   tie_word_embeddings=True, **({"head_dim": width} if m.head_dim is not None else {}), **special)
+    if m.head_dim is not None and kind in ("gpt2", "bert"):
+        raise BadInput(f"head_dim={m.head_dim}: {kind} heads are hidden_size / num_attention_heads wide; unset it.")
     if kind == "gpt2":
         return transformers.GPT2Config(vocab_size=vocab_size, n_embd=m.hidden_size, n_inner=m.intermediate_size,
                                        n_layer=m.num_hidden_layers, n_head=m.num_attention_heads,
@@ -148,7 +168,7 @@ def fresh_config(model_args: ModelArguments, vocab_size: int, special: dict[str,
     if kind == "t5":
         pad = special.pop("pad_token_id", 0)
         return transformers.T5Config(vocab_size=vocab_size, d_model=m.hidden_size, d_ff=m.intermediate_size,
-                                     d_kv=m.hidden_size // m.num_attention_heads, num_layers=m.num_hidden_layers,
+                                     d_kv=width, num_layers=m.num_hidden_layers,
                                      num_heads=m.num_attention_heads, feed_forward_proj="gated-gelu",
                                      tie_word_embeddings=False, pad_token_id=pad, decoder_start_token_id=pad,
                                      **special)
@@ -375,10 +395,15 @@ def build_data(model_args: ModelArguments, data_args: DataArguments,
         sources = tokenizer([d.source_prefix + t for t in split[d.text_column]], truncation=True,
                             max_length=d.block_size)["input_ids"]
         targets = tokenizer(list(split[d.target_column]), truncation=True, max_length=d.max_target_length - 1)
-        return [{"input_ids": s, "labels": t + [tokenizer.eos_token_id]}
+        return [{"input_ids": s, "labels": with_eos(t, tokenizer.eos_token_id)}
                 for s, t in zip(sources, targets["input_ids"])]
 
     return tokenizer, pairs(train), pairs(valid)
+
+
+def with_eos(ids: list[int], eos_token_id: int) -> list[int]:
+    """A target ending in EOS once: a tokenizer that appends it itself (T5's `</s>`) is not given a second."""
+    return ids if ids and ids[-1] == eos_token_id else [*ids, eos_token_id]
 
 
 def accuracy(prediction) -> dict[str, float]:

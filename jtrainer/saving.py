@@ -25,6 +25,12 @@ logger = logging.getLogger(__name__)
 hf_logger = logging.getLogger("transformers.trainer")  # HF's own messages, through transformers' logger
 
 
+@jax.jit
+def _all_finite(leaves) -> jax.Array:
+    """Whether every array is free of NaN and Inf (one program per parameter layout, not one per save)."""
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+
+
 class SavingMixin:
     """The Trainer's checkpoint, resume and save_model methods (they use the Trainer's state and arguments)."""
 
@@ -182,8 +188,7 @@ class SavingMixin:
     def _params_finite(self) -> bool:
         if self._train_state is None:
             return True
-        leaves = jax.tree.leaves(self._train_state.params)
-        return bool(jax.jit(lambda xs: jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs])))(leaves))
+        return bool(_all_finite(jax.tree.leaves(self._train_state.params)))
 
     def _resume(self, folder: str, like: TrainState, updates_per_epoch: int, fresh=None):
         """Restore `folder` into the state laid out like `like` (abstract or concrete; `fresh()` builds a real

@@ -91,6 +91,9 @@ class Seq2SeqTrainer(Trainer):
         return super().predict(test_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
 
     # ------------------------------------------------------------------------- hooks of the evaluation loop
+    def _gathers_completing_rows(self) -> bool:
+        return True  # HF's Seq2SeqTrainer.evaluate / predict: gather_function = accelerator.gather
+
     def _generates(self) -> bool:
         return bool(self.args.predict_with_generate)
 

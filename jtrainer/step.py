@@ -27,7 +27,7 @@ from jtrainer.state import TrainState
 
 
 class LossMode(enum.Enum):
-    """How a micro-batch's loss becomes its share of the step loss (HF's rules, see HF_COMPAT.md)."""
+    """How a micro-batch's loss becomes its share of the step loss (HF's rules: training_step and compute_loss)."""
 
     MODEL_SUM = "model_sum"  # model takes num_items_in_batch and returns sum(token losses) / num_items
     CUSTOM = "custom"  # compute_loss_func(outputs, labels, num_items_in_batch)
@@ -115,6 +115,23 @@ def bound_model(graphdef, params, model_state, compute_dtype=None, rng=None):
     finally:
         for module in noisy:
             object.__delattr__(module, "_neftune_key")
+
+
+# The attributes nnx's Module.train() / .eval() set on the modules that have them (Dropout, BatchNorm, ...).
+_MODE_ATTRIBUTES = ("deterministic", "use_running_average")
+
+
+def graphdef_in_mode(model: nnx.Module, training: bool):
+    """The model's graph definition with its modules in train (HF's training_step: model.train()) or eval mode
+    (evaluation_loop: model.eval()); the model itself keeps the mode it was in."""
+    saved = [(module, name, getattr(module, name)) for _, module in nnx.iter_graph(model)
+             if isinstance(module, nnx.Module) for name in _MODE_ATTRIBUTES if hasattr(module, name)]
+    model.train() if training else model.eval()
+    try:
+        return nnx.split(model, nnx.Param, ...)[0]
+    finally:
+        for module, name, value in saved:
+            setattr(module, name, value)
 
 
 def model_state_of(model):

@@ -56,7 +56,8 @@ from jtrainer.overrides import check_loader, check_optimizer_override, check_ove
 from jtrainer.saving import SavingMixin
 from jtrainer.state import TrainState
 from jtrainer.step import (
-    LossMode, LossSpec, StepBatch, active_base_spec, apply_model, bound_model, make_train_step, split_outputs,
+    LossMode, LossSpec, StepBatch, active_base_spec, apply_model, bound_model, graphdef_in_mode, make_train_step,
+    split_outputs,
 )
 from jtrainer.step import compute_loss as step_compute_loss
 
@@ -536,7 +537,7 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         """The jitted train step. When the Trainer built the optimizer, the step depends only on structure (the
         model's graph, the loss spec, the optimizer recipe, the layout), so it is shared process-wide: later
         trials of a hyperparameter search, whose numbers live in the state, reuse the compiled executable."""
-        graphdef = nnx.split(self.model, nnx.Param, ...)[0]
+        graphdef = graphdef_in_mode(self.model, training=True)
         clip = bool(self.args.max_grad_norm and self.args.max_grad_norm > 0)
         key = None
         if self._optimizer_recipe is not None and self.optimizer is not None:
