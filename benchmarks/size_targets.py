@@ -51,7 +51,7 @@ DEFAULT_ROWS = ["1b-v5e-16", "1b-v5e-16-data-parallel"]
 
 
 def size(config: str, target: str, extra: list[str]) -> dict:
-    from jtrainer.check import run_check
+    from jtrainer.cli.check import run_check
     from jtrainer.cli import parse_train_args
 
     model_args, data_args, training_args, run_args = parse_train_args([config, "--target", target, *extra], "check")

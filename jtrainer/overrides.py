@@ -28,11 +28,12 @@ UNSUPPORTED_OVERRIDES: dict[str, str] = {
 
 
 def overrides(trainer: Any, name: str) -> bool:
-    """Whether `trainer`'s class replaces the jtrainer Trainer's own method `name` (or defines one it lacks)."""
-    from jtrainer.trainer import Trainer
-
-    mine = getattr(type(trainer), name, None)
-    return mine is not None and mine is not getattr(Trainer, name, None)
+    """Whether `trainer`'s class replaces the jtrainer Trainer's own method `name` (or defines one it lacks): the
+    nearest class in its MRO defining `name` is the user's, not one of jtrainer's."""
+    for cls in type(trainer).__mro__:
+        if name in vars(cls):
+            return not cls.__module__.startswith("jtrainer.")
+    return False
 
 
 def check_overrides(trainer: Any) -> None:

@@ -19,7 +19,7 @@ from transformers.trainer_callback import ExportableState, TrainerState
 from transformers.trainer_utils import SaveStrategy
 
 from jtrainer import checkpoint, host_rng, optim, storage, torch_checkpoint
-from jtrainer.state import TrainState
+from jtrainer.state import LoopState, TrainState
 
 logger = logging.getLogger(__name__)
 hf_logger = logging.getLogger("transformers.trainer")  # HF's own messages, through transformers' logger
@@ -247,8 +247,6 @@ class SavingMixin:
 
     def _restore_loop_state(self, folder: str) -> None:
         """HF's _load_rng_state: the host generators as at the save, and how the loop padded and drew."""
-        from jtrainer.trainer import LoopState
-
         if self._torch_rng_state is not None:  # HF's own collator draws from the restored generators
             host_rng.restore(self._torch_rng_state)
             self._resumed_loop_state = LoopState(self._torch_rng_state, None)

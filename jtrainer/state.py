@@ -6,13 +6,15 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 from flax import struct
 from transformers.trainer_callback import ExportableState, TrainerControl, TrainerState
 
-__all__ = ["TrainState", "TrainerState", "TrainerControl", "ExportableState"]
+from jtrainer import host_rng
+
+__all__ = ["LoopState", "TrainState", "TrainerState", "TrainerControl", "ExportableState"]
 
 
 @struct.dataclass
@@ -24,3 +26,10 @@ class TrainState:
     opt_state: Any
     model_state: Any  # the model's non-parameter nnx state (rng counters, batch statistics, ...)
     rng: jax.Array  # uint32 key data of the run's base key; step keys are fold_in(rng, step)
+
+
+class LoopState(NamedTuple):
+    """The host side of a step that its checkpoint keeps, so that a resumed run goes on exactly as this one."""
+
+    collator_rng: host_rng.HostRngState | None  # the training collator's generators after this step's batches
+    padded_length: int | None  # the padded sequence length reached (a resumed run pads the same)

@@ -54,7 +54,7 @@ from jtrainer.models.base import PretrainedMixin, set_neftune
 from jtrainer.optimizer_setup import OptimizerMixin
 from jtrainer.overrides import check_loader, check_optimizer_override, check_overrides, overrides
 from jtrainer.saving import SavingMixin
-from jtrainer.state import TrainState
+from jtrainer.state import LoopState, TrainState
 from jtrainer.step import (
     LossMode, LossSpec, StepBatch, active_base_spec, apply_model, bound_model, graphdef_in_mode, make_train_step,
     split_outputs,
@@ -119,13 +119,6 @@ def _default_label_names(model: Any) -> list[str]:
     qa = "QuestionAnswering" in type(model).__name__
     found = [p for p in params if "label" in p or (qa and p in ("start_positions", "end_positions"))]
     return found or ["labels"]
-
-
-class LoopState(NamedTuple):
-    """The host side of a step that its checkpoint keeps, so that a resumed run goes on exactly as this one."""
-
-    collator_rng: host_rng.HostRngState | None  # the training collator's generators after this step's batches
-    padded_length: int | None  # the padded sequence length reached (a resumed run pads the same)
 
 
 @dataclasses.dataclass

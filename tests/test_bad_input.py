@@ -31,7 +31,7 @@ def _model_dir(root, damage):
     from jtrainer.models.llama import LlamaForCausalLM
     from conftest import tiny_llama_config
 
-    from jtrainer.jobs import train_tokenizer
+    from jtrainer.cli.tasks import train_tokenizer
 
     folder = root / "model"
     LlamaForCausalLM.from_config(tiny_llama_config()).save_pretrained(str(folder))
@@ -121,7 +121,7 @@ def test_the_process_exits_with_code_1(tmp_path):
 
 
 def test_max_chars_is_exact(tmp_path):
-    from jtrainer.jobs import read_text_files
+    from jtrainer.cli.tasks import read_text_files
 
     texts = read_text_files(_text_dir(tmp_path), 3000)
     assert sum(map(len, texts)) == 3000

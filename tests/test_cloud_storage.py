@@ -210,7 +210,7 @@ def test_cli_reads_text_and_writes_checkpoints_on_gcs_and_continues_there(gcs, t
 def test_a_saved_dataset_folder_on_gcs_is_read(gcs):
     import datasets
 
-    from jtrainer import jobs
+    from jtrainer.cli import tasks as jobs
 
     datasets.Dataset.from_dict({"text": [f"row {i}" for i in range(10)]}).save_to_disk("gs://bkt/ds/saved")
     train, validation = jobs.load_splits(jobs.DataArguments(dataset_name="gs://bkt/ds/saved", eval_fraction=0.2))

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from jtrainer.check import run_check
+from jtrainer.cli.check import run_check
 from jtrainer.cli import main, parse_train_args
 
 CONFIGS = sorted(glob.glob("configs/*.yaml"))

@@ -169,7 +169,7 @@ def test_callbacks_are_transformers_own():
 def test_tokenizer_collators_with_varied_lengths(tmp_path):
     from transformers import DataCollatorForLanguageModeling
 
-    from jtrainer.jobs import train_tokenizer
+    from jtrainer.cli.tasks import train_tokenizer
 
     texts = ["def f(x):\n    return x + 1\n", "class A:\n    pass\n", "import os\nprint(os.getcwd())\n"] * 10
     tokenizer = train_tokenizer(texts, vocab_size=300)

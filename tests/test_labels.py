@@ -52,7 +52,7 @@ def test_regression_labels_stay_float_and_train(tmp_path):
 
 
 def test_cli_keeps_float_labels_for_one_label(tmp_path):
-    from jtrainer.jobs import DataArguments, ModelArguments, build_data
+    from jtrainer.cli.tasks import DataArguments, ModelArguments, build_data
 
     with open(tmp_path / "train.json", "w") as f:
         f.write("\n".join(json.dumps({"sentence": f"row {i} text", "label": i / 4}) for i in range(8)))

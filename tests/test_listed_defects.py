@@ -8,7 +8,7 @@ from conftest import count_compiles, scratch_dir, short_run_args, token_rows
 
 
 def test_a_target_gets_one_eos_whether_or_not_the_tokenizer_appends_it():
-    from jtrainer.jobs import with_eos
+    from jtrainer.cli.tasks import with_eos
 
     assert with_eos([5, 6, 1], eos_token_id=1) == [5, 6, 1]  # T5's tokenizer already ended it with </s>
     assert with_eos([5, 6], eos_token_id=1) == [5, 6, 1]  # the trained BPE tokenizer appends nothing
@@ -17,7 +17,7 @@ def test_a_target_gets_one_eos_whether_or_not_the_tokenizer_appends_it():
 
 def test_head_width_is_set_or_must_divide():
     from jtrainer.errors import BadInput
-    from jtrainer.jobs import ModelArguments, fresh_config
+    from jtrainer.cli.tasks import ModelArguments, fresh_config
 
     # The shipped T5 v1.1-small shape: 6 heads of 64 over a width of 512 (512 // 6 would build 85-wide heads).
     t5 = fresh_config(ModelArguments(model_type="t5", hidden_size=512, num_attention_heads=6, head_dim=64), 128)

@@ -52,8 +52,10 @@ def test_two_processes_equal_one(tmp_path):
     assert int(a["compiles"]) == int(b["compiles"]) == 1
     np.testing.assert_allclose(a["losses"], b["losses"], rtol=1e-5)
     np.testing.assert_allclose(float(a["eval_loss"]), float(b["eval_loss"]), rtol=1e-5)
-    # predict_with_generate: each process decodes its rows of the same program; every process gets all ids.
-    assert a["generated"].shape == (10, 20)
+    # predict_with_generate: each process decodes its rows of the same program; every process gets all ids. As
+    # HF's Seq2SeqTrainer (accelerate's plain gather), the 6 rows completing the last batch of 8 shards stay.
+    assert a["generated"].shape == (16, 20)
+    np.testing.assert_array_equal(a["generated"][10:], a["generated"][:6])
     np.testing.assert_array_equal(a["generated"], b["generated"])
     params = [k for k in a.files if k.startswith("param:")]
     assert params and set(params) == {k for k in b.files if k.startswith("param:")}

@@ -139,7 +139,7 @@ def test_layers_that_differ_cannot_be_scanned_and_a_checkpoint_says_how_it_was_b
 
 
 def test_the_cli_refuses_scan_layers_for_other_families():
-    from jtrainer import jobs
+    from jtrainer.cli import tasks as jobs
     from jtrainer.errors import BadInput
 
     with pytest.raises(BadInput, match="scan_layers: only the causal-LM Llama family"):

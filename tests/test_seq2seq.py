@@ -78,7 +78,7 @@ def test_predict_with_generate_equals_transformers(tmp_path):
 
 
 def test_t5_trains_and_compute_metrics_gets_decoded_text(tmp_path):
-    from jtrainer.jobs import train_tokenizer
+    from jtrainer.cli.tasks import train_tokenizer
 
     texts = ["copy these words", "short one", "a longer sentence to copy", "hello world"] * 4
     tokenizer = train_tokenizer(texts, vocab_size=300)

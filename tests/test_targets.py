@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from jtrainer import targets
-from jtrainer.check import run_check
+from jtrainer.cli.check import run_check
 from jtrainer.cli import main, parse_train_args
 from jtrainer.errors import BadInput
 

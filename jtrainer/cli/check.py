@@ -19,9 +19,11 @@ import jax
 import numpy as np
 
 from jtrainer import args as args_module
-from jtrainer import batch_size, jobs, targets
+from jtrainer import batch_size, targets
+from jtrainer.cli import tasks
+from jtrainer.cli.console import say
 
-# Fields honoured through a JAX mechanism rather than the torch one HF uses.
+# Fields honoured through a JAX mechanism rather than the torch one HF uses (none of them is in IGNORED_FIELDS).
 EMULATED: dict[str, str] = {
     "fsdp": "parameters and optimizer state split over the mesh's fsdp axis (GSPMD)",
     "parallelism_config": "mapped onto the mesh's data/fsdp/tensor/sequence axes",
@@ -35,10 +37,6 @@ EMULATED: dict[str, str] = {
     "fp16_full_eval": "evaluation in float16",
     "optim": "the optax equivalent of the torch optimizer",
     "torch_compile": "the step is always compiled by XLA",
-    "dataloader_num_workers": "one background thread prepares and places batches",
-    "dataloader_prefetch_factor": "see prefetch_batches",
-    "dataloader_pin_memory": "batches are placed on devices ahead of the step",
-    "use_cpu": "JAX_PLATFORMS=cpu picks the CPU",
     "gradient_accumulation_steps": "a scan over micro-batches inside one compiled step",
     "auto_find_batch_size": "XLA out-of-memory or the compiled step's memory analysis; effective batch kept",
     "use_liger_kernel": "the causal-LM loss in chunks of loss_chunk_size positions, no whole logits",
@@ -134,7 +132,7 @@ def compile_step(model_args, data_args, training_args, target: targets.Target | 
     args.push_to_hub = False  # a dry run creates no repository
     vocab = data_args.tokenizer_vocab_size
     special = {"eos_token_id": 0, "bos_token_id": 0, "pad_token_id": 1}
-    model = jobs.build_model(model_args, vocab, special, args.seed, abstract=True)
+    model = tasks.build_model(model_args, vocab, special, args.seed, abstract=True)
     if args.activation_checkpointing:
         model.gradient_checkpointing_enable(args.activation_checkpointing_kwargs)
     trainer_class = Seq2SeqTrainer if model_args.task == "seq2seq" else Trainer
@@ -146,7 +144,7 @@ def compile_step(model_args, data_args, training_args, target: targets.Target | 
     evaluates = str(getattr(args.eval_strategy, "value", args.eval_strategy)) != "no"
     with sharding.use_devices(target.devices if target else None), _without_compilation_cache(target is not None):
         # The CLI's trainer: classification computes accuracy from the logits, so its eval step returns them.
-        metrics = jobs.accuracy if model_args.task == "sequence_classification" else None
+        metrics = tasks.accuracy if model_args.task == "sequence_classification" else None
         trainer = trainer_class(model=model, args=args, eval_dataset=(), compute_metrics=metrics)
         with _refusal_as("train"):
             compiled = trainer.compile_train_step(example, steps)
@@ -233,9 +231,7 @@ def run_check(model_args, data_args, training_args, target_name: str | None = No
               num_slices: int = 1, num_nodes: int = 1) -> dict[str, Any]:
     """Print the field report and the compiled step's numbers (for `target_name`, e.g. "v5litepod-16", when
     given); returns both, with "fits"."""
-    from jtrainer.cli import say
-
-    jobs.check_task(model_args)
+    tasks.check_task(model_args)
     target = targets.resolve(target_name, num_slices, num_nodes) if target_name else None
     report = field_report(training_args)
     say("jtrainer check: TrainingArguments set in this config")
@@ -300,8 +296,6 @@ def _compile_fitting(model_args, data_args, training_args, target, where: str) -
     """compile_step; with auto_find_batch_size (as training would search on that machine), the train step is
     compiled again at HF's smaller batch sizes (x0.9, a divisor of the effective batch, accumulation raised to
     keep it) until it fits the target's memory, and `training_args` is left at the batch found."""
-    from jtrainer.cli import say
-
     effective = training_args.per_device_train_batch_size * training_args.gradient_accumulation_steps
     first = training_args.per_device_train_batch_size
     while True:

@@ -7,6 +7,7 @@ supervises: when one process fails, the others are stopped and the launcher exit
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import socket
@@ -86,3 +87,13 @@ def launch(target: str, extra: list[str], num_processes: int, devices_per_proces
     except KeyboardInterrupt:
         _stop(processes)
         return 130
+
+
+def run_launch(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="jtrainer launch", description="Run N processes of one job here.")
+    parser.add_argument("--num_processes", type=int, required=True)
+    parser.add_argument("--devices_per_process", type=int, default=None, help="simulated CPU devices each")
+    parser.add_argument("target", help="a .py script or a .yaml config for `jtrainer train`")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="passed on to the script or to `jtrainer train`")
+    ns = parser.parse_args(argv)
+    return launch(ns.target, ns.args, ns.num_processes, ns.devices_per_process)

@@ -1,0 +1,69 @@
+"""The `jtrainer` command: `jtrainer train|check [CONFIG.yaml] [--field value ...]` and `jtrainer launch`.
+
+The application layer over the library (nothing in `jtrainer` outside this package imports it).
+
+Model, data and training arguments are parsed by `transformers.HfArgumentParser`: a YAML file gives the values,
+command-line flags override them, and bad values fail with argparse's error naming the flag. Without a config
+file the embedded default, `configs/default.yaml`, runs: a byte-level BPE tokenizer and a small Llama trained on
+the source of Python's standard library, with nothing downloaded.
+
+- `train.py`: the main job (`jtrainer train`); `check.py`: the dry run and sizing (`jtrainer check`);
+  `launch.py`: N local processes of one job (`jtrainer launch`); `config.py`: config files and flags;
+  `tasks.py`: what a config describes (task, model, data) and how it is built; `console.py`: printing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from jtrainer import targets
+from jtrainer.cli.config import DEFAULT_CONFIG, RunArguments, parse_train_args, read_config
+from jtrainer.cli.console import say
+from jtrainer.cli.launch import run_launch
+from jtrainer.cli.train import resume_point, run_train
+from jtrainer.errors import BadInput
+
+__all__ = ["DEFAULT_CONFIG", "RunArguments", "main", "parse_train_args", "read_config", "resume_point", "run_train",
+           "say"]
+
+
+COMMANDS = ("train", "check", "launch")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="jtrainer", description=__doc__.splitlines()[0])
+    parser.add_argument("command", choices=COMMANDS, help="what to run")
+    if not argv or argv[0] in ("-h", "--help"):
+        parser.print_help()
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        parser.error(f"argument command: invalid choice: {command!r} (choose from {', '.join(COMMANDS)})")
+    if command == "launch":
+        return run_launch(rest)
+    try:
+        model_args, data_args, training_args, run_args = parse_train_args(rest, command)
+        if command == "check":
+            from jtrainer.cli.check import run_check
+
+            if run_args.target is not None:
+                targets.compile_here_on_cpu()
+            result = run_check(model_args, data_args, training_args, run_args.target, run_args.num_slices,
+                               run_args.num_nodes)
+            return 0 if result["fits"] else 1
+        if run_args.target is not None:
+            raise BadInput("--target is an option of `jtrainer check` (sizing a run for another machine).")
+        run_train(model_args, data_args, training_args, run_args)
+    except BadInput as e:  # refused before any work (or, for a file, as soon as it is read): one line
+        print(f"jtrainer {command}: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # the disk: full, read-only, a file-size limit; the message names the file
+        if e.filename is None:
+            raise
+        print(f"jtrainer {command}: {e.strerror or e} writing or reading {e.filename!r}: free space, fix "
+              "permissions or limits, then run the same command again (it continues from the last checkpoint).",
+              file=sys.stderr)
+        return 1
+    return 0

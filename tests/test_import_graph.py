@@ -1,0 +1,97 @@
+"""The package's import graph: no cycle (counting imports inside functions too), the CLI above the library, and
+every module importable on its own."""
+
+import ast
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _modules() -> dict[str, str]:
+    """Dotted module name -> file, for every module of the jtrainer package."""
+    found = {}
+    for folder, _, files in os.walk(os.path.join(ROOT, "jtrainer")):
+        for file in files:
+            if file.endswith(".py"):
+                path = os.path.join(folder, file)
+                name = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
+                found[name.removesuffix(".__init__")] = path
+    return found
+
+
+def _imports(name: str, path: str, modules: dict[str, str]) -> set[str]:
+    """The jtrainer modules `name` imports anywhere in its file (`from pkg import sub` counts as `pkg.sub`)."""
+    package = name if path.endswith("__init__.py") else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name in modules)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*parts, base] if base else parts)
+            if base in modules:
+                found.update(f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names)
+    found.discard(name)
+    return found
+
+
+def _graph():
+    modules = _modules()
+    return {name: _imports(name, path, modules) for name, path in modules.items()}
+
+
+def _cycles(graph) -> list[list[str]]:
+    state, stack, cycles = {}, [], []
+
+    def visit(node):
+        state[node] = "open"
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                cycles.append([*stack[stack.index(nxt):], nxt])
+            elif nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+    return cycles
+
+
+def test_no_import_cycle():
+    graph = _graph()
+    assert len(graph) > 40 and "jtrainer.cli.check" in graph
+    assert _cycles(graph) == [], "\n".join(" -> ".join(c) for c in _cycles(graph))
+
+
+def test_the_cycle_finder_finds_cycles():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == [["a", "b", "c", "a"]]
+
+
+def test_the_cli_is_the_application_layer():
+    """Nothing in the library imports the command's package."""
+    offenders = {name: sorted(i for i in deps if i.startswith("jtrainer.cli"))
+                 for name, deps in _graph().items() if not name.startswith("jtrainer.cli")}
+    assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def test_every_module_imports_on_its_own():
+    names = sorted(name for name in _modules() if not name.endswith(".__main__"))  # __main__ runs the command
+    script = (
+        "import importlib, sys\n"
+        f"for name in {names!r}:\n"
+        "    for loaded in [m for m in sys.modules if m == 'jtrainer' or m.startswith('jtrainer.')]:\n"
+        "        del sys.modules[loaded]\n"
+        "    importlib.import_module(name)\n"
+        "print('imported', len(" + repr(names) + "))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"imported {len(names)}" in done.stdout
