@@ -62,8 +62,7 @@ def main():
     ns = parser.parse_args()
     keys = jax.random.split(jax.random.key(0), 4)
     q = jax.random.normal(keys[0], (ns.batch, ns.length, ns.heads, ns.head_dim), jnp.bfloat16)
-    k, v = (jax.random.normal(key, (ns.batch, ns.length, ns.kv_heads, ns.head_dim), jnp.bfloat16)
-            for key in keys[1:3])
+    k, v = (jax.random.normal(key, (ns.batch, ns.length, ns.kv_heads, ns.head_dim), jnp.bfloat16) for key in keys[1:3])
     weights = jax.random.normal(keys[3], q.shape, jnp.float32)
     lengths = jnp.array([ns.length - ns.length // 4] + [ns.length] * (ns.batch - 1))
     padding = (jnp.arange(ns.length)[None] < lengths[:, None])[:, None, None, :]

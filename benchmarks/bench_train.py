@@ -29,13 +29,38 @@ import tempfile
 import time
 
 CONFIGS = {
-    "tiny": dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=1024, seq=128, batch=8),
-    "small": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
-                  num_key_value_heads=4, vocab_size=4096, seq=256, batch=8),
-    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-               num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, tie_word_embeddings=True,
-               seq=2048, batch=8),
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=1024,
+        seq=128,
+        batch=8,
+    ),
+    "small": dict(
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=4096,
+        seq=256,
+        batch=8,
+    ),
+    "1b": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        rope_theta=500000.0,
+        tie_word_embeddings=True,
+        seq=2048,
+        batch=8,
+    ),
 }
 SHAPE_KEYS = ("seq", "batch")
 SYSTEMS = ("jtrainer", "hf", "bare")
@@ -68,9 +93,21 @@ def _peak_rss_mb() -> float:
 
 
 def _train_args(cls, out, cfg, steps, accelerator, **extra):
-    return cls(output_dir=out, per_device_train_batch_size=cfg["batch"], max_steps=steps, learning_rate=1e-4,
-               weight_decay=0.01, max_grad_norm=1.0, logging_steps=steps, save_strategy="no", report_to="none",
-               disable_tqdm=True, train_sampling_strategy="sequential", bf16=accelerator, **extra)
+    return cls(
+        output_dir=out,
+        per_device_train_batch_size=cfg["batch"],
+        max_steps=steps,
+        learning_rate=1e-4,
+        weight_decay=0.01,
+        max_grad_norm=1.0,
+        logging_steps=steps,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        train_sampling_strategy="sequential",
+        bf16=accelerator,
+        **extra,
+    )
 
 
 def _jax_extras(model, cfg) -> dict:
@@ -80,10 +117,13 @@ def _jax_extras(model, cfg) -> dict:
     from jtrainer import throughput
 
     stats = jax.devices()[0].memory_stats() or {}
-    return {"peak_device_mb": stats.get("peak_bytes_in_use", 0) / 2**20,
-            "flops_per_token": throughput.flops_per_token(model, cfg["seq"]),
-            "peak_flops": (throughput.peak_flops() or 0) * jax.device_count(),
-            "device": jax.devices()[0].device_kind, "devices": jax.device_count()}
+    return {
+        "peak_device_mb": stats.get("peak_bytes_in_use", 0) / 2**20,
+        "flops_per_token": throughput.flops_per_token(model, cfg["seq"]),
+        "peak_flops": (throughput.peak_flops() or 0) * jax.device_count(),
+        "device": jax.devices()[0].device_kind,
+        "devices": jax.device_count(),
+    }
 
 
 def worker_jtrainer(cfg, folder, steps, accelerator):
@@ -103,8 +143,12 @@ def worker_jtrainer(cfg, folder, steps, accelerator):
     start = time.perf_counter()
     model = LlamaForCausalLM.from_pretrained(folder)
     with tempfile.TemporaryDirectory() as out:
-        trainer = Trainer(model, _train_args(TrainingArguments, out, cfg, steps, accelerator),
-                          train_dataset=_rows(cfg, steps * cfg["batch"], accelerator), callbacks=[Clock()])
+        trainer = Trainer(
+            model,
+            _train_args(TrainingArguments, out, cfg, steps, accelerator),
+            train_dataset=_rows(cfg, steps * cfg["batch"], accelerator),
+            callbacks=[Clock()],
+        )
         trainer.train()
     return start, stamps, _jax_extras(model, cfg)
 
@@ -136,8 +180,9 @@ def worker_hf(cfg, folder, steps, accelerator):
     with tempfile.TemporaryDirectory() as out:
         on_cuda = accelerator and torch.cuda.is_available()
         args = _train_args(transformers.TrainingArguments, out, cfg, steps, accelerator, use_cpu=not on_cuda)
-        trainer = transformers.Trainer(model, args, train_dataset=Rows(_rows(cfg, steps * cfg["batch"], accelerator)),
-                                       callbacks=[Clock()])
+        trainer = transformers.Trainer(
+            model, args, train_dataset=Rows(_rows(cfg, steps * cfg["batch"], accelerator)), callbacks=[Clock()]
+        )
         trainer.train()
     peak = torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else 0
     return start, stamps, {"peak_device_mb": peak}
@@ -185,8 +230,17 @@ def run_worker(system, config, steps, accelerator):
     start, stamps, extras = worker(cfg, folder, steps, accelerator)
     steady = (stamps[-1] - stamps[1]) / (len(stamps) - 2)
     tokens = cfg["batch"] * cfg["seq"]
-    print(json.dumps({"tokens_per_second": tokens / steady, "step_ms": steady * 1e3,
-                      "first_step_s": stamps[0] - start, "peak_rss_mb": _peak_rss_mb(), **extras}))
+    print(
+        json.dumps(
+            {
+                "tokens_per_second": tokens / steady,
+                "step_ms": steady * 1e3,
+                "first_step_s": stamps[0] - start,
+                "peak_rss_mb": _peak_rss_mb(),
+                **extras,
+            }
+        )
+    )
 
 
 def main():
@@ -195,10 +249,17 @@ def main():
     parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--no-startup", dest="startup", action="store_false",
-                        help="skip the time-to-first-step measurement with and without the compilation cache")
-    parser.add_argument("--accelerator", action="store_true",
-                        help="run on the default JAX backend and torch's CUDA, in bf16, and report MFU")
+    parser.add_argument(
+        "--no-startup",
+        dest="startup",
+        action="store_false",
+        help="skip the time-to-first-step measurement with and without the compilation cache",
+    )
+    parser.add_argument(
+        "--accelerator",
+        action="store_true",
+        help="run on the default JAX backend and torch's CUDA, in bf16, and report MFU",
+    )
     parser.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
     parser.add_argument("--config", help=argparse.SUPPRESS)
     ns = parser.parse_args()
@@ -224,8 +285,9 @@ def _run(ns, system, config, steps, **env) -> dict | None:
     if not ns.accelerator:
         env.setdefault("JAX_PLATFORMS", os.environ.get("JAX_PLATFORMS", "cpu"))
     command = [sys.executable, __file__, "--worker", system, "--config", config, "--steps", str(steps)]
-    out = subprocess.run(command + ["--accelerator"] * ns.accelerator, env=dict(os.environ, **env),
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        command + ["--accelerator"] * ns.accelerator, env=dict(os.environ, **env), capture_output=True, text=True
+    )
     if out.returncode:
         print(f"{system} failed (left out):\n{out.stderr[-4000:]}", flush=True)
         return None
@@ -236,27 +298,38 @@ def report(config, ns, results):
     cfg = CONFIGS[config]
     if not results:
         raise SystemExit(f"{config}: every system failed")
-    print(f"\n== {config}: Llama {cfg['num_hidden_layers']} layers x {cfg['hidden_size']}, vocab "
-          f"{cfg['vocab_size']}, batch {cfg['batch']} x {cfg['seq']} tokens, {ns.steps} steps, "
-          f"median of {ns.repeats}" + (", bf16 on the accelerator" if ns.accelerator else ""))
-    med = {s: {k: statistics.median(r[k] for r in runs) for k in runs[0] if isinstance(runs[0][k], (int, float))}
-           for s, runs in results.items()}
+    print(
+        f"\n== {config}: Llama {cfg['num_hidden_layers']} layers x {cfg['hidden_size']}, vocab "
+        f"{cfg['vocab_size']}, batch {cfg['batch']} x {cfg['seq']} tokens, {ns.steps} steps, "
+        f"median of {ns.repeats}" + (", bf16 on the accelerator" if ns.accelerator else "")
+    )
+    med = {
+        s: {k: statistics.median(r[k] for r in runs) for k in runs[0] if isinstance(runs[0][k], (int, float))}
+        for s, runs in results.items()
+    }
     jax_run = next((runs[0] for s, runs in results.items() if s != "hf"), None)
     flops, peak = (jax_run["flops_per_token"] or 0, jax_run["peak_flops"]) if jax_run else (0, 0)
     if jax_run:
         print(f"device: {jax_run['devices']} x {jax_run['device']}; {flops:.4g} model FLOPs per token")
-    print(f"{'system':<10}{'tokens/s':>12}{'step ms':>10}{'first step s':>14}{'peak MB':>10}{'device MB':>11}"
-          f"{'MFU':>8}")
+    print(
+        f"{'system':<10}{'tokens/s':>12}{'step ms':>10}{'first step s':>14}{'peak MB':>10}{'device MB':>11}{'MFU':>8}"
+    )
     for system, m in med.items():
         mfu = f"{m['tokens_per_second'] * flops / peak:.1%}" if peak and flops else "-"
-        print(f"{system:<10}{m['tokens_per_second']:>12.0f}{m['step_ms']:>10.1f}{m['first_step_s']:>14.2f}"
-              f"{m['peak_rss_mb']:>10.0f}{m['peak_device_mb']:>11.0f}{mfu:>8}")
+        print(
+            f"{system:<10}{m['tokens_per_second']:>12.0f}{m['step_ms']:>10.1f}{m['first_step_s']:>14.2f}"
+            f"{m['peak_rss_mb']:>10.0f}{m['peak_device_mb']:>11.0f}{mfu:>8}"
+        )
     if "jtrainer" in med and "hf" in med:
-        print(f"a/b  jtrainer / transformers.Trainer tokens/s: "
-              f"{med['jtrainer']['tokens_per_second'] / med['hf']['tokens_per_second']:.2f}x")
+        print(
+            f"a/b  jtrainer / transformers.Trainer tokens/s: "
+            f"{med['jtrainer']['tokens_per_second'] / med['hf']['tokens_per_second']:.2f}x"
+        )
     if "jtrainer" in med and "bare" in med:
-        print(f"a/c  jtrainer / bare jit loop tokens/s:        "
-              f"{med['jtrainer']['tokens_per_second'] / med['bare']['tokens_per_second']:.3f}x")
+        print(
+            f"a/c  jtrainer / bare jit loop tokens/s:        "
+            f"{med['jtrainer']['tokens_per_second'] / med['bare']['tokens_per_second']:.3f}x"
+        )
 
 
 def startup(config, ns):
@@ -271,8 +344,8 @@ def startup(config, ns):
                     raise SystemExit("the startup run failed")
                 times.append(result["first_step_s"])
     a, b = statistics.median(first), statistics.median(second)
-    print(f"startup: first step {a:.2f} s with an empty compilation cache, {b:.2f} s on the second run: "
-          f"{b / a:.2f}x")
+    print(f"startup: first step {a:.2f} s with an empty compilation cache, {b:.2f} s on the second run: {b / a:.2f}x")
+
 
 if __name__ == "__main__":
     main()

@@ -48,18 +48,35 @@ def worker(out: str) -> None:
 
         def on_save(self, args, state, control, **kwargs):
             grown = (_kib("VmHWM") - self.before) / 1024
-            print(f"process {args.process_index}: peak memory grew by {grown:,.0f} MiB during save {state.global_step}",
-                  flush=True)
+            print(
+                f"process {args.process_index}: peak memory grew by {grown:,.0f} MiB during save {state.global_step}",
+                flush=True,
+            )
 
-    config = LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
-                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256)
+    config = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=256,
+    )
     model = LlamaForCausalLM.from_config(config)
     rng = np.random.RandomState(0)
     rows = [{"input_ids": ids, "labels": ids} for ids in rng.randint(0, 32000, (16, 64)).tolist()]
-    args = TrainingArguments(output_dir=out, mesh_shape={"fsdp": -1}, per_device_train_batch_size=1, max_steps=3,
-                             save_steps=1, async_checkpointing=False, report_to="none",
-                             save_only_model=os.environ.get("EXPORT_MEMORY_MODE") == "gathered",
-                             disable_tqdm=True, logging_steps=1)
+    args = TrainingArguments(
+        output_dir=out,
+        mesh_shape={"fsdp": -1},
+        per_device_train_batch_size=1,
+        max_steps=3,
+        save_steps=1,
+        async_checkpointing=False,
+        report_to="none",
+        save_only_model=os.environ.get("EXPORT_MEMORY_MODE") == "gathered",
+        disable_tqdm=True,
+        logging_steps=1,
+    )
     trainer = Trainer(model, args, train_dataset=rows, callbacks=[SaveMemory()])
     params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     if args.process_index == 0:
@@ -69,11 +86,29 @@ def worker(out: str) -> None:
 
 def main() -> None:
     with tempfile.TemporaryDirectory() as out:
-        env = dict(os.environ, JAX_PLATFORMS="cpu", JTRAINER_COMPILATION_CACHE_DIR="none",
-                   EXPORT_MEMORY_MODE="gathered" if "--gathered" in sys.argv else "in-commit")
-        subprocess.run([sys.executable, "-m", "jtrainer.cli", "launch", "--num_processes", "2",
-                        "--devices_per_process", "4", os.path.abspath(__file__), os.path.join(out, "run")],
-                       env=env, cwd=ROOT, check=True)
+        env = dict(
+            os.environ,
+            JAX_PLATFORMS="cpu",
+            JTRAINER_COMPILATION_CACHE_DIR="none",
+            EXPORT_MEMORY_MODE="gathered" if "--gathered" in sys.argv else "in-commit",
+        )
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "jtrainer.cli",
+                "launch",
+                "--num_processes",
+                "2",
+                "--devices_per_process",
+                "4",
+                os.path.abspath(__file__),
+                os.path.join(out, "run"),
+            ],
+            env=env,
+            cwd=ROOT,
+            check=True,
+        )
 
 
 if __name__ == "__main__":

@@ -35,15 +35,32 @@ def run(out: str, resume: bool) -> None:
         def on_train_begin(self, args, state, control, **kwargs):
             if resume:
                 grown = (_kib("VmHWM") - self.start) / 1024
-                print(f"resume: peak memory grew by {grown:,.0f} MiB during the restore "
-                      f"(train state {self.state_mib:,.0f} MiB)", flush=True)
+                print(
+                    f"resume: peak memory grew by {grown:,.0f} MiB during the restore "
+                    f"(train state {self.state_mib:,.0f} MiB)",
+                    flush=True,
+                )
 
-    config = LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
-                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256)
+    config = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=256,
+    )
     rng = np.random.RandomState(0)
     rows = [{"input_ids": ids, "labels": ids} for ids in rng.randint(0, 32000, (8, 64)).tolist()]
-    args = TrainingArguments(output_dir=out, per_device_train_batch_size=2, max_steps=1, save_steps=1,
-                             report_to="none", disable_tqdm=True, logging_steps=1)
+    args = TrainingArguments(
+        output_dir=out,
+        per_device_train_batch_size=2,
+        max_steps=1,
+        save_steps=1,
+        report_to="none",
+        disable_tqdm=True,
+        logging_steps=1,
+    )
     peak = Peak()
     trainer = Trainer(LlamaForCausalLM.from_config(config), args, train_dataset=rows, callbacks=[peak])
     peak.state_mib = 3 * trainer.model.num_parameters() * 4 / 2**20

@@ -25,41 +25,72 @@ ROWS: dict[str, tuple[str, str, list[str]]] = {
     "1b-v5e-16": ("configs/llama_1b_fsdp_v5e_16.yaml", "v5litepod-16", []),
     "1b-v5e-16-data-parallel": ("configs/llama_1b_fsdp_v5e_16.yaml", "v5litepod-16", ["--mesh_shape", '{"data": -1}']),
     "1b-v5p-8": ("configs/llama_1b_fsdp_v5e_16.yaml", "v5p-8", ["--per_device_train_batch_size", "16"]),
-    "1b-v6e-8x2-slices": ("configs/llama_1b_fsdp_v5e_16.yaml", "v6e-8", ["--num_slices", "2",
-                                                                       "--mesh_shape", '{"data": 2, "fsdp": 8}']),
+    "1b-v6e-8x2-slices": (
+        "configs/llama_1b_fsdp_v5e_16.yaml",
+        "v6e-8",
+        ["--num_slices", "2", "--mesh_shape", '{"data": 2, "fsdp": 8}'],
+    ),
     "gpt2-v4-8": ("configs/gpt2_small_tpu_v4_8.yaml", "v4-8", []),
     # scan_layers: one compiled decoder layer for all 16 (compare the compile column with 1b-v5e-16's)
     "1b-v5e-16-scan": ("configs/llama_1b_fsdp_v5e_16.yaml", "v5litepod-16", ["--scan_layers", "true"]),
-    "1b-v5e-16-scan-chunked": ("configs/llama_1b_fsdp_v5e_16.yaml", "v5litepod-16",
-                               ["--scan_layers", "true", "--use_liger_kernel", "true"]),
+    "1b-v5e-16-scan-chunked": (
+        "configs/llama_1b_fsdp_v5e_16.yaml",
+        "v5litepod-16",
+        ["--scan_layers", "true", "--use_liger_kernel", "true"],
+    ),
 }
 # Llama-3-8B's shape (32 layers, 4096/14336, 32/8 heads, vocabulary 128,256) on the same recipe, scanned layers.
-LLAMA3_8B = ["--hidden_size", "4096", "--intermediate_size", "14336", "--num_hidden_layers", "32",
-             "--num_attention_heads", "32", "--num_key_value_heads", "8", "--tokenizer_vocab_size", "128256",
-             "--max_position_embeddings", "8192", "--scan_layers", "true"]
+LLAMA3_8B = [
+    "--hidden_size",
+    "4096",
+    "--intermediate_size",
+    "14336",
+    "--num_hidden_layers",
+    "32",
+    "--num_attention_heads",
+    "32",
+    "--num_key_value_heads",
+    "8",
+    "--tokenizer_vocab_size",
+    "128256",
+    "--max_position_embeddings",
+    "8192",
+    "--scan_layers",
+    "true",
+]
 ROWS["1b-h100x8"] = ("configs/llama_1b_fsdp_v5e_16.yaml", "h100x8", ["--per_device_train_batch_size", "8"])
-ROWS["1b-h100x8-chunked"] = ("configs/llama_1b_fsdp_v5e_16.yaml", "h100x8", ["--per_device_train_batch_size", "8",
-                                                                            "--use_liger_kernel", "true"])
-ROWS["1b-h100x8-scan"] = ("configs/llama_1b_fsdp_v5e_16.yaml", "h100x8", ["--per_device_train_batch_size", "8",
-                                                                         "--scan_layers", "true"])
+ROWS["1b-h100x8-chunked"] = (
+    "configs/llama_1b_fsdp_v5e_16.yaml",
+    "h100x8",
+    ["--per_device_train_batch_size", "8", "--use_liger_kernel", "true"],
+)
+ROWS["1b-h100x8-scan"] = (
+    "configs/llama_1b_fsdp_v5e_16.yaml",
+    "h100x8",
+    ["--per_device_train_batch_size", "8", "--scan_layers", "true"],
+)
 for _target, _batch in (("v5litepod-16", "1"), ("v5p-8", "4"), ("h100x8", "2")):
     _rows = {"": [], "-chunked": ["--use_liger_kernel", "true"]}
     for _suffix, _extra in _rows.items():
-        ROWS[f"8b-{_target}{_suffix}"] = ("configs/llama_1b_fsdp_v5e_16.yaml", _target, [
-            *LLAMA3_8B, "--per_device_train_batch_size", _batch, "--per_device_eval_batch_size", _batch, *_extra])
+        ROWS[f"8b-{_target}{_suffix}"] = (
+            "configs/llama_1b_fsdp_v5e_16.yaml",
+            _target,
+            [*LLAMA3_8B, "--per_device_train_batch_size", _batch, "--per_device_eval_batch_size", _batch, *_extra],
+        )
 DEFAULT_ROWS = ["1b-v5e-16", "1b-v5e-16-data-parallel"]
 
 
 def size(config: str, target: str, extra: list[str]) -> dict:
-    from jtrainer.cli.check import run_check
     from jtrainer.cli import parse_train_args
+    from jtrainer.cli.check import run_check
 
     model_args, data_args, training_args, run_args = parse_train_args([config, "--target", target, *extra], "check")
     printed = io.StringIO()
     start = time.perf_counter()
     with contextlib.redirect_stdout(printed):
-        result = run_check(model_args, data_args, training_args, run_args.target, run_args.num_slices,
-                           run_args.num_nodes)
+        result = run_check(
+            model_args, data_args, training_args, run_args.target, run_args.num_slices, run_args.num_nodes
+        )
     result["seconds"] = time.perf_counter() - start
     result["printed"] = printed.getvalue()
     return result
@@ -70,8 +101,7 @@ def main() -> None:
     parser.add_argument("--rows", action="append", choices=sorted(ROWS), help=f"default: {DEFAULT_ROWS}")
     parser.add_argument("--full", action="store_true", help="also print each check's own report")
     ns = parser.parse_args()
-    print("| row | target | params | per chip | of HBM | fits | XLA FLOPs/chip | step (est.) | MFU (est.) | "
-          "compile |")
+    print("| row | target | params | per chip | of HBM | fits | XLA FLOPs/chip | step (est.) | MFU (est.) | compile |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name in ns.rows or DEFAULT_ROWS:
         config, target, extra = ROWS[name]
@@ -80,15 +110,18 @@ def main() -> None:
             print(result["printed"], file=sys.stderr)
         if "memory_per_device" not in result:  # XLA refused the layout: the reason is in the report
             reason = next(line for line in result["printed"].splitlines() if "does not fit" in line)
-            print(f"| {name} | {target} | | | | no: {reason.split(': ', 2)[-1][:90]} | | | | "
-                  f"{result['seconds']:.0f} s |")
+            print(
+                f"| {name} | {target} | | | | no: {reason.split(': ', 2)[-1][:90]} | | | | {result['seconds']:.0f} s |"
+            )
             continue
         total, hbm = result["step_bytes_per_device"], result["device_memory_bytes"]
         estimate = result["estimate"] or {}
-        print(f"| {name} | {target} | {result['parameters'] / 1e9:.2f}B | {total / 2**30:.2f} GiB | "
-              f"{total / hbm:.0%} of {hbm / 2**30:.0f} GiB | {'yes' if result['fits'] else 'no'} | "
-              f"{result['flops_per_step_per_device'] or float('nan'):.2e} | {_step(estimate)} | "
-              f"{_mfu(estimate)} | {result['seconds']:.0f} s |")
+        print(
+            f"| {name} | {target} | {result['parameters'] / 1e9:.2f}B | {total / 2**30:.2f} GiB | "
+            f"{total / hbm:.0%} of {hbm / 2**30:.0f} GiB | {'yes' if result['fits'] else 'no'} | "
+            f"{result['flops_per_step_per_device'] or float('nan'):.2e} | {_step(estimate)} | "
+            f"{_mfu(estimate)} | {result['seconds']:.0f} s |"
+        )
 
 
 def _step(estimate: dict) -> str:

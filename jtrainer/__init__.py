@@ -25,10 +25,10 @@ from jtrainer import startup  # noqa: E402
 
 startup.apply_default()  # the persistent compilation cache, before anything compiles
 
-from transformers.trainer_utils import EvalPrediction, PredictionOutput, TrainOutput
+from transformers.trainer_utils import EvalPrediction, PredictionOutput, TrainOutput  # noqa: E402
 
 from jtrainer.args import TrainingArguments  # noqa: E402
-from jtrainer.callbacks import (
+from jtrainer.callbacks import (  # noqa: E402
     CallbackHandler,
     DefaultFlowCallback,
     EarlyStoppingCallback,
@@ -38,9 +38,9 @@ from jtrainer.callbacks import (
     TrainerControl,
     TrainerState,
 )
-from jtrainer.trainer import Trainer
 from jtrainer.checkpoint import get_last_checkpoint  # noqa: E402  (the verified one)
 from jtrainer.seq2seq import Seq2SeqTrainer, Seq2SeqTrainingArguments  # noqa: E402
+from jtrainer.trainer import Trainer  # noqa: E402
 
 __version__ = "0.1.0"
 

@@ -236,8 +236,7 @@ class TrainingArguments(transformers.TrainingArguments):
                 self.eval_steps = self.logging_steps
             else:
                 raise ValueError(
-                    f"evaluation strategy {self.eval_strategy} requires either non-zero --eval_steps or"
-                    " --logging_steps"
+                    f"evaluation strategy {self.eval_strategy} requires either non-zero --eval_steps or --logging_steps"
                 )
         plateau_like = self.lr_scheduler_type in (SchedulerType.REDUCE_ON_PLATEAU, SchedulerType.GREEDY)
         if (self.load_best_model_at_end or plateau_like) and self.metric_for_best_model is None:
@@ -263,8 +262,10 @@ class TrainingArguments(transformers.TrainingArguments):
             )
         storage.check_output_url(self.output_dir)
         if self.push_to_hub and storage.is_url(self.output_dir):
-            raise ValueError(f"push_to_hub uploads output_dir from this machine, which {self.output_dir!r} is not: "
-                             "train into a local output_dir to push to the Hub.")
+            raise ValueError(
+                f"push_to_hub uploads output_dir from this machine, which {self.output_dir!r} is not: "
+                "train into a local output_dir to push to the Hub."
+            )
         if self.learning_rate < 0:  # torch's optimizers refuse it when HF builds them; here before anything runs
             raise ValueError(f"Invalid learning rate: {self.learning_rate} (learning_rate must be >= 0).")
         if self.logging_strategy == IntervalStrategy.STEPS and self.logging_steps == 0:
@@ -300,9 +301,7 @@ class TrainingArguments(transformers.TrainingArguments):
                 "`save_strategy='best'` requires `metric_for_best_model`: set --metric_for_best_model (e.g. 'loss')."
             )
         if self.gradient_accumulation_steps < 1:
-            raise ValueError(
-                f"--gradient_accumulation_steps must be >= 1, got {self.gradient_accumulation_steps}."
-            )
+            raise ValueError(f"--gradient_accumulation_steps must be >= 1, got {self.gradient_accumulation_steps}.")
         for name in ("per_device_train_batch_size", "per_device_eval_batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}.")
@@ -322,7 +321,6 @@ class TrainingArguments(transformers.TrainingArguments):
     @property
     def n_gpu(self) -> int:
         """HF's count of the GPUs this process drives: its local GPUs, 0 on a CPU or TPU (as torch reports)."""
-        import jax
 
         return jax.local_device_count() if jax.default_backend() == "gpu" else 0
 
@@ -330,32 +328,23 @@ class TrainingArguments(transformers.TrainingArguments):
     def train_batch_size(self) -> int:
         """Rows per step this process feeds: HF's per-device size times its devices (all local devices here,
         as HF's DataParallel multiplies by n_gpu)."""
-        import jax
 
         return self.per_device_train_batch_size * jax.local_device_count()
 
     @property
     def eval_batch_size(self) -> int:
-        import jax
-
         return self.per_device_eval_batch_size * jax.local_device_count()
 
     @property
     def device(self):
-        import jax
-
         return jax.local_devices()[0]
 
     @property
     def world_size(self) -> int:
-        import jax
-
         return jax.process_count()
 
     @property
     def process_index(self) -> int:
-        import jax
-
         return jax.process_index()
 
     @property

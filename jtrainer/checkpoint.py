@@ -20,11 +20,11 @@ next start.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import os
 import re
-import itertools
 import shutil
 import threading
 import time
@@ -229,8 +229,15 @@ class PendingCheckpoint:
     last byte is written (manifest, commit marker, rename, then `on_commit`), independent of the next save;
     `commit()` waits for that (and re-raises its error); `done` says whether it has happened."""
 
-    def __init__(self, folder: str, checkpointer, is_main: bool, step: int, on_commit: Callable[[], None],
-                 finish_files: Callable[[str, str], None] | None = None):
+    def __init__(
+        self,
+        folder: str,
+        checkpointer,
+        is_main: bool,
+        step: int,
+        on_commit: Callable[[], None],
+        finish_files: Callable[[str, str], None] | None = None,
+    ):
         self.folder, self.checkpointer, self.is_main, self.step = folder, checkpointer, is_main, step
         self.on_commit, self.finish_files = on_commit, finish_files
         self._finished = threading.Event()
@@ -287,7 +294,9 @@ class PendingCheckpoint:
             if pause:
                 storage.write_text(storage.join(tmp, "paused"), "")
                 time.sleep(pause)
-            storage.write_text(storage.join(tmp, COMMIT_NAME), json.dumps({"global_step": self.step, "time": time.time()}))
+            storage.write_text(
+                storage.join(tmp, COMMIT_NAME), json.dumps({"global_step": self.step, "time": time.time()})
+            )
             if tmp == self.folder:  # an object store: committed by the marker; the writing marker goes last
                 storage.remove(storage.join(tmp, WRITING_NAME))
                 return
@@ -365,8 +374,10 @@ def read_params(folder: str) -> dict:
         saved = reader.metadata(path).item_metadata.tree["params"]
         item = jax.tree.map(lambda m: np.zeros((), m.dtype), saved)
         as_numpy = jax.tree.map(lambda m: ocp.RestoreArgs(restore_type=np.ndarray), saved)
-        restored = reader.restore(path, args=ocp.args.PyTreeRestore(
-            item={"params": item}, restore_args={"params": as_numpy}, partial_restore=True))
+        restored = reader.restore(
+            path,
+            args=ocp.args.PyTreeRestore(item={"params": item}, restore_args={"params": as_numpy}, partial_restore=True),
+        )
     return restored["params"]
 
 
@@ -383,7 +394,8 @@ def remove_uncommitted(run_dir: str) -> list[str]:
         if not name.startswith(PREFIX_CHECKPOINT_DIR + "-"):
             continue
         partial = name.endswith(TMP_SUFFIX) or (
-            storage.is_url(run_dir) and storage.isfile(storage.join(path, WRITING_NAME))
+            storage.is_url(run_dir)
+            and storage.isfile(storage.join(path, WRITING_NAME))
             and not storage.isfile(storage.join(path, COMMIT_NAME))
         )
         if partial:
@@ -398,7 +410,8 @@ _CHECKPOINT_NAME = re.compile(r"^" + PREFIX_CHECKPOINT_DIR + r"-(\d+)$")
 def checkpoint_folders(run_dir: str) -> list[str]:
     """The run's `checkpoint-N` folders (exactly that name: not `checkpoint-4-backup`), oldest step first."""
     found = sorted(
-        (int(m.group(1)), name) for name in storage.listdir(run_dir)
+        (int(m.group(1)), name)
+        for name in storage.listdir(run_dir)
         if (m := _CHECKPOINT_NAME.match(name)) and storage.isdir(storage.join(run_dir, name))
     )
     return [storage.join(run_dir, name) for _, name in found]
@@ -464,10 +477,18 @@ def restore_train_state(directory: str, like, fresh: Callable[[], Any] | None = 
 
 
 def _check_finite(directory: str, state) -> None:
-    floats = [(path, leaf) for path, leaf in jax.tree_util.tree_flatten_with_path((state.params, state.opt_state))[0]
-              if hasattr(leaf, "dtype") and jax.numpy.issubdtype(leaf.dtype, jax.numpy.floating)]
-    finite = jax.jit(lambda xs: jax.numpy.stack([jax.numpy.all(jax.numpy.isfinite(x)) for x in xs]))(
-        [leaf for _, leaf in floats]) if floats else []
+    floats = [
+        (path, leaf)
+        for path, leaf in jax.tree_util.tree_flatten_with_path((state.params, state.opt_state))[0]
+        if hasattr(leaf, "dtype") and jax.numpy.issubdtype(leaf.dtype, jax.numpy.floating)
+    ]
+    finite = (
+        jax.jit(lambda xs: jax.numpy.stack([jax.numpy.all(jax.numpy.isfinite(x)) for x in xs]))(
+            [leaf for _, leaf in floats]
+        )
+        if floats
+        else []
+    )
     for (path, _), ok in zip(floats, jax.device_get(finite)):
         if not ok:
             where = "params" if path[0].idx == 0 else "optimizer state"
@@ -498,9 +519,11 @@ def _restore_with(checkpointer, directory: str, path: str, like, fresh=None):
     missing = sorted(set(wanted) - set(saved))
     saved_unrolled = any(".layers.0." in n for n in saved)  # scan_layers stacks them: no per-layer index
     if missing and saved_unrolled != any(".layers.0." in n for n in wanted):
-        raise ValueError(f"Checkpoint {directory} was saved with{'out' if saved_unrolled else ''} scan_layers and "
-                         "this model is built the other way: build the model as it was saved (its HF export, "
-                         "config.json + safetensors, loads either way).")
+        raise ValueError(
+            f"Checkpoint {directory} was saved with{'out' if saved_unrolled else ''} scan_layers and "
+            "this model is built the other way: build the model as it was saved (its HF export, "
+            "config.json + safetensors, loads either way)."
+        )
     if missing:
         raise ValueError(f"Checkpoint {directory} has no parameters {missing[:5]}: it was saved from another model.")
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
@@ -512,7 +535,10 @@ def _restore_with(checkpointer, directory: str, path: str, like, fresh=None):
     # wrappers (read as dicts) and put it under this run's, whose state starts afresh.
     logger.warning(
         "Checkpoint %s was saved with %s around the optimizer, this run uses %s: the optimizer's state is restored, "
-        "the wrapper state starts afresh.", directory, _wrapper_names(saved_wrappers), _wrapper_names(wanted_wrappers),
+        "the wrapper state starts afresh.",
+        directory,
+        _wrapper_names(saved_wrappers),
+        _wrapper_names(wanted_wrappers),
     )
     if isinstance(jax.tree.leaves(like)[0], jax.ShapeDtypeStruct):
         like = fresh()  # the new wrappers' state starts from its initial values
@@ -551,8 +577,12 @@ def _saved_wrappers(saved, core, sharding):
     """The abstract restore target of saved wrapper states (dicts of replicated scalars) around `core`."""
     if _fields(saved) not in _WRAPPERS:
         return core
-    return {key: _saved_wrappers(value, core, sharding) if key == "inner_state"
-            else jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding) for key, value in saved.items()}
+    return {
+        key: _saved_wrappers(value, core, sharding)
+        if key == "inner_state"
+        else jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding)
+        for key, value in saved.items()
+    }
 
 
 def _rewrap(wrapped, core):

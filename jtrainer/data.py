@@ -343,8 +343,9 @@ def assemble_window(
     template = padded[0] if padded else shapes.pad(tail, length)
     filler = {k: np.full_like(v, pad_value(k, shapes.pad_token_id)) for k, v in template.items()}
     padded += [filler] * (accumulation_steps - len(padded))
-    stacked = {k: np.stack([p[k] for p in padded]) if padded else np.zeros((0, *v.shape), v.dtype)
-               for k, v in template.items()}
+    stacked = {
+        k: np.stack([p[k] for p in padded]) if padded else np.zeros((0, *v.shape), v.dtype) for k, v in template.items()
+    }
     weights = np.zeros(accumulation_steps, np.float32)
     weights[: len(batches)] = 1.0
     return Window(stacked, weights, tail)
@@ -404,4 +405,6 @@ class Prefetcher:
             self._stop.set()
             self._thread.join(timeout)
             if self._thread.is_alive():
-                logger.warning("The batch prefetch thread did not stop within %.0f s (its data source blocks).", timeout)
+                logger.warning(
+                    "The batch prefetch thread did not stop within %.0f s (its data source blocks).", timeout
+                )

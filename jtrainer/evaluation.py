@@ -13,7 +13,6 @@ import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from transformers.trainer_utils import (
@@ -28,7 +27,12 @@ from jtrainer import data, distributed, optim, sharding
 from jtrainer.losses import IGNORE_INDEX
 from jtrainer.overrides import check_loader
 from jtrainer.step import (
-    EvalOutputs, LossSpec, PreprocessPlacement, batch_label_values, graphdef_in_mode, make_eval_step,
+    EvalOutputs,
+    LossSpec,
+    PreprocessPlacement,
+    batch_label_values,
+    graphdef_in_mode,
+    make_eval_step,
     make_shard_loss_step,
 )
 
@@ -40,7 +44,9 @@ def concat_padded(arrays: list[np.ndarray], pad: int = IGNORE_INDEX) -> np.ndarr
     if arrays[0].ndim < 2 or all(a.shape[1:] == arrays[0].shape[1:] for a in arrays):
         return np.concatenate(arrays, axis=0)
     width = max(a.shape[1] for a in arrays)
-    padded = [np.pad(a, [(0, 0), (0, width - a.shape[1])] + [(0, 0)] * (a.ndim - 2), constant_values=pad) for a in arrays]
+    padded = [
+        np.pad(a, [(0, 0), (0, width - a.shape[1])] + [(0, 0)] * (a.ndim - 2), constant_values=pad) for a in arrays
+    ]
     return np.concatenate(padded, axis=0)
 
 
@@ -103,8 +109,8 @@ class EvaluationMixin:
             key = name if name.startswith("eval_") else f"eval_{name}"
             if key not in metrics:
                 raise KeyError(
-                    f"The lr scheduler {self.args.lr_scheduler_type} needs metric {key!r}, which evaluation did not return; "
-                    f"it returned {sorted(metrics)}. Set --metric_for_best_model."
+                    f"The lr scheduler {self.args.lr_scheduler_type} needs metric {key!r}, which evaluation did not "
+                    f"return; it returned {sorted(metrics)}. Set --metric_for_best_model."
                 )
             self._step_plateau(float(metrics[key]))
         self._report_to_hp_search(trial, self.state.global_step, metrics)
@@ -137,9 +143,7 @@ class EvaluationMixin:
         if isinstance(eval_dataset, dict):
             metrics = {}
             for name, dataset in eval_dataset.items():
-                metrics.update(
-                    self.evaluate(dataset if override else name, ignore_keys, f"{metric_key_prefix}_{name}")
-                )
+                metrics.update(self.evaluate(dataset if override else name, ignore_keys, f"{metric_key_prefix}_{name}"))
             return metrics
         loader = check_loader(self, self.get_eval_dataloader(eval_dataset), "get_eval_dataloader")
         # HF: no point gathering predictions (logits, or generated ids) when there are no metrics to compute.
@@ -179,8 +183,9 @@ class EvaluationMixin:
         key = (graphdef, spec, want_logits, self.preprocess_logits_for_metrics, ignore_keys)
         if key not in _SHARED_EVAL_STEPS:
             placement = PreprocessPlacement()
-            step = jax.jit(make_eval_step(graphdef, spec, want_logits, self.preprocess_logits_for_metrics,
-                                          ignore_keys, placement))
+            step = jax.jit(
+                make_eval_step(graphdef, spec, want_logits, self.preprocess_logits_for_metrics, ignore_keys, placement)
+            )
             _SHARED_EVAL_STEPS[key] = (step, placement)
         step, self._preprocess_placement = _SHARED_EVAL_STEPS[key]
         return step
@@ -200,8 +205,7 @@ class EvaluationMixin:
         def to_torch(tree):
             return jax.tree.map(lambda x: torch.from_numpy(np.array(x)), tree)  # a writable copy, as torch wants
 
-        result = self.preprocess_logits_for_metrics(to_torch(predictions),
-                                                   None if labels is None else to_torch(labels))
+        result = self.preprocess_logits_for_metrics(to_torch(predictions), None if labels is None else to_torch(labels))
         return jax.tree.map(lambda t: t.detach().cpu().numpy() if hasattr(t, "detach") else np.asarray(t), result)
 
     def _gathers_completing_rows(self) -> bool:
@@ -225,8 +229,9 @@ class EvaluationMixin:
         graphdef = graphdef_in_mode(self.model, training=False)
         key = ("shard_losses", graphdef, spec, shards)
         if key not in _SHARED_EVAL_STEPS:
-            _SHARED_EVAL_STEPS[key] = jax.jit(make_shard_loss_step(graphdef, spec, shards),
-                                              out_shardings=sharding.replicated(self.mesh))  # every process reads it
+            _SHARED_EVAL_STEPS[key] = jax.jit(
+                make_shard_loss_step(graphdef, spec, shards), out_shardings=sharding.replicated(self.mesh)
+            )  # every process reads it
         with self._mesh_context():
             per_shard = np.asarray(jax.device_get(_SHARED_EVAL_STEPS[key](params, model_state, inputs)), np.float64)
         return np.repeat(per_shard, global_rows // shards)[:rows]

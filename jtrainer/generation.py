@@ -140,7 +140,7 @@ def _beam_search(graphdef, state, input_ids_BxP, mask_BxP, settings: DecodeSetti
     out = model(ids, full_mask, positions, cache=cache)
     eos = jnp.asarray(settings.eos_token_ids or (-1,), jnp.int32)
     scores = jnp.tile(jnp.asarray([0.0] + [-jnp.inf] * (k - 1)), (b, 1))  # every beam starts as beam 0
-    rows = (jnp.arange(b)[:, None] * k)  # first flat row of each batch entry
+    rows = jnp.arange(b)[:, None] * k  # first flat row of each batch entry
 
     def step(i, carry):
         tokens, cache, logits, scores, finished, lengths, next_pos, full_mask = carry
@@ -176,7 +176,7 @@ def _beam_search(graphdef, state, input_ids_BxP, mask_BxP, settings: DecodeSetti
     )
     tokens, _, _, scores, _, lengths, _, _ = jax.lax.fori_loop(0, n, step, carry)
     normalised = scores / (jnp.maximum(lengths.reshape(b, k), 1) ** settings.length_penalty)
-    best = (rows[:, 0] + jnp.argmax(normalised, axis=-1))
+    best = rows[:, 0] + jnp.argmax(normalised, axis=-1)
     return jnp.concatenate([input_ids_BxP.astype(jnp.int32), tokens[best]], axis=1)
 
 
@@ -218,7 +218,9 @@ def _beam_search_seq2seq(graphdef, state, input_ids_BxP, mask_BxP, settings: Dec
         token = (top % vocab).astype(jnp.int32).reshape(-1)
         was_finished = finished[flat]
         if cache is not None:  # a beam's decoder history follows it; the encoder's keys are the same per row
-            cache = dataclasses.replace(cache, keys=[c[flat] for c in cache.keys], values=[c[flat] for c in cache.values])
+            cache = dataclasses.replace(
+                cache, keys=[c[flat] for c in cache.keys], values=[c[flat] for c in cache.values]
+            )
         return (
             tokens[flat].at[:, i + 1].set(token),
             top_scores,
@@ -230,7 +232,13 @@ def _beam_search_seq2seq(graphdef, state, input_ids_BxP, mask_BxP, settings: Dec
     tokens = jnp.full((b * k, n + 1), settings.pad_token_id, jnp.int32)
     tokens = tokens.at[:, 0].set(model.config.decoder_start_token_id)
     scores = jnp.tile(jnp.asarray([0.0] + [-jnp.inf] * (k - 1)), (b, 1))
-    carry = (tokens, scores, jnp.zeros((b * k,), bool), jnp.zeros((b * k,), jnp.int32), _decoder_cache(model, encoded, n))
+    carry = (
+        tokens,
+        scores,
+        jnp.zeros((b * k,), bool),
+        jnp.zeros((b * k,), jnp.int32),
+        _decoder_cache(model, encoded, n),
+    )
     tokens, scores, _, lengths, _ = jax.lax.fori_loop(0, n, step, carry)
     normalised = scores / (jnp.maximum(lengths.reshape(b, k), 1) ** settings.length_penalty)
     return tokens[rows[:, 0] + jnp.argmax(normalised, axis=-1)]
@@ -290,6 +298,5 @@ def generate(
         decode = _beam_search_seq2seq if settings.num_beams > 1 else _decode_seq2seq
     else:
         decode = _beam_search if settings.num_beams > 1 else _decode
-    ids = decode(graphdef, state, jnp.asarray(input_ids), jnp.asarray(mask, jnp.int32), settings,
-                 np.uint32(seed))
+    ids = decode(graphdef, state, jnp.asarray(input_ids), jnp.asarray(mask, jnp.int32), settings, np.uint32(seed))
     return ids if on_mesh else np.asarray(ids)

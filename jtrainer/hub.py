@@ -137,13 +137,21 @@ class HubMixin:
         else:
             message = f"Training in progress, epoch {int(self.state.epoch)}"
         common = dict(repo_id=self.hub_model_id, token=args.hub_token, run_as_future=True, revision=args.hub_revision)
-        jobs = [_api().upload_folder(folder_path=args.output_dir, commit_message=message,
-                                     ignore_patterns=["_*", f"{PREFIX_CHECKPOINT_DIR}-*", f"{LOCK_NAME}*"],
-                                     **common)]
+        jobs = [
+            _api().upload_folder(
+                folder_path=args.output_dir,
+                commit_message=message,
+                ignore_patterns=["_*", f"{PREFIX_CHECKPOINT_DIR}-*", f"{LOCK_NAME}*"],
+                **common,
+            )
+        ]
         if args.hub_strategy in (HubStrategy.CHECKPOINT, HubStrategy.ALL_CHECKPOINTS):
             in_repo = "last-checkpoint" if args.hub_strategy == HubStrategy.CHECKPOINT else Path(folder).name
-            jobs.append(_api().upload_folder(folder_path=folder, path_in_repo=in_repo,
-                                             commit_message=message + ", checkpoint", **common))
+            jobs.append(
+                _api().upload_folder(
+                    folder_path=folder, path_in_repo=in_repo, commit_message=message + ", checkpoint", **common
+                )
+            )
         self._push_jobs = [*getattr(self, "_push_jobs", []), *jobs]
 
     def _finish_current_push(self) -> None:

@@ -93,8 +93,15 @@ def token_loss(logits: jax.Array, labels: jax.Array, num_items_in_batch=None, *,
     return token_cross_entropy_sum(logits, targets) / count
 
 
-def chunked_token_loss(hidden_BxLxD: jax.Array, project: Callable[[jax.Array], jax.Array], labels_BxL: jax.Array,
-                       num_items_in_batch=None, *, chunk_positions: int, causal: bool = False) -> jax.Array:
+def chunked_token_loss(
+    hidden_BxLxD: jax.Array,
+    project: Callable[[jax.Array], jax.Array],
+    labels_BxL: jax.Array,
+    num_items_in_batch=None,
+    *,
+    chunk_positions: int,
+    causal: bool = False,
+) -> jax.Array:
     """`token_loss(project(hidden), labels, ...)` without the [tokens, vocab] logits: the positions go through
     `project` (the LM head) and the cross-entropy `chunk_positions` at a time, and the backward pass recomputes
     each chunk's logits (jax.checkpoint), so one chunk's logits and their gradient exist at once. The LM head's

@@ -57,8 +57,9 @@ def dynamic_loss_scaling(
         inner_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), inner_state, state.inner_state)
         good_steps = jnp.where(finite, state.good_steps + 1, 0)
         grow = good_steps >= growth_interval
-        scale = jnp.where(finite, jnp.where(grow, state.scale * GROWTH_FACTOR, state.scale),
-                          state.scale * BACKOFF_FACTOR)
+        scale = jnp.where(
+            finite, jnp.where(grow, state.scale * GROWTH_FACTOR, state.scale), state.scale * BACKOFF_FACTOR
+        )
         new_state = LossScaleState(
             scale=scale.astype(jnp.float32),
             good_steps=jnp.where(grow, 0, good_steps).astype(jnp.int32),

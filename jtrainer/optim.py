@@ -160,9 +160,7 @@ _MULTIPLIERS = {
 Multiplier = Callable[..., jax.Array]  # (step, warmup=, total=, base_lr=) -> multiplier of the base rate
 
 
-def schedule_multiplier(
-    name: str | SchedulerType, base_lr: float, kwargs: dict[str, Any] | None = None
-) -> Multiplier:
+def schedule_multiplier(name: str | SchedulerType, base_lr: float, kwargs: dict[str, Any] | None = None) -> Multiplier:
     """HF's `lr_lambda` for scheduler `name`, after HF's checks of `lr_scheduler_kwargs` (raised here, before
     anything compiles). The static kwargs are bound; warmup, total and the base rate stay arguments."""
     name = SchedulerType(name).value
@@ -199,8 +197,14 @@ def host_learning_rate(
     schedule_multiplier(name, base_lr, kwargs)  # HF's checks
     fn = _MULTIPLIERS[SchedulerType(name).value]
     with np.errstate(divide="ignore", invalid="ignore"):  # branches not taken (as jnp.where) may divide by 0
-        multiplier = fn(np.float64(step), warmup=float(num_warmup_steps), total=float(num_training_steps),
-                        base_lr=float(base_lr), xp=np, **dict(kwargs or {}))
+        multiplier = fn(
+            np.float64(step),
+            warmup=float(num_warmup_steps),
+            total=float(num_training_steps),
+            base_lr=float(base_lr),
+            xp=np,
+            **dict(kwargs or {}),
+        )
     return float(base_lr) * float(multiplier)
 
 
@@ -303,7 +307,9 @@ class GreedyScheduler(_HostSchedulerState):
         if self.factor >= 1.0:
             raise ValueError("lr_scheduler_kwargs factor should be < 1.0 for the greedy scheduler.")
         if self.mode not in ("min", "max") or self.threshold_mode not in ("rel", "abs"):
-            raise ValueError(f"greedy scheduler: mode {self.mode!r} / threshold_mode {self.threshold_mode!r} is unknown.")
+            raise ValueError(
+                f"greedy scheduler: mode {self.mode!r} / threshold_mode {self.threshold_mode!r} is unknown."
+            )
         self._reset_start_original = self.reset_start
         self._window: list[float] = []
         self._clear()
@@ -319,7 +325,7 @@ class GreedyScheduler(_HostSchedulerState):
         """The new learning rate after an evaluation that measured `metric`."""
         current = float(metric)
         if self.smooth:
-            self._window = (self._window + [current])[-self.window_size:]
+            self._window = (self._window + [current])[-self.window_size :]
             current = sum(self._window) / len(self._window)
         if self.cooldown_counter > 0:
             self.cooldown_counter -= 1
@@ -361,6 +367,7 @@ _NO_DECAY = re.compile(r"bias|layernorm|rmsnorm|(?:^|\.)norm(?:$|\.)|_norm(?:$|\
 
 def decay_mask(param_paths: dict[str, Any], layer_norm_paths: set[str]) -> dict[str, bool]:
     """True for parameters that get weight decay, by HF's rule, keyed by dotted path."""
+
     def in_layer_norm(path):
         parts = path.split(".")
         return any(".".join(parts[:i]) in layer_norm_paths for i in range(1, len(parts)))
@@ -430,8 +437,14 @@ def _ademamix(ctx, *, learning_rate, weight_decay, b1, b2, eps, **_):
             return jnp.minimum(jnp.exp(ln_b1 * ln_b3 / ((1 - scale) * ln_b3 + scale * ln_b1)), b3)
 
     return optax.contrib.ademamix(
-        learning_rate, b1=b1, b2=b2, b3=b3_schedule, alpha=alpha_schedule, eps=eps,
-        weight_decay=weight_decay, mask=ctx.mask,
+        learning_rate,
+        b1=b1,
+        b2=b2,
+        b3=b3_schedule,
+        alpha=alpha_schedule,
+        eps=eps,
+        weight_decay=weight_decay,
+        mask=ctx.mask,
     )
 
 
@@ -442,7 +455,9 @@ def _adafactor(ctx, *, learning_rate, weight_decay, **_):
 def _sgd(ctx, *, learning_rate, weight_decay, **_):
     opts = ctx.options
     return torch_optimizers.torch_sgd(
-        learning_rate, weight_decay, ctx.mask,
+        learning_rate,
+        weight_decay,
+        ctx.mask,
         momentum=float(opts.get("momentum", 0.0)),
         dampening=float(opts.get("dampening", 0.0)),
         nesterov=_hf_bool(opts.get("nesterov", "false")),
@@ -452,7 +467,10 @@ def _sgd(ctx, *, learning_rate, weight_decay, **_):
 def _adagrad(ctx, *, learning_rate, weight_decay, **_):
     opts = ctx.options
     return torch_optimizers.torch_adagrad(
-        learning_rate, weight_decay, ctx.mask, lr_decay=float(opts.get("lr_decay", 0.0)),
+        learning_rate,
+        weight_decay,
+        ctx.mask,
+        lr_decay=float(opts.get("lr_decay", 0.0)),
         eps=float(opts.get("eps", 1e-10)),
     )
 
@@ -460,7 +478,9 @@ def _adagrad(ctx, *, learning_rate, weight_decay, **_):
 def _rmsprop(ctx, *, learning_rate, weight_decay, **_):
     opts = ctx.options
     return torch_optimizers.torch_rmsprop(
-        learning_rate, weight_decay, ctx.mask,
+        learning_rate,
+        weight_decay,
+        ctx.mask,
         alpha=float(opts.get("alpha", 0.99)),
         eps=float(opts.get("eps", 1e-8)),
         momentum=float(opts.get("momentum", 0.0)),
@@ -474,7 +494,13 @@ def _schedule_free_options(ctx):
 
 def _schedule_free_adamw(ctx, *, learning_rate, weight_decay, b1, b2, eps, optimizer_warmup_steps, **_):
     return torch_optimizers.schedule_free(
-        learning_rate, weight_decay, ctx.mask, b1=b1, b2=b2, eps=eps, warmup_steps=optimizer_warmup_steps,
+        learning_rate,
+        weight_decay,
+        ctx.mask,
+        b1=b1,
+        b2=b2,
+        eps=eps,
+        warmup_steps=optimizer_warmup_steps,
         **_schedule_free_options(ctx),
     )
 
@@ -482,7 +508,11 @@ def _schedule_free_adamw(ctx, *, learning_rate, weight_decay, b1, b2, eps, optim
 def _schedule_free_sgd(ctx, *, learning_rate, weight_decay, optimizer_warmup_steps, **_):
     # HF passes no momentum: SGDScheduleFree's default 0.9.
     return torch_optimizers.schedule_free(
-        learning_rate, weight_decay, ctx.mask, b1=0.9, warmup_steps=optimizer_warmup_steps,
+        learning_rate,
+        weight_decay,
+        ctx.mask,
+        b1=0.9,
+        warmup_steps=optimizer_warmup_steps,
         **_schedule_free_options(ctx),
     )
 
@@ -491,7 +521,12 @@ def _stable_adamw(ctx, *, learning_rate, weight_decay, b1, b2, eps, **_):
     opts = ctx.options
     max_lr = opts.get("max_lr")
     return torch_optimizers.stable_adamw(
-        learning_rate, b1, b2, eps, weight_decay, ctx.mask,
+        learning_rate,
+        b1,
+        b2,
+        eps,
+        weight_decay,
+        ctx.mask,
         decouple_lr=bool(opts.get("decouple_lr", "")),  # HF: bool() of the string, so any value turns it on
         max_lr=None if max_lr is None else float(max_lr),
     )
@@ -511,15 +546,20 @@ _ADEMAMIX_OPTIONS = ("beta1", "beta2", "beta3", "alpha", "eps", "t_alpha", "t_be
 
 # HF's `optim` name -> the rule of the optimizer it builds (transformers/trainer_optimizer.py's handler table).
 OPTIMIZERS: dict[str, OptimizerRule] = {
-    **dict.fromkeys(("adamw_torch", "adamw_torch_fused", "adamw_torch_xla", "adamw_torch_npu_fused"),
-                    OptimizerRule(_adamw)),
+    **dict.fromkeys(
+        ("adamw_torch", "adamw_torch_fused", "adamw_torch_xla", "adamw_torch_npu_fused"), OptimizerRule(_adamw)
+    ),
     "adamw_anyprecision": OptimizerRule(_adamw, _ANYPRECISION_OPTIONS),
     **{name: OptimizerRule(_adamw, low_bit="8bit" in name) for name in _BNB_ADAMW},
     **{name: OptimizerRule(_adamw, ("block_size", "bf16_stochastic_round"), low_bit=True) for name in _TORCHAO_ADAMW},
-    **{name: OptimizerRule(_lion, low_bit="8bit" in name)
-       for name in ("lion_32bit", "lion_8bit", "paged_lion_32bit", "paged_lion_8bit")},
-    **{name: OptimizerRule(_ademamix, _ADEMAMIX_OPTIONS, low_bit="8bit" in name)
-       for name in ("ademamix", "ademamix_8bit", "paged_ademamix_32bit", "paged_ademamix_8bit")},
+    **{
+        name: OptimizerRule(_lion, low_bit="8bit" in name)
+        for name in ("lion_32bit", "lion_8bit", "paged_lion_32bit", "paged_lion_8bit")
+    },
+    **{
+        name: OptimizerRule(_ademamix, _ADEMAMIX_OPTIONS, low_bit="8bit" in name)
+        for name in ("ademamix", "ademamix_8bit", "paged_ademamix_32bit", "paged_ademamix_8bit")
+    },
     "adafactor": OptimizerRule(_adafactor),
     "sgd": OptimizerRule(_sgd, ("momentum", "dampening", "nesterov")),
     "adagrad": OptimizerRule(_adagrad, ("lr_decay", "eps")),
@@ -546,8 +586,12 @@ def check_optimizer(args) -> tuple[str, dict[str, str]]:
     name = check_optimizer_name(args.optim)
     options = parse_optim_args(args.optim_args)
     if name == "adamw_anyprecision":
-        defaults = {"use_kahan_summation": "false", "momentum_dtype": "float32", "variance_dtype": "float32",
-                    "compensation_buffer_dtype": "bfloat16"}
+        defaults = {
+            "use_kahan_summation": "false",
+            "momentum_dtype": "float32",
+            "variance_dtype": "float32",
+            "compensation_buffer_dtype": "bfloat16",
+        }
         changed = [k for k in _ANYPRECISION_OPTIONS if k in options and options[k].lower() != defaults[k]]
         if changed:
             raise ValueError(
@@ -556,8 +600,10 @@ def check_optimizer(args) -> tuple[str, dict[str, str]]:
             )
     if name == "stable_adamw" and options.get("decouple_lr") and "max_lr" not in options:
         raise ValueError("optim_args decouple_lr for stable_adamw needs max_lr=<the schedule's peak rate>.")
-    if name == "sgd" and _hf_bool(options.get("nesterov", "false")) and (
-        float(options.get("momentum", 0)) <= 0 or float(options.get("dampening", 0)) != 0
+    if (
+        name == "sgd"
+        and _hf_bool(options.get("nesterov", "false"))
+        and (float(options.get("momentum", 0)) <= 0 or float(options.get("dampening", 0)) != 0)
     ):
         raise ValueError("optim_args nesterov=True needs momentum > 0 and dampening=0 (torch's SGD refuses it).")
     return name, options
@@ -601,11 +647,28 @@ def make_optimizer(
     handler = OPTIMIZERS[ctx.name].handler
 
     # Named one by one: inject_hyperparams only injects named numeric arguments.
-    def factory(learning_rate, weight_decay, b1, b2, eps, optimizer_warmup_steps, base_learning_rate, warmup_steps,
-                total_steps, max_grad_norm):
+    def factory(
+        learning_rate,
+        weight_decay,
+        b1,
+        b2,
+        eps,
+        optimizer_warmup_steps,
+        base_learning_rate,
+        warmup_steps,
+        total_steps,
+        max_grad_norm,
+    ):
         del base_learning_rate, warmup_steps, total_steps, max_grad_norm  # read by `scheduled` and the step
-        return handler(ctx, learning_rate=learning_rate, weight_decay=weight_decay, b1=b1, b2=b2, eps=eps,
-                       optimizer_warmup_steps=optimizer_warmup_steps)
+        return handler(
+            ctx,
+            learning_rate=learning_rate,
+            weight_decay=weight_decay,
+            b1=b1,
+            b2=b2,
+            eps=eps,
+            optimizer_warmup_steps=optimizer_warmup_steps,
+        )
 
     base_lr = float(args.learning_rate)
     tx = optax.inject_hyperparams(factory)(
@@ -630,9 +693,7 @@ def scheduled(tx: optax.GradientTransformation, multiplier: Multiplier) -> optax
     def with_rate(state):
         hyper = state.hyperparams
         base = hyper["base_learning_rate"]
-        rate = base * multiplier(
-            state.count, warmup=hyper["warmup_steps"], total=hyper["total_steps"], base_lr=base
-        )
+        rate = base * multiplier(state.count, warmup=hyper["warmup_steps"], total=hyper["total_steps"], base_lr=base)
         return state._replace(hyperparams={**hyper, "learning_rate": rate.astype(hyper["learning_rate"].dtype)})
 
     def init(params):
@@ -660,8 +721,7 @@ def nested_states(opt_state):
 
 def find_hyperparams(opt_state) -> dict | None:
     """inject_hyperparams' dict of the (possibly wrapped, e.g. apply_if_finite) optimizer state."""
-    return next((s.hyperparams for s in nested_states(opt_state) if getattr(s, "hyperparams", None) is not None),
-                None)
+    return next((s.hyperparams for s in nested_states(opt_state) if getattr(s, "hyperparams", None) is not None), None)
 
 
 def replace_hyperparam(opt_state, name: str, value):

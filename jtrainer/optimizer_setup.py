@@ -132,7 +132,10 @@ class OptimizerMixin:
             if resumed is not None and int(count) == resumed.first_count:
                 return resumed.first_rate
             return optim.host_learning_rate(
-                args.lr_scheduler_type, self._schedule_base, max(int(count) - 1, 0), *self._schedule_values,
+                args.lr_scheduler_type,
+                self._schedule_base,
+                max(int(count) - 1, 0),
+                *self._schedule_values,
                 args.lr_scheduler_kwargs,
             )
         return float(device_lr)
@@ -156,8 +159,9 @@ class OptimizerMixin:
         saved = (int(hyper["warmup_steps"]), int(hyper["total_steps"]))
         if saved != tuple(self._schedule_values):
             count = int(optim.schedule_count(opt_state))
-            first = optim.host_learning_rate(args.lr_scheduler_type, self._schedule_base, count, *saved,
-                                             args.lr_scheduler_kwargs)
+            first = optim.host_learning_rate(
+                args.lr_scheduler_type, self._schedule_base, count, *saved, args.lr_scheduler_kwargs
+            )
             self._resumed_schedule = ResumedSchedule(count + 1, first, *self._schedule_values)
             self._schedule_switch_pending = True
         return opt_state

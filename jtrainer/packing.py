@@ -55,8 +55,15 @@ def pack_sequences(documents: Iterable[Sequence[int]], block_size: int, pad_toke
             positions[at:end] = np.arange(len(doc))
             segments[at:end] = n
             at = end
-        rows.append({"input_ids": ids, "labels": labels, "position_ids": positions, "segment_ids": segments,
-                     "attention_mask": (segments > 0).astype(np.int32)})
+        rows.append(
+            {
+                "input_ids": ids,
+                "labels": labels,
+                "position_ids": positions,
+                "segment_ids": segments,
+                "attention_mask": (segments > 0).astype(np.int32),
+            }
+        )
     return rows
 
 

@@ -123,8 +123,10 @@ class RunLock:
             with open(staged, "w") as f:
                 json.dump(dataclasses.asdict(self.holder), f)
         except OSError as e:
-            raise BadInput(f"output_dir {self.folder!r} is not writable ({e.strerror}): fix its permissions or "
-                             "choose another output_dir.") from None
+            raise BadInput(
+                f"output_dir {self.folder!r} is not writable ({e.strerror}): fix its permissions or "
+                "choose another output_dir."
+            ) from None
         try:
             self._place(staged)
         finally:
@@ -213,8 +215,9 @@ class ObjectStoreRunLock(RunLock):
         try:
             self._write()
         except OSError as e:
-            raise BadInput(f"output_dir {self.folder!r} is not writable ({e}): check its permissions or choose "
-                           "another output_dir.") from None
+            raise BadInput(
+                f"output_dir {self.folder!r} is not writable ({e}): check its permissions or choose another output_dir."
+            ) from None
         time.sleep(self.settle_s)
         found = self._read()
         if found is None or found[0].token != self.holder.token:

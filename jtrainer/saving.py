@@ -144,12 +144,17 @@ class SavingMixin:
             if scheduler_state is not None:
                 with open(os.path.join(tmp, checkpoint.SCHEDULER_NAME), "w") as f:
                     json.dump(scheduler_state, f)
-            checkpoint.save_loop_state(tmp, self.args.process_index, {
-                "process_rng": process_rng.to_json(),
-                "collator_rng": None if loop_state is None or loop_state.collator_rng is None
-                else loop_state.collator_rng.to_json(),
-                "padded_length": None if loop_state is None else loop_state.padded_length,
-            })
+            checkpoint.save_loop_state(
+                tmp,
+                self.args.process_index,
+                {
+                    "process_rng": process_rng.to_json(),
+                    "collator_rng": None
+                    if loop_state is None or loop_state.collator_rng is None
+                    else loop_state.collator_rng.to_json(),
+                    "padded_length": None if loop_state is None else loop_state.padded_length,
+                },
+            )
 
         def on_commit() -> None:
             if self.args.should_save:
@@ -182,8 +187,12 @@ class SavingMixin:
         """Whether a checkpoint's HF weights can come from its saved train state: one of our models (an HF
         config and nnx parameters), the train state saved, and the model holding the trained parameters
         (not a schedule-free optimizer's evaluation ones)."""
-        return (self._train_state is not None and not self.args.save_only_model and hasattr(self.model, "config")
-                and not self._optimizer_eval_mode)
+        return (
+            self._train_state is not None
+            and not self.args.save_only_model
+            and hasattr(self.model, "config")
+            and not self._optimizer_eval_mode
+        )
 
     def _params_finite(self) -> bool:
         if self._train_state is None:
@@ -240,8 +249,14 @@ class SavingMixin:
         params = nnx.to_pure_dict(nnx.state(self.model, nnx.Param))
         saved_state = load_trainer_state(folder)
         train_state, self._torch_rng_state = torch_checkpoint.restore(
-            folder, args=self.args, model=self.model, mesh=self.mesh, rules=self.axis_rules,
-            decay_mask=self._decay_mask_tree(params), fresh=fresh, max_steps_saved=saved_state.max_steps,
+            folder,
+            args=self.args,
+            model=self.model,
+            mesh=self.mesh,
+            rules=self.axis_rules,
+            decay_mask=self._decay_mask_tree(params),
+            fresh=fresh,
+            max_steps_saved=saved_state.max_steps,
         )
         return train_state
 
@@ -350,8 +365,9 @@ class SavingMixin:
     def save_state(self) -> None:
         if self.args.should_save:
             storage.makedirs(self.args.output_dir)
-            storage.write_text(storage.join(self.args.output_dir, checkpoint.TRAINER_STATE_NAME),
-                               trainer_state_json(self.state))
+            storage.write_text(
+                storage.join(self.args.output_dir, checkpoint.TRAINER_STATE_NAME), trainer_state_json(self.state)
+            )
 
 
 def trainer_state_json(state: TrainerState) -> str:

@@ -133,8 +133,12 @@ class Seq2SeqTrainer(Trainer):
         if jax.process_count() == 1:
             ids = generate(self.model, input_ids, mask, self.generation_config, **self._gen_kwargs)
         else:
-            placed = sharding.put_global({"ids": input_ids, "mask": mask}, self.mesh, row_dim=0,
-                                         global_rows=input_ids.shape[0] * jax.process_count())
+            placed = sharding.put_global(
+                {"ids": input_ids, "mask": mask},
+                self.mesh,
+                row_dim=0,
+                global_rows=input_ids.shape[0] * jax.process_count(),
+            )
             with self._mesh_context():
                 ids = generate(self.model, placed["ids"], placed["mask"], self.generation_config, **self._gen_kwargs)
             ids = distributed.gather_rows(ids)

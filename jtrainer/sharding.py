@@ -17,7 +17,8 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 DATA, FSDP, TENSOR, SEQUENCE = "data", "fsdp", "tensor", "sequence"
 MESH_AXES = (DATA, FSDP, TENSOR, SEQUENCE)
@@ -145,8 +146,9 @@ def device_grid(shape: list[int], devices: list) -> np.ndarray:
             if shape[1] % over_fsdp or (over_fsdp > 1 and shape[0] // over_data > 1):
                 return plain
             inner = [shape[0] // over_data, shape[1] // over_fsdp, shape[2], shape[3]]
-            grid = mesh_utils.create_hybrid_device_mesh(inner, [over_data, over_fsdp, 1, 1], devices,
-                                                        process_is_granule=True, allow_split_physical_axes=True)
+            grid = mesh_utils.create_hybrid_device_mesh(
+                inner, [over_data, over_fsdp, 1, 1], devices, process_is_granule=True, allow_split_physical_axes=True
+            )
     except (ValueError, NotImplementedError, AssertionError, KeyError, AttributeError):
         return plain
     return grid if _rows_contiguous(grid) else plain

@@ -124,8 +124,13 @@ _MODE_ATTRIBUTES = ("deterministic", "use_running_average")
 def graphdef_in_mode(model: nnx.Module, training: bool):
     """The model's graph definition with its modules in train (HF's training_step: model.train()) or eval mode
     (evaluation_loop: model.eval()); the model itself keeps the mode it was in."""
-    saved = [(module, name, getattr(module, name)) for _, module in nnx.iter_graph(model)
-             if isinstance(module, nnx.Module) for name in _MODE_ATTRIBUTES if hasattr(module, name)]
+    saved = [
+        (module, name, getattr(module, name))
+        for _, module in nnx.iter_graph(model)
+        if isinstance(module, nnx.Module)
+        for name in _MODE_ATTRIBUTES
+        if hasattr(module, name)
+    ]
     model.train() if training else model.eval()
     try:
         return nnx.split(model, nnx.Param, ...)[0]
@@ -190,7 +195,9 @@ def compute_loss(model, inputs, spec: LossSpec, num_items_in_batch=None, return_
         return (loss, outputs) if return_outputs else loss
     token = _BASE_SPEC.set(spec.base)
     try:
-        return spec.compute_loss(model, dict(inputs), return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        return spec.compute_loss(
+            model, dict(inputs), return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+        )
     finally:
         _BASE_SPEC.reset(token)
 
@@ -227,8 +234,9 @@ def clip_by_global_norm(grads, max_norm):
     return jax.tree.map(lambda g: g * coef.astype(g.dtype), grads), norm
 
 
-def make_train_step(graphdef, tx: optax.GradientTransformation, spec: LossSpec, max_grad_norm: float,
-                    grad_shardings: Any = None):
+def make_train_step(
+    graphdef, tx: optax.GradientTransformation, spec: LossSpec, max_grad_norm: float, grad_shardings: Any = None
+):
     """A pure train step: scan over micro-batches summing loss shares and gradients, clip, update.
 
     `grad_shardings` (the parameters' shardings) lay out the summed gradients in the scan's carry as the
@@ -263,7 +271,14 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, spec: LossSpec, 
 
         def micro_batch(model_state, inputs, weight, key_data):
             (_, (loss, model_state)), grads = grad_fn(
-                graphdef, state.params, model_state, inputs, num_items, weight, n_micro, spec,
+                graphdef,
+                state.params,
+                model_state,
+                inputs,
+                num_items,
+                weight,
+                n_micro,
+                spec,
                 jax.random.wrap_key_data(key_data),
             )
             return grads, loss, model_state

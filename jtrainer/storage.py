@@ -38,7 +38,7 @@ def normalize(path: str) -> str:
     """A local path made absolute (`~` expanded, file:// dropped); a URL without its trailing slash."""
     path = str(path)
     if path.startswith("file://"):
-        path = path[len("file://"):]
+        path = path[len("file://") :]
     if is_url(path):
         return path.rstrip("/")
     return os.path.abspath(os.path.expanduser(path))
@@ -52,14 +52,18 @@ def check_output_url(path: str, argument: str = "output_dir") -> None:
     from jtrainer.errors import BadInput
 
     if found not in OUTPUT_SCHEMES:
-        raise BadInput(f"{argument} {path!r}: {found}:// cannot hold checkpoints (orbax writes arrays through "
-                       f"tensorstore, which knows {', '.join(s + '://' for s in OUTPUT_SCHEMES)}): use one of "
-                       "those or a local folder.")
+        raise BadInput(
+            f"{argument} {path!r}: {found}:// cannot hold checkpoints (orbax writes arrays through "
+            f"tensorstore, which knows {', '.join(s + '://' for s in OUTPUT_SCHEMES)}): use one of "
+            "those or a local folder."
+        )
     try:
         __import__(_PACKAGES[found])
     except ImportError:
-        raise BadInput(f"{argument} {path!r} needs the {_PACKAGES[found]} package: pip install "
-                       f"{_PACKAGES[found]} (or pip install 'jtrainer[cloud]').") from None
+        raise BadInput(
+            f"{argument} {path!r} needs the {_PACKAGES[found]} package: pip install "
+            f"{_PACKAGES[found]} (or pip install 'jtrainer[cloud]')."
+        ) from None
 
 
 def _fs(path: str):
@@ -118,12 +122,13 @@ def listdir(path: str) -> list[str]:
 def files_under(folder: str) -> list[str]:
     """Every file below `folder`, as paths relative to it (posix separators for URLs), sorted."""
     if not is_url(folder):
-        return sorted(os.path.relpath(os.path.join(root, name), folder)
-                      for root, _, names in os.walk(folder) for name in names)
+        return sorted(
+            os.path.relpath(os.path.join(root, name), folder) for root, _, names in os.walk(folder) for name in names
+        )
     fs, p = _fs(folder)
     fs.invalidate_cache(p)
     prefix = p.rstrip("/") + "/"
-    return sorted(found[len(prefix):] for found in fs.find(p) if found.startswith(prefix))
+    return sorted(found[len(prefix) :] for found in fs.find(p) if found.startswith(prefix))
 
 
 def makedirs(path: str) -> None:

@@ -65,18 +65,29 @@ class Gpu:
     def target_config(self) -> str:
         """XLA's GpuTargetConfig (text proto) for a deviceless compile."""
         info = {
-            "threads_per_block_limit": 1024, "threads_per_warp": 32, "shared_memory_per_block": 49152,
-            "shared_memory_per_core": self.shared_memory_per_sm, "threads_per_core_limit": 2048,
-            "core_count": self.sm_count, "fpus_per_core": self.fp32_units_per_sm,
-            "block_dim_limit_x": 2**31 - 1, "block_dim_limit_y": 65535, "block_dim_limit_z": 65535,
-            "memory_bandwidth": int(self.hbm_bytes_per_s), "l2_cache_size": self.l2_bytes,
-            "clock_rate_ghz": self.clock_ghz, "device_memory_size": self.hbm_bytes,
+            "threads_per_block_limit": 1024,
+            "threads_per_warp": 32,
+            "shared_memory_per_block": 49152,
+            "shared_memory_per_core": self.shared_memory_per_sm,
+            "threads_per_core_limit": 2048,
+            "core_count": self.sm_count,
+            "fpus_per_core": self.fp32_units_per_sm,
+            "block_dim_limit_x": 2**31 - 1,
+            "block_dim_limit_y": 65535,
+            "block_dim_limit_z": 65535,
+            "memory_bandwidth": int(self.hbm_bytes_per_s),
+            "l2_cache_size": self.l2_bytes,
+            "clock_rate_ghz": self.clock_ghz,
+            "device_memory_size": self.hbm_bytes,
             "shared_memory_per_block_optin": self.shared_memory_per_block_optin,
-            "registers_per_core_limit": 65536, "registers_per_block_limit": 65536,
+            "registers_per_core_limit": 65536,
+            "registers_per_block_limit": 65536,
         }
         fields = "\n".join(f"  {key}: {value}" for key, value in info.items())
-        return (f"gpu_device_info {{\n{fields}\n  cuda_compute_capability {{ major: {self.compute_capability} }}\n}}\n"
-                f'platform_name: "CUDA"\ndevice_description_str: "{self.device_kind}"\n')
+        return (
+            f"gpu_device_info {{\n{fields}\n  cuda_compute_capability {{ major: {self.compute_capability} }}\n}}\n"
+            f'platform_name: "CUDA"\ndevice_description_str: "{self.device_kind}"\n'
+        )
 
 
 MIB = 2**20
@@ -136,8 +147,10 @@ def parse(name: str) -> tuple[Chip, int]:
     """`v5litepod-16` -> (the v5e chip, 16 chips)."""
     match = re.fullmatch(r"(v4|v5p|v5litepod|v5e|v6e)-(\d+)", name.strip().lower())
     if not match:
-        raise BadInput(f"--target {name!r}: not a TPU accelerator type or GPU node; use gcloud's names, e.g. "
-                       f"{EXAMPLES}, or {GPU_EXAMPLES}.")
+        raise BadInput(
+            f"--target {name!r}: not a TPU accelerator type or GPU node; use gcloud's names, e.g. "
+            f"{EXAMPLES}, or {GPU_EXAMPLES}."
+        )
     chip = TPU_CHIPS[_ALIASES.get(match[1], match[1])]
     count = int(match[2])
     if count % chip.cores_in_name or count < chip.cores_in_name:
@@ -204,8 +217,8 @@ def _resolve_gpu(name: str, gpu: Gpu, per_node: int, num_nodes: int) -> Target:
 
     if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
         raise BadInput(
-            f"--target {name}: compiling for a GPU needs the CUDA plugin: pip install \"jax[cuda12-local]=="
-            f"{jax.__version__}\" (the plugin without CUDA libraries; no GPU is used)."
+            f'--target {name}: compiling for a GPU needs the CUDA plugin: pip install "jax[cuda12-local]=='
+            f'{jax.__version__}" (the plugin without CUDA libraries; no GPU is used).'
         )
     from jax.experimental import topologies
 
@@ -230,8 +243,12 @@ def _offline_libtpu(name: str):
     pages of warnings when there is none; a compile-only topology needs neither, so say them (when unset). It
     also locks /tmp/libtpu_lockfile for one process, which compiling does not need either (a training run or
     another check may hold it)."""
-    defaults = {"TPU_ACCELERATOR_TYPE": name, "TPU_WORKER_HOSTNAMES": "localhost", "TPU_SKIP_MDS_QUERY": "1",
-                "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+    defaults = {
+        "TPU_ACCELERATOR_TYPE": name,
+        "TPU_WORKER_HOSTNAMES": "localhost",
+        "TPU_SKIP_MDS_QUERY": "1",
+        "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
+    }
     added = [key for key in defaults if key not in os.environ]
     os.environ.update({key: defaults[key] for key in added})
     try:

@@ -3,9 +3,9 @@
 MFU = model FLOPs per token x tokens per second / (peak FLOP/s per device x devices). Model FLOPs per token are
 the standard training estimate (PaLM's): 6 x non-embedding parameters (forward + backward matmuls), plus 6 x
 vocabulary x width when the LM head is the input embedding table (tied: its product is real work that no
-non-embedding parameter counts), plus 12 x layers x width x sequence length (attention scores and values, counted
-whole although causality masks half of them, as PaLM does). Peaks are the dense bf16 numbers of each accelerator; there is
-none for CPUs (no `train_mfu` there).
+non-embedding parameter counts), plus 12 x layers x width x sequence length (attention scores and values,
+counted whole although causality masks half of them, as PaLM does). Peaks are the dense bf16 numbers of each
+accelerator; there is none for CPUs (no `train_mfu` there).
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+
 import jax
 import numpy as np
 import optax
@@ -46,8 +47,9 @@ class TorchCheckpointError(BadInput):
 def written_by_torch_trainer(folder: str) -> bool:
     """Whether `folder` is a transformers.Trainer checkpoint (torch's optimizer.pt / training_args.bin, no
     jtrainer train state)."""
-    return (not storage.isdir(storage.join(folder, "train_state"))
-            and any(storage.isfile(storage.join(folder, n)) for n in (OPTIMIZER_NAME, TRAINING_ARGS_NAME)))
+    return not storage.isdir(storage.join(folder, "train_state")) and any(
+        storage.isfile(storage.join(folder, n)) for n in (OPTIMIZER_NAME, TRAINING_ARGS_NAME)
+    )
 
 
 def missing_files(folder: str) -> list[str]:
@@ -152,8 +154,10 @@ def read_adamw(folder: str) -> TorchAdamW:
         exp_avg_sq[name] = entry["exp_avg_sq"].float().numpy()
         steps.add(int(entry["step"]))
     if len(steps) > 1:
-        raise TorchCheckpointError(f"{folder}/{OPTIMIZER_NAME}: its parameters were updated different numbers of "
-                                   f"times ({sorted(steps)}); jtrainer's AdamW keeps one count.")
+        raise TorchCheckpointError(
+            f"{folder}/{OPTIMIZER_NAME}: its parameters were updated different numbers of "
+            f"times ({sorted(steps)}); jtrainer's AdamW keeps one count."
+        )
     scheduler_path = os.path.join(folder, SCHEDULER_NAME)
     scheduler = _load(torch, scheduler_path) if os.path.isfile(scheduler_path) else {}
     step = steps.pop() if steps else 0
@@ -207,8 +211,10 @@ def _moment_tree(model, params_like, moments: dict[str, np.ndarray], kind: str, 
             parts.append(moments[name].T if transposed else moments[name])
         value = parts[0] if hf_io._layer_count(model, path) is None else np.stack(parts)
         if value.shape != fresh.shape:
-            raise TorchCheckpointError(f"{folder}/{OPTIMIZER_NAME}: the {kind} of {name} has shape {value.shape} "
-                                       f"here, the parameter {fresh.shape}.")
+            raise TorchCheckpointError(
+                f"{folder}/{OPTIMIZER_NAME}: the {kind} of {name} has shape {value.shape} "
+                f"here, the parameter {fresh.shape}."
+            )
         value = np.ascontiguousarray(value, dtype=fresh.dtype)
         return jax.make_array_from_callback(fresh.shape, fresh.sharding, lambda index: value[index])
 
@@ -231,8 +237,9 @@ def adamw_state_from_torch(opt_state, model, params_like, saved: TorchAdamW, fol
 
     opt_state = jax.tree.map(replace, opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
     if len(found) != 1:
-        raise TorchCheckpointError(f"Resuming {folder}: the optimizer's state has {len(found)} AdamW states, "
-                                   "expected one.")
+        raise TorchCheckpointError(
+            f"Resuming {folder}: the optimizer's state has {len(found)} AdamW states, expected one."
+        )
     return opt_state
 
 
@@ -278,16 +285,25 @@ def restore(folder: str, *, args, model, mesh, rules, decay_mask, fresh, max_ste
     state = fresh()
     opt_state = adamw_state_from_torch(state.opt_state, model, state.params, saved, folder)
     warmup = args.get_warmup_steps(max_steps_saved)
-    values = {"weight_decay": saved.weight_decay, "b1": saved.betas[0], "b2": saved.betas[1], "eps": saved.eps,
-              "base_learning_rate": saved.base_lr, "warmup_steps": warmup, "total_steps": max_steps_saved}
+    values = {
+        "weight_decay": saved.weight_decay,
+        "b1": saved.betas[0],
+        "b2": saved.betas[1],
+        "eps": saved.eps,
+        "base_learning_rate": saved.base_lr,
+        "warmup_steps": warmup,
+        "total_steps": max_steps_saved,
+    }
     for name, value in values.items():
         opt_state = optim.set_hyperparam(opt_state, name, value)
     opt_state = optim.set_schedule_count(opt_state, saved.schedule_step)
-    first_rate = optim.host_learning_rate(args.lr_scheduler_type, saved.base_lr, saved.schedule_step, warmup,
-                                          max_steps_saved, args.lr_scheduler_kwargs)
+    first_rate = optim.host_learning_rate(
+        args.lr_scheduler_type, saved.base_lr, saved.schedule_step, warmup, max_steps_saved, args.lr_scheduler_kwargs
+    )
     if not np.isclose(first_rate, saved.lr, rtol=1e-9, atol=1e-15):
+        schedule = getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)
         raise TorchCheckpointError(
-            f"{folder}: its optimizer's next rate is {saved.lr!r}, but lr_scheduler_type={getattr(args.lr_scheduler_type, 'value', args.lr_scheduler_type)} "
+            f"{folder}: its optimizer's next rate is {saved.lr!r}, but lr_scheduler_type={schedule} "
             f"with warmup_steps={args.warmup_steps} over its max_steps={max_steps_saved} gives {first_rate!r} at "
             f"step {saved.schedule_step}: resume with the schedule arguments the checkpoint was trained with."
         )

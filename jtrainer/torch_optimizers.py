@@ -48,9 +48,7 @@ def torch_sgd(learning_rate, weight_decay, decays, momentum=0.0, dampening=0.0, 
         buf = state.momentum_buffer
         if momentum:
             first = state.count == 0
-            buf = jax.tree.map(
-                lambda b, g: jnp.where(first, g, momentum * b + (1.0 - dampening) * g), buf, grads
-            )
+            buf = jax.tree.map(lambda b, g: jnp.where(first, g, momentum * b + (1.0 - dampening) * g), buf, grads)
             grads = jax.tree.map(lambda g, b: g + momentum * b, grads, buf) if nesterov else buf
         updates = jax.tree.map(lambda g: -learning_rate * g, grads)
         return updates, SGDState(optax.safe_int32_increment(state.count), buf)
@@ -150,8 +148,9 @@ def hf_adafactor(learning_rate, weight_decay, decays, eps1=1e-30, clip_threshold
         return AdafactorState(
             jnp.zeros([], jnp.int32),
             jax.tree.map(lambda p: jnp.zeros(p.shape[:-1], p.dtype) if factored(p) else _placeholder(), params),
-            jax.tree.map(lambda p: jnp.zeros(p.shape[:-2] + p.shape[-1:], p.dtype) if factored(p) else _placeholder(),
-                         params),
+            jax.tree.map(
+                lambda p: jnp.zeros(p.shape[:-2] + p.shape[-1:], p.dtype) if factored(p) else _placeholder(), params
+            ),
             jax.tree.map(lambda p: _placeholder() if factored(p) else jnp.zeros_like(p), params),
         )
 
@@ -290,6 +289,8 @@ def schedule_free(
 
         updates = jax.tree.map(lambda y, z, g: new_y(y, z, g) - y, params, state.z, grads)
         z = jax.tree.map(lambda z, g: z - lr * g, state.z, grads)
-        return updates, ScheduleFreeState(optax.safe_int32_increment(state.count), weight_sum, lr_max, z, exp_avg_sq, state.b1)
+        return updates, ScheduleFreeState(
+            optax.safe_int32_increment(state.count), weight_sum, lr_max, z, exp_avg_sq, state.b1
+        )
 
     return optax.GradientTransformation(init, update)

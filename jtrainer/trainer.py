@@ -41,8 +41,19 @@ from transformers.trainer_callback import (
 from transformers.trainer_utils import IntervalStrategy, SaveStrategy, TrainOutput, speed_metrics
 
 from jtrainer import (
-    batch_size, checkpoint, data, distributed, host_rng, mixed_precision, optim, run_lock, saving, sharding, startup,
-    storage, throughput,
+    batch_size,
+    checkpoint,
+    data,
+    distributed,
+    host_rng,
+    mixed_precision,
+    optim,
+    run_lock,
+    saving,
+    sharding,
+    startup,
+    storage,
+    throughput,
 )
 from jtrainer.args import TrainingArguments
 from jtrainer.evaluation import EvaluationMixin
@@ -56,7 +67,14 @@ from jtrainer.overrides import check_loader, check_optimizer_override, check_ove
 from jtrainer.saving import SavingMixin
 from jtrainer.state import LoopState, TrainState
 from jtrainer.step import (
-    LossMode, LossSpec, StepBatch, active_base_spec, apply_model, bound_model, graphdef_in_mode, make_train_step,
+    LossMode,
+    LossSpec,
+    StepBatch,
+    active_base_spec,
+    apply_model,
+    bound_model,
+    graphdef_in_mode,
+    make_train_step,
     split_outputs,
 )
 from jtrainer.step import compute_loss as step_compute_loss
@@ -313,8 +331,10 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         if positions is None:
             return
         if not hasattr(self.model, "loss_chunk_positions"):
-            logger.warning("use_liger_kernel: %s has no chunked loss (jtrainer's Llama family has); it trains with "
-                           "whole logits.", type(self.model).__name__)
+            logger.warning(
+                "use_liger_kernel: %s has no chunked loss (jtrainer's Llama family has); it trains with whole logits.",
+                type(self.model).__name__,
+            )
             return
         self.model.loss_chunk_positions = positions
 
@@ -394,8 +414,13 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         if scaled is None:
             scaled = (self.model_accepts_loss_kwargs and pass_num_items) or self.compute_loss_func is not None
         spec = dataclasses.replace(
-            base, mode=LossMode.OVERRIDE, compute_loss=self.compute_loss, base=base,
-            pass_num_items=pass_num_items, scaled_for_ga=bool(scaled), padding_neutral=False,
+            base,
+            mode=LossMode.OVERRIDE,
+            compute_loss=self.compute_loss,
+            base=base,
+            pass_num_items=pass_num_items,
+            scaled_for_ga=bool(scaled),
+            padding_neutral=False,
         )
         self._probe_compute_loss(spec, sample)
         return spec
@@ -430,9 +455,13 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         causal = _is_causal_lm(self.model)
         has_labels = any(name in sample for name in self.label_names)
         smoothing = self.args.label_smoothing_factor
-        common = dict(label_names=tuple(self.label_names), causal=causal,
-                      count_shifted=_counts_shifted_labels(self.model), compute_dtype=self.args.compute_dtype(training),
-                      accepts_loss_kwargs=self.model_accepts_loss_kwargs)
+        common = dict(
+            label_names=tuple(self.label_names),
+            causal=causal,
+            count_shifted=_counts_shifted_labels(self.model),
+            compute_dtype=self.args.compute_dtype(training),
+            accepts_loss_kwargs=self.model_accepts_loss_kwargs,
+        )
         if has_labels and self.compute_loss_func is not None:
             return LossSpec(LossMode.CUSTOM, compute_loss_func=self.compute_loss_func, **common)
         if has_labels and smoothing > 0:
@@ -445,8 +474,14 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
             # HF's label smoother gets num_items_in_batch only from a model taking loss kwargs; else it is a
             # per-batch mean, divided by the window's micro-batches.
             counted = self.model_accepts_loss_kwargs
-            return LossSpec(LossMode.TRAINER, label_smoothing=smoothing, pass_num_items=counted, scaled_for_ga=counted,
-                            padding_neutral=counted, **common)
+            return LossSpec(
+                LossMode.TRAINER,
+                label_smoothing=smoothing,
+                pass_num_items=counted,
+                scaled_for_ga=counted,
+                padding_neutral=counted,
+                **common,
+            )
         if has_labels and not _takes_labels(self.model, self.label_names):
             return LossSpec(LossMode.TRAINER, padding_neutral=True, **common)
         graphdef, params, rest = nnx.split(self.model, nnx.Param, ...)
@@ -535,8 +570,16 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         key = None
         if self._optimizer_recipe is not None and self.optimizer is not None:
             leaves, treedef = jax.tree.flatten(state_shardings)
-            key = (graphdef, spec, self._optimizer_recipe, self.args.nan_inf_policy, self.args.fp16, clip,
-                   tuple(leaves), treedef)
+            key = (
+                graphdef,
+                spec,
+                self._optimizer_recipe,
+                self.args.nan_inf_policy,
+                self.args.fp16,
+                clip,
+                tuple(leaves),
+                treedef,
+            )
             if key in _SHARED_TRAIN_STEPS:
                 return _SHARED_TRAIN_STEPS[key]
         max_grad_norm = self.args.max_grad_norm if clip else 0.0
@@ -570,8 +613,9 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
 
     def compile_eval_step(self, example: data.Batch, num_training_steps: int) -> jax.stages.Compiled:
         """The eval step `evaluate()` runs during training (on the train state's parameters; returning logits
-        when there are metrics to compute from them, as HF), compiled ahead of time for batches of `per_device_eval_batch_size` rows
-        shaped like `example` per data shard. Like `compile_train_step`, nothing is allocated."""
+        when there are metrics to compute from them, as HF), compiled ahead of time for batches of
+        `per_device_eval_batch_size` rows shaped like `example` per data shard. Like `compile_train_step`,
+        nothing is allocated."""
         sample = _tile_rows(example, self.args.per_device_eval_batch_size * sharding.data_parallel_size(self.mesh))
         spec = self._loss_spec(sample, training=False)
         _, _, state = self._abstract_train_state(num_training_steps)
@@ -660,8 +704,9 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
             try:
                 with self._preemption_handler():
                     if args.auto_find_batch_size:
-                        return self._train_with_batch_size_search(resume_from_checkpoint or None, trial,
-                                                                  ignore_keys_for_eval)
+                        return self._train_with_batch_size_search(
+                            resume_from_checkpoint or None, trial, ignore_keys_for_eval
+                        )
                     return self._inner_training_loop(resume_from_checkpoint or None, trial, ignore_keys_for_eval)
             except BaseException:  # an exception in user code, Ctrl-C, a failed step: keep the finished checkpoint
                 self._finish_checkpoint_after_error()
@@ -689,7 +734,10 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
                 logger.warning(
                     "auto_find_batch_size: out of memory with per_device_train_batch_size=%d (%s); retrying with "
                     "per_device_train_batch_size=%d and gradient_accumulation_steps=%d.",
-                    args.per_device_train_batch_size, str(error).splitlines()[0][:200], smaller, effective // smaller,
+                    args.per_device_train_batch_size,
+                    str(error).splitlines()[0][:200],
+                    smaller,
+                    effective // smaller,
                 )
                 args.per_device_train_batch_size = smaller
                 args.gradient_accumulation_steps = effective // smaller
@@ -701,13 +749,23 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         saved = saving.load_trainer_state(folder).train_batch_size
         if not saved:
             return
-        per_device = batch_size.per_device_from_state(saved, self.args.world_size, sharding.data_parallel_size(self.mesh))
+        per_device = batch_size.per_device_from_state(
+            saved, self.args.world_size, sharding.data_parallel_size(self.mesh)
+        )
         if effective % per_device:
-            logger.warning("auto_find_batch_size: the checkpoint's train_batch_size=%d does not divide the effective "
-                           "batch (%d per device); searching again.", saved, effective)
+            logger.warning(
+                "auto_find_batch_size: the checkpoint's train_batch_size=%d does not divide the effective "
+                "batch (%d per device); searching again.",
+                saved,
+                effective,
+            )
         elif per_device != self.args.per_device_train_batch_size:
-            logger.info("auto_find_batch_size: resuming with the checkpoint's per_device_train_batch_size=%d and "
-                        "gradient_accumulation_steps=%d.", per_device, effective // per_device)
+            logger.info(
+                "auto_find_batch_size: resuming with the checkpoint's per_device_train_batch_size=%d and "
+                "gradient_accumulation_steps=%d.",
+                per_device,
+                effective // per_device,
+            )
             self.args.per_device_train_batch_size = per_device
             self.args.gradient_accumulation_steps = effective // per_device
 
@@ -742,7 +800,9 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         logger.warning("Preempted: saved %s; resume with train(resume_from_checkpoint=True).", folder)
         raise SystemExit(0)
 
-    def set_initial_training_values(self, args: TrainingArguments, loader: data.BatchLoader) -> tuple[int, int, int, int, int]:
+    def set_initial_training_values(
+        self, args: TrainingArguments, loader: data.BatchLoader
+    ) -> tuple[int, int, int, int, int]:
         """HF's set_initial_training_values: (epochs, updates/epoch, micro-batches/epoch, max_steps, samples)."""
         ga = args.gradient_accumulation_steps
         total_batch = loader.batch_size * ga
@@ -869,8 +929,10 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         count = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self._train_state.params))
         hf_logger.info(f"  Number of trainable parameters = {count:,}")
         if resume_from_checkpoint is not None:
-            hf_logger.info(f"  Resuming training from checkpoint with epoch {run.epochs_trained} and global step "
-                        f"{self.state.global_step}")
+            hf_logger.info(
+                f"  Resuming training from checkpoint with epoch {run.epochs_trained} and global step "
+                f"{self.state.global_step}"
+            )
 
     def _run_epoch(self, run: "TrainingRun", epoch: int, trial, ignore_keys_for_eval) -> None:
         """One pass over the train dataloader (HF's _run_epoch): a compiled step per accumulation window."""
@@ -1117,7 +1179,9 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         state = self._train_state
         report = {
             f"{prefix}_mem_params_bytes_per_device": max(sharding.per_device_bytes(state.params).values()),
-            f"{prefix}_mem_optimizer_bytes_per_device": max(sharding.per_device_bytes(state.opt_state).values(), default=0),
+            f"{prefix}_mem_optimizer_bytes_per_device": max(
+                sharding.per_device_bytes(state.opt_state).values(), default=0
+            ),
         }
         if self._last_step_batch is not None:
             with self._mesh_context():
@@ -1142,7 +1206,6 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         output = {**logs, "step": self.state.global_step}
         self.state.log_history.append(output)
         self.control = self.callback_handler.on_log(self.args, self.state, self.control, logs)
-
 
 
 __all__ = ["Trainer"]

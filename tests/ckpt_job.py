@@ -14,7 +14,6 @@ import sys
 import time
 
 
-
 def _obey_file_permissions() -> None:
     """Root ignores file permissions: drop the capabilities that let it (DAC_OVERRIDE, DAC_READ_SEARCH, FOWNER)
     from this process, before any thread exists (threads inherit them), so a read-only folder is read-only."""

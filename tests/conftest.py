@@ -67,9 +67,17 @@ def short_run_args(out=None, **over):
     """TrainingArguments of a 3-step run logging every step (in order, no saves, no reports); `over` overrides."""
     from jtrainer import TrainingArguments
 
-    kw = dict(output_dir=str(out or scratch_dir()), per_device_train_batch_size=4, learning_rate=1e-2, report_to="none",
-              disable_tqdm=True, save_strategy="no", logging_steps=1, max_steps=3,
-              train_sampling_strategy="sequential")
+    kw = dict(
+        output_dir=str(out or scratch_dir()),
+        per_device_train_batch_size=4,
+        learning_rate=1e-2,
+        report_to="none",
+        disable_tqdm=True,
+        save_strategy="no",
+        logging_steps=1,
+        max_steps=3,
+        train_sampling_strategy="sequential",
+    )
     kw.update(over)
     return TrainingArguments(**kw)
 

@@ -33,9 +33,23 @@ def running(bucket: str = "bkt"):
     seed = tempfile.TemporaryDirectory(prefix="gcs-seed-")
     os.makedirs(os.path.join(seed.name, bucket))  # -data: each folder becomes a bucket
     proc = subprocess.Popen(
-        [str(_get_binary_path()), "-scheme", "http", "-backend", "memory", "-host", "127.0.0.1", "-port", str(port),
-         "-data", seed.name, "-log-level", "error"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [
+            str(_get_binary_path()),
+            "-scheme",
+            "http",
+            "-backend",
+            "memory",
+            "-host",
+            "127.0.0.1",
+            "-port",
+            str(port),
+            "-data",
+            seed.name,
+            "-log-level",
+            "error",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     try:
         deadline = time.monotonic() + 60

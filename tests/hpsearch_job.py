@@ -1,6 +1,6 @@
 """A 3-trial optuna search run by `jtrainer launch` on 2 processes; process 0 writes the trials to OUT.json.
 
-    jtrainer launch --num_processes 2 --devices_per_process 2 tests/hpsearch_job.py OUT.json
+jtrainer launch --num_processes 2 --devices_per_process 2 tests/hpsearch_job.py OUT.json
 """
 
 import json
@@ -23,11 +23,24 @@ from jtrainer.models.llama import LlamaForCausalLM  # noqa: E402
 
 
 def main(out: str) -> None:
-    args = TrainingArguments(os.path.dirname(out) + "/run", per_device_train_batch_size=2, max_steps=3,
-                             report_to="none", disable_tqdm=True, save_strategy="no", logging_steps=1,
-                             train_sampling_strategy="sequential", eval_strategy="steps", eval_steps=3)
-    trainer = Trainer(args=args, model_init=lambda trial: LlamaForCausalLM.from_config(tiny_llama_config()),
-                      train_dataset=token_rows(24), eval_dataset=token_rows(8, seed=1))
+    args = TrainingArguments(
+        os.path.dirname(out) + "/run",
+        per_device_train_batch_size=2,
+        max_steps=3,
+        report_to="none",
+        disable_tqdm=True,
+        save_strategy="no",
+        logging_steps=1,
+        train_sampling_strategy="sequential",
+        eval_strategy="steps",
+        eval_steps=3,
+    )
+    trainer = Trainer(
+        args=args,
+        model_init=lambda trial: LlamaForCausalLM.from_config(tiny_llama_config()),
+        train_dataset=token_rows(24),
+        eval_dataset=token_rows(8, seed=1),
+    )
     seen = []
 
     def space(trial):

@@ -58,6 +58,8 @@ def run(layout: dict, out_dir: str) -> dict:
 
 if __name__ == "__main__":
     out, layouts = sys.argv[1], [json.loads(a) for a in sys.argv[2:]]
-    results = {json.dumps(layout, sort_keys=True): run(layout, os.path.splitext(out)[0] + "_output") for layout in layouts}
+    results = {
+        json.dumps(layout, sort_keys=True): run(layout, os.path.splitext(out)[0] + "_output") for layout in layouts
+    }
     with open(out, "w") as f:
         json.dump(results, f)

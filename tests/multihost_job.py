@@ -71,9 +71,17 @@ def main(out, mesh="{}", steps="10"):
     prompts = token_rows(10, length=9, seed=7)
     for row in prompts[::2]:
         row["attention_mask"][6:] = 0
-    generator = Seq2SeqTrainer(model=trainer.model, args=Seq2SeqTrainingArguments(
-        output_dir=os.path.dirname(out), mesh_shape=mesh_shape, per_device_eval_batch_size=1, report_to="none",
-        disable_tqdm=True, predict_with_generate=True))
+    generator = Seq2SeqTrainer(
+        model=trainer.model,
+        args=Seq2SeqTrainingArguments(
+            output_dir=os.path.dirname(out),
+            mesh_shape=mesh_shape,
+            per_device_eval_batch_size=1,
+            report_to="none",
+            disable_tqdm=True,
+            predict_with_generate=True,
+        ),
+    )
     generated = generator.predict(prompts, max_new_tokens=4, eos_token_id=None).predictions
     params = to_hf_state_dict(trainer.model)
     # The export in row blocks of at most 512 bytes (a handful of rows per gather), kept by process 0 only.
@@ -83,10 +91,16 @@ def main(out, mesh="{}", steps="10"):
         assert blocked == {}, "a process that writes nothing kept tensors"
     if jax.process_index() == 0:
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-        np.savez(out, losses=np.asarray(losses), eval_loss=metrics["eval_loss"], processes=jax.process_count(),
-                 compiles=trainer._train_step._cache_size(), generated=generated,
-                 **{f"param:{k}": v for k, v in params.items()},
-                 **{f"blocked:{k}": v for k, v in blocked.items()})
+        np.savez(
+            out,
+            losses=np.asarray(losses),
+            eval_loss=metrics["eval_loss"],
+            processes=jax.process_count(),
+            compiles=trainer._train_step._cache_size(),
+            generated=generated,
+            **{f"param:{k}": v for k, v in params.items()},
+            **{f"blocked:{k}": v for k, v in blocked.items()},
+        )
 
 
 if __name__ == "__main__":

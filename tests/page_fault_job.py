@@ -3,9 +3,10 @@ tests/test_host_allocator.py with and without JTRAINER_TUNE_MALLOC=0)."""
 
 import resource
 
-import jtrainer  # tunes malloc at import unless JTRAINER_TUNE_MALLOC=0
 import jax
 import jax.numpy as jnp
+
+import jtrainer  # tunes malloc at import unless JTRAINER_TUNE_MALLOC=0
 
 
 @jax.jit

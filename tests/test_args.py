@@ -11,8 +11,15 @@ from jtrainer.args import IGNORED_FIELDS, warn_ignored_fields
 
 # jtrainer's own fields, and HF defaults that legitimately differ here (with the reason).
 JAX_ONLY_FIELDS = {
-    "jax_compilation_cache_dir", "default_bf16", "log_throughput", "prefetch_batches", "mesh_shape", "logical_axis_rules", "nan_inf_policy",
-    "async_checkpointing", "loss_chunk_size",
+    "jax_compilation_cache_dir",
+    "default_bf16",
+    "log_throughput",
+    "prefetch_batches",
+    "mesh_shape",
+    "logical_axis_rules",
+    "nan_inf_policy",
+    "async_checkpointing",
+    "loss_chunk_size",
 }
 DEFAULT_EXCEPTIONS = {
     # HF picks adamw_torch_fused when torch >= 2.8 is importable; both names mean AdamW here.
@@ -38,8 +45,15 @@ def test_every_hf_field_with_hf_default():
 
 
 def test_derived_values_match_hf():
-    a = TrainingArguments("o", eval_strategy="steps", logging_steps=7, load_best_model_at_end=True, save_steps=14,
-                          report_to="none", lr_scheduler_kwargs='{"num_cycles": "2"}')
+    a = TrainingArguments(
+        "o",
+        eval_strategy="steps",
+        logging_steps=7,
+        load_best_model_at_end=True,
+        save_steps=14,
+        report_to="none",
+        lr_scheduler_kwargs='{"num_cycles": "2"}',
+    )
     assert a.do_eval and a.eval_steps == 7
     assert a.metric_for_best_model == "loss" and a.greater_is_better is False
     assert a.report_to == []

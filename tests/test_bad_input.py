@@ -12,9 +12,28 @@ import pytest
 
 from jtrainer.cli import main
 
-SMALL = ["--hidden_size", "32", "--intermediate_size", "64", "--num_hidden_layers", "1", "--num_attention_heads",
-         "2", "--num_key_value_heads", "1", "--block_size", "16", "--tokenizer_vocab_size", "300", "--max_steps", "2",
-         "--max_chars", "20000", "--disable_tqdm", "true"]
+SMALL = [
+    "--hidden_size",
+    "32",
+    "--intermediate_size",
+    "64",
+    "--num_hidden_layers",
+    "1",
+    "--num_attention_heads",
+    "2",
+    "--num_key_value_heads",
+    "1",
+    "--block_size",
+    "16",
+    "--tokenizer_vocab_size",
+    "300",
+    "--max_steps",
+    "2",
+    "--max_chars",
+    "20000",
+    "--disable_tqdm",
+    "true",
+]
 
 
 def _text_dir(root, files=4):
@@ -26,12 +45,11 @@ def _text_dir(root, files=4):
 
 
 def _model_dir(root, damage):
+    from conftest import tiny_llama_config
     from safetensors.numpy import load_file, save_file
 
-    from jtrainer.models.llama import LlamaForCausalLM
-    from conftest import tiny_llama_config
-
     from jtrainer.cli.tasks import train_tokenizer
+    from jtrainer.models.llama import LlamaForCausalLM
 
     folder = root / "model"
     LlamaForCausalLM.from_config(tiny_llama_config()).save_pretrained(str(folder))
@@ -52,8 +70,11 @@ def _model_dir(root, damage):
 CASES = {
     "config_is_a_list": ("- learning_rate\n- 0.1\n", [], "must be a mapping of field: value, not a list"),
     "config_is_a_string": ("just some words\n", [], "must be a mapping of field: value, not a str"),
-    "config_repeats_a_key": ("learning_rate: 0.1\nseed: 1\nlearning_rate: 0.2\n", [],
-                             "duplicate key 'learning_rate' (lines 1 and 3)"),
+    "config_repeats_a_key": (
+        "learning_rate: 0.1\nseed: 1\nlearning_rate: 0.2\n",
+        [],
+        "duplicate key 'learning_rate' (lines 1 and 3)",
+    ),
     "config_not_yaml": ("learning_rate: [0.1\n", [], "is not valid YAML at line"),
     "config_unknown_field": ("lerning_rate: 0.1\n", [], "unknown field(s) ['lerning_rate']"),
     "config_missing": (None, ["{tmp}/missing.yaml"], "config file '{tmp}/missing.yaml' not found"),
@@ -63,17 +84,35 @@ CASES = {
     "nothing_to_train": (None, ["--max_steps", "0", "--num_train_epochs", "0"], "nothing would be trained"),
     "output_dir_a_file": (None, ["--output_dir", "{tmp}/a_file"], "is a file, not a folder"),
     "output_dir_unwritable": (None, ["--output_dir", "{tmp}/a_file/run"], "is not writable"),
-    "block_size_over_positions": (None, ["--block_size", "4096", "--max_position_embeddings", "64"],
-                                  "block_size=4096 exceeds the model's 64 positions (--max_position_embeddings)"),
-    "block_size_over_data": (None, ["--block_size", "50000", "--max_position_embeddings", "65536"],
-                             "block_size=50000: the training text is"),
+    "block_size_over_positions": (
+        None,
+        ["--block_size", "4096", "--max_position_embeddings", "64"],
+        "block_size=4096 exceeds the model's 64 positions (--max_position_embeddings)",
+    ),
+    "block_size_over_data": (
+        None,
+        ["--block_size", "50000", "--max_position_embeddings", "65536"],
+        "block_size=50000: the training text is",
+    ),
     "eval_fraction_all": (None, ["--eval_fraction", "1.0"], "eval_fraction=1.0"),
     "text_dir_one_file": (None, ["--text_dir", "TEXT1"], "holds out whole files"),
     "text_dir_missing": (None, ["--text_dir", "{tmp}/nowhere"], "text_dir='{tmp}/nowhere' is not a folder"),
     "train_file_empty": (None, ["--train_file", "{tmp}/empty.jsonl"], "train_file='{tmp}/empty.jsonl' is empty"),
     "train_file_missing": (None, ["--train_file", "{tmp}/none.jsonl"], "train_file='{tmp}/none.jsonl' not found"),
-    "labels_not_finite": (None, ["--task", "sequence_classification", "--model_type", "bert", "--train_file",
-                                 "{tmp}/labels.csv", "--eval_fraction", "0.25"], "split has None, not a class id"),
+    "labels_not_finite": (
+        None,
+        [
+            "--task",
+            "sequence_classification",
+            "--model_type",
+            "bert",
+            "--train_file",
+            "{tmp}/labels.csv",
+            "--eval_fraction",
+            "0.25",
+        ],
+        "split has None, not a class id",
+    ),
     "weights_truncated": (None, ["--model_name_or_path", "MODEL:truncated"], "model.safetensors is not a readable"),
     "weights_integer": (None, ["--model_name_or_path", "MODEL:integer"], "is stored as integers"),
 }
@@ -85,8 +124,9 @@ def test_bad_input_is_refused_before_any_work(tmp_path, capsys, case):
     tmp = str(tmp_path)
     (tmp_path / "a_file").write_text("keep me")
     (tmp_path / "empty.jsonl").write_text("\n")
-    (tmp_path / "labels.csv").write_text("text,label\n" + "".join(
-        f"w{i} w{i + 1},{'nan' if i == 1 else i % 2}\n" for i in range(8)))
+    (tmp_path / "labels.csv").write_text(
+        "text,label\n" + "".join(f"w{i} w{i + 1},{'nan' if i == 1 else i % 2}\n" for i in range(8))
+    )
     extra = [a.replace("{tmp}", tmp) for a in extra]
     extra = [_text_dir(tmp_path, 1) if a == "TEXT1" else a for a in extra]
     extra = [_model_dir(tmp_path, a.split(":")[1]) if a.startswith("MODEL:") else a for a in extra]
@@ -112,9 +152,21 @@ def test_bad_input_is_refused_before_any_work(tmp_path, capsys, case):
 
 def test_the_process_exits_with_code_1(tmp_path):
     (tmp_path / "config.yaml").write_text("seed: 1\nseed: 2\n")
-    done = subprocess.run([sys.executable, "-m", "jtrainer.cli", "train", str(tmp_path / "config.yaml"),
-                           "--output_dir", str(tmp_path / "out")], capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jtrainer.cli",
+            "train",
+            str(tmp_path / "config.yaml"),
+            "--output_dir",
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    )
     assert done.returncode == 1
     assert done.stderr.strip().splitlines()[-1].startswith("jtrainer train: config file")
     assert "duplicate key 'seed'" in done.stderr and not (tmp_path / "out").exists()

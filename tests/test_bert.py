@@ -23,8 +23,15 @@ def _config(**kw):
     import transformers
 
     kw.setdefault("num_labels", 3)
-    return transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                   intermediate_size=64, max_position_embeddings=32, **kw)
+    return transformers.BertConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=32,
+        **kw,
+    )
 
 
 def _labels(head, rng, ids, mask, problem_type=None):
@@ -38,13 +45,16 @@ def _labels(head, rng, ids, mask, problem_type=None):
     return np.where(mask.astype(bool) & (rng.rand(*ids.shape) > 0.3), labels, -100)
 
 
-@pytest.mark.parametrize("head, problem_type", [
-    ("BertForMaskedLM", None),
-    ("BertForSequenceClassification", None),
-    ("BertForSequenceClassification", "multi_label_classification"),
-    ("BertForSequenceClassification", "regression"),
-    ("BertForTokenClassification", None),
-])
+@pytest.mark.parametrize(
+    "head, problem_type",
+    [
+        ("BertForMaskedLM", None),
+        ("BertForSequenceClassification", None),
+        ("BertForSequenceClassification", "multi_label_classification"),
+        ("BertForSequenceClassification", "regression"),
+        ("BertForTokenClassification", None),
+    ],
+)
 def test_bert_head_matches_pytorch(tmp_path, head, problem_type):
     import transformers
 
@@ -61,8 +71,12 @@ def test_bert_head_matches_pytorch(tmp_path, head, problem_type):
     types = (np.arange(10)[None] >= 5).astype(np.int64).repeat(3, 0)
     labels = _labels(head, rng, ids, mask, problem_type)
     with torch.no_grad():
-        expected = reference(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
-                             token_type_ids=torch.tensor(types), labels=torch.tensor(labels))
+        expected = reference(
+            input_ids=torch.tensor(ids),
+            attention_mask=torch.tensor(mask),
+            token_type_ids=torch.tensor(types),
+            labels=torch.tensor(labels),
+        )
     ours = HEADS[head].from_pretrained(str(tmp_path / "torch"))
     assert type(ours).__name__ == head
     got = ours(jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(types), labels=jnp.asarray(labels))
@@ -83,12 +97,30 @@ def test_bert_classifier_trains(tmp_path):
     rows = []
     for _ in range(32):
         label = rng.randint(0, 3)
-        rows.append({"input_ids": rng.randint(label * 20, label * 20 + 20, 8), "attention_mask": np.ones(8, np.int64),
-                     "labels": label})
+        rows.append(
+            {
+                "input_ids": rng.randint(label * 20, label * 20 + 20, 8),
+                "attention_mask": np.ones(8, np.int64),
+                "labels": label,
+            }
+        )
     model = AutoModelForSequenceClassification.from_config(_config())
-    args = TrainingArguments(str(tmp_path), per_device_train_batch_size=8, num_train_epochs=4, learning_rate=3e-3,
-                             logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True)
-    trainer = Trainer(model=model, args=args, train_dataset=rows, eval_dataset=rows,
-                      compute_metrics=lambda p: {"accuracy": float((p.predictions.argmax(-1) == p.label_ids).mean())})
+    args = TrainingArguments(
+        str(tmp_path),
+        per_device_train_batch_size=8,
+        num_train_epochs=4,
+        learning_rate=3e-3,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+    )
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=rows,
+        eval_dataset=rows,
+        compute_metrics=lambda p: {"accuracy": float((p.predictions.argmax(-1) == p.label_ids).mean())},
+    )
     trainer.train()
     assert trainer.evaluate()["eval_accuracy"] > 0.9

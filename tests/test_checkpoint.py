@@ -10,11 +10,10 @@ import time
 import jax
 import numpy as np
 import pytest
+from ckpt_job import make_trainer
 from flax import nnx
 
-from ckpt_job import make_trainer
-from jtrainer import Trainer, TrainingArguments
-from jtrainer import checkpoint
+from jtrainer import Trainer, TrainingArguments, checkpoint
 
 HERE = os.path.dirname(__file__)
 
@@ -106,11 +105,14 @@ def saved(tmp_path_factory):
     return out / "checkpoint-2"
 
 
-@pytest.mark.parametrize("damage, message", [
-    ("flip", "does not match its checksum"),
-    ("truncate", "bytes, .* were written"),
-    ("uncommit", "not committed: commit_success.json is missing"),
-])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        ("flip", "does not match its checksum"),
+        ("truncate", "bytes, .* were written"),
+        ("uncommit", "not committed: commit_success.json is missing"),
+    ],
+)
 def test_damaged_checkpoints_are_named(tmp_path, saved, damage, message):
     import shutil
 
@@ -141,13 +143,17 @@ def test_fallback_to_the_previous_good_checkpoint(tmp_path):
 
 def test_restore_into_another_shape_names_the_parameter(tmp_path, saved):
     from conftest import tiny_llama_config
+
     from jtrainer.models.llama import LlamaForCausalLM
 
     trainer = make_trainer(str(tmp_path), 2, 0, False)
     trainer.model = LlamaForCausalLM.from_config(tiny_llama_config(intermediate_size=96))
     trainer._check_layout()
-    with pytest.raises(ValueError, match=r"parameter model.layers.0.mlp.down_proj.kernel has shape \(64, 32\) but "
-                                         r"the model's has shape \(96, 32\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"parameter model.layers.0.mlp.down_proj.kernel has shape \(64, 32\) but "
+        r"the model's has shape \(96, 32\)",
+    ):
         trainer.train(resume_from_checkpoint=str(saved))
 
 
@@ -170,9 +176,19 @@ def _nan_rows():
 
 
 def _nan_args(out, policy):
-    return TrainingArguments(str(out), per_device_train_batch_size=4, max_steps=4, learning_rate=0.1,
-                             logging_steps=1, save_strategy="steps", save_steps=2, nan_inf_policy=policy,
-                             report_to="none", disable_tqdm=True, train_sampling_strategy="sequential")
+    return TrainingArguments(
+        str(out),
+        per_device_train_batch_size=4,
+        max_steps=4,
+        learning_rate=0.1,
+        logging_steps=1,
+        save_strategy="steps",
+        save_steps=2,
+        nan_inf_policy=policy,
+        report_to="none",
+        disable_tqdm=True,
+        train_sampling_strategy="sequential",
+    )
 
 
 def test_nan_policies(tmp_path):
@@ -196,8 +212,15 @@ def _jobs(*jobs):
     running = []
     for out, devices, *args in jobs:
         env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
-        running.append(subprocess.Popen([sys.executable, os.path.join(HERE, "ckpt_job.py"), str(out), *map(str, args)],
-                                        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+        running.append(
+            subprocess.Popen(
+                [sys.executable, os.path.join(HERE, "ckpt_job.py"), str(out), *map(str, args)],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     for process in running:
         _, stderr = process.communicate(timeout=300)
         assert process.returncode == 0, stderr[-3000:]
@@ -208,8 +231,10 @@ def test_resume_on_another_mesh_reshards(tmp_path):
     fsdp8 = json.dumps({"fsdp": 8})
     reference, _ = _jobs((tmp_path / "ref", 8, 6, 0, 0, fsdp8, 8), (tmp_path / "saved", 8, 3, 3, 0, fsdp8, 8))
     ckpt = tmp_path / "saved" / "checkpoint-3"
-    other_mesh, one_device = _jobs((tmp_path / "dp2fsdp4", 8, 6, 0, 0, json.dumps({"data": 2, "fsdp": 4}), 8, ckpt),
-                                   (tmp_path / "one", 1, 6, 0, 0, "{}", 8, ckpt))
+    other_mesh, one_device = _jobs(
+        (tmp_path / "dp2fsdp4", 8, 6, 0, 0, json.dumps({"data": 2, "fsdp": 4}), 8, ckpt),
+        (tmp_path / "one", 1, 6, 0, 0, "{}", 8, ckpt),
+    )
     for resumed in (other_mesh, one_device):
         assert sorted(resumed) == ["1", "2", "3", "4", "5", "6"]  # log_history continues from the checkpoint
         np.testing.assert_allclose([resumed[k] for k in "456"], [reference[k] for k in "456"], rtol=1e-6)
@@ -228,12 +253,27 @@ def test_resume_on_another_mesh_reshards(tmp_path):
 )
 def test_rotation_keeps_the_newest_and_the_best(tmp_path, limit, scores, kept):
     order = iter(scores)
-    args = TrainingArguments(str(tmp_path), per_device_train_batch_size=4, max_steps=5, learning_rate=0.1,
-                             eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=1,
-                             save_total_limit=limit, metric_for_best_model="score", report_to="none",
-                             disable_tqdm=True)
-    trainer = Trainer(Regressor(), args, train_dataset=_nan_rows()[:8], eval_dataset=_nan_rows()[:4],
-                      compute_metrics=lambda pred: {"score": float(next(order))})
+    args = TrainingArguments(
+        str(tmp_path),
+        per_device_train_batch_size=4,
+        max_steps=5,
+        learning_rate=0.1,
+        eval_strategy="steps",
+        eval_steps=1,
+        save_strategy="steps",
+        save_steps=1,
+        save_total_limit=limit,
+        metric_for_best_model="score",
+        report_to="none",
+        disable_tqdm=True,
+    )
+    trainer = Trainer(
+        Regressor(),
+        args,
+        train_dataset=_nan_rows()[:8],
+        eval_dataset=_nan_rows()[:4],
+        compute_metrics=lambda pred: {"score": float(next(order))},
+    )
     trainer.train()
     assert sorted(os.listdir(tmp_path)) == kept
     best = int(np.argmax(scores)) + 1

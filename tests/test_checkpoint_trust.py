@@ -7,8 +7,8 @@ import shutil
 
 import numpy as np
 import pytest
-
 from ckpt_job import make_trainer
+
 from jtrainer import checkpoint, storage
 
 
@@ -62,7 +62,9 @@ def test_manifest_and_index_paths_stay_inside(tmp_path, run):
         checkpoint.verify_checkpoint(str(folder))
 
     (folder / WEIGHTS_NAME).rename(tmp_path / WEIGHTS_NAME)
-    (folder / WEIGHTS_INDEX_NAME).write_text(json.dumps({"weight_map": {"lm_head.weight": str(tmp_path / WEIGHTS_NAME)}}))
+    (folder / WEIGHTS_INDEX_NAME).write_text(
+        json.dumps({"weight_map": {"lm_head.weight": str(tmp_path / WEIGHTS_NAME)}})
+    )
     with pytest.raises(ValueError, match="outside"):
         TensorFiles(str(folder))
 
@@ -94,8 +96,13 @@ def test_rotation_matches_exact_names_and_drops_links_only(tmp_path):
     (target / "keep.txt").write_text("mine")
     os.symlink(target, tmp_path / "checkpoint-0")
     checkpoint.rotate_checkpoints(str(tmp_path), 2, best_model_checkpoint=str(tmp_path / "checkpoint-2"))
-    assert sorted(os.listdir(tmp_path)) == ["checkpoint-2", "checkpoint-4", "checkpoint-4-backup", "checkpoint-5.tmp",
-                                            "elsewhere"]
+    assert sorted(os.listdir(tmp_path)) == [
+        "checkpoint-2",
+        "checkpoint-4",
+        "checkpoint-4-backup",
+        "checkpoint-5.tmp",
+        "elsewhere",
+    ]
     assert (target / "keep.txt").read_text() == "mine"
 
 

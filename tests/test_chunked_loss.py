@@ -8,9 +8,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import scratch_dir, tiny_llama_config, token_rows
 from flax import nnx
 
-from conftest import scratch_dir, tiny_llama_config, token_rows
 from jtrainer import Trainer, TrainingArguments
 from jtrainer.models.gpt2 import GPT2LMHeadModel
 from jtrainer.models.llama import LlamaForCausalLM
@@ -80,8 +80,17 @@ def test_chunked_train_step_needs_less_memory():
 
 
 def _args(**over):
-    kw = dict(output_dir=scratch_dir(), per_device_train_batch_size=4, learning_rate=1e-2, report_to="none",
-              disable_tqdm=True, save_strategy="no", logging_steps=1, max_steps=4, train_sampling_strategy="sequential")
+    kw = dict(
+        output_dir=scratch_dir(),
+        per_device_train_batch_size=4,
+        learning_rate=1e-2,
+        report_to="none",
+        disable_tqdm=True,
+        save_strategy="no",
+        logging_steps=1,
+        max_steps=4,
+        train_sampling_strategy="sequential",
+    )
     kw.update(over)
     return TrainingArguments(**kw)
 
@@ -90,8 +99,11 @@ def test_trainer_with_use_liger_kernel_trains_and_evaluates_as_without():
     rows, eval_rows = token_rows(16, ragged_labels=True), token_rows(6, seed=3)
     runs = {}
     for liger in (False, True):
-        trainer = Trainer(LlamaForCausalLM.from_config(tiny_llama_config(), seed=0),
-                          _args(use_liger_kernel=liger, loss_chunk_size=5), train_dataset=rows)
+        trainer = Trainer(
+            LlamaForCausalLM.from_config(tiny_llama_config(), seed=0),
+            _args(use_liger_kernel=liger, loss_chunk_size=5),
+            train_dataset=rows,
+        )
         assert trainer.model.loss_chunk_positions == (5 if liger else None)
         trainer.train()
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]

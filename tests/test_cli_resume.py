@@ -15,11 +15,42 @@ def _job(tmp_path, out, *extra):
         text.mkdir()
         for i in range(6):
             (text / f"f{i}.txt").write_text(" ".join(f"word{(i * 7 + j) % 40} value{j % 9}" for j in range(300)))
-    return main(["train", "--text_dir", str(text), "--max_chars", "100000", "--hidden_size", "32", "--intermediate_size",
-          "64", "--num_hidden_layers", "1", "--block_size", "32", "--tokenizer_vocab_size", "300",
-          "--per_device_train_batch_size", "4", "--logging_steps", "1", "--save_steps", "2", "--save_total_limit",
-          "0", "--warmup_steps", "0", "--sample_tokens", "2", "--disable_tqdm", "true", "--output_dir", str(out),
-          *extra])
+    return main(
+        [
+            "train",
+            "--text_dir",
+            str(text),
+            "--max_chars",
+            "100000",
+            "--hidden_size",
+            "32",
+            "--intermediate_size",
+            "64",
+            "--num_hidden_layers",
+            "1",
+            "--block_size",
+            "32",
+            "--tokenizer_vocab_size",
+            "300",
+            "--per_device_train_batch_size",
+            "4",
+            "--logging_steps",
+            "1",
+            "--save_steps",
+            "2",
+            "--save_total_limit",
+            "0",
+            "--warmup_steps",
+            "0",
+            "--sample_tokens",
+            "2",
+            "--disable_tqdm",
+            "true",
+            "--output_dir",
+            str(out),
+            *extra,
+        ]
+    )
 
 
 def _history(folder):
@@ -56,10 +87,14 @@ def test_refused_before_any_work(tmp_path, capsys):
     used.mkdir()
     (used / "notes.txt").write_text("mine")
     assert _job(tmp_path, used, "--max_steps", "2") == 1
-    assert re.search(r"output_dir .*used' is not empty \(notes.txt\) .* --overwrite_output_dir", capsys.readouterr().err)
+    assert re.search(
+        r"output_dir .*used' is not empty \(notes.txt\) .* --overwrite_output_dir", capsys.readouterr().err
+    )
     assert sorted(os.listdir(used)) == ["notes.txt"]
-    assert _job(tmp_path, tmp_path / "fresh", "--max_steps", "2", "--resume_from_checkpoint",
-                str(tmp_path / "nowhere")) == 1
+    assert (
+        _job(tmp_path, tmp_path / "fresh", "--max_steps", "2", "--resume_from_checkpoint", str(tmp_path / "nowhere"))
+        == 1
+    )
     assert re.search(r"--resume_from_checkpoint .*nowhere.* not committed", capsys.readouterr().err)
     assert _job(tmp_path, tmp_path / "fresh", "--resume_from_checkpoint", "x", "--overwrite_output_dir", "true") == 1
     assert "contradict" in capsys.readouterr().err

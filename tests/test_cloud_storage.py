@@ -8,12 +8,12 @@ import subprocess
 import sys
 
 import fsspec
+import gcs_emulator
 import jax
 import numpy as np
 import pytest
-
-import gcs_emulator
 from ckpt_job import make_trainer
+
 from jtrainer import TrainingArguments, checkpoint, storage
 from jtrainer.errors import BadInput
 from jtrainer.models.llama import LlamaForCausalLM
@@ -64,8 +64,14 @@ def test_train_checkpoint_rotate_and_resume_on_gcs_equal_a_local_run(gcs, tmp_pa
     first.save_metrics("train", {"train_loss": 1.5})
     first.save_state()
     names = set(storage.listdir(out))
-    assert {"checkpoint-4", "config.json", "model.safetensors", "train_results.json", "all_results.json",
-            "trainer_state.json"} <= names
+    assert {
+        "checkpoint-4",
+        "config.json",
+        "model.safetensors",
+        "train_results.json",
+        "all_results.json",
+        "trainer_state.json",
+    } <= names
     assert ".jtrainer.lock" not in names  # released at the end
     folder = f"{out}/checkpoint-4"
     checkpoint.verify_checkpoint(folder)
@@ -83,8 +89,10 @@ def test_train_checkpoint_rotate_and_resume_on_gcs_equal_a_local_run(gcs, tmp_pa
     assert _losses(resumed, after=4) == _losses(local, after=4)
     assert checkpoint.get_last_checkpoint(out) == f"{out}/checkpoint-6"
     loaded = LlamaForCausalLM.from_pretrained(f"{out}/checkpoint-6")  # the HF export, read from the bucket
-    np.testing.assert_array_equal(np.asarray(loaded.model.embed_tokens.embedding[...]),
-                                  np.asarray(resumed.model.model.embed_tokens.embedding[...]))
+    np.testing.assert_array_equal(
+        np.asarray(loaded.model.embed_tokens.embedding[...]),
+        np.asarray(resumed.model.model.embed_tokens.embedding[...]),
+    )
 
 
 def test_a_crash_leftover_on_gcs_is_skipped_then_removed_and_tampering_is_caught(gcs):
@@ -113,8 +121,10 @@ def test_the_run_lock_holds_on_gcs(gcs):
     from jtrainer import run_lock
 
     out = "gs://bkt/locked"
-    other = {"holder": {"host": "another-host", "pid": 7, "pid_start": None, "started": 0.0, "token": "t"},
-             "beat": __import__("time").time()}
+    other = {
+        "holder": {"host": "another-host", "pid": 7, "pid_start": None, "started": 0.0, "token": "t"},
+        "beat": __import__("time").time(),
+    }
     storage.write_text(f"{out}/{run_lock.LOCK_NAME}", json.dumps(other))
     with pytest.raises(run_lock.OutputDirLocked, match="in use by another jtrainer run"):
         make_trainer(out, 2, 0, False).train()
@@ -142,11 +152,23 @@ def _env(url, **extra):
 def _pair(url, args, port):
     procs = []
     for i in range(2):
-        env = _env(url, JTRAINER_COORDINATOR=f"127.0.0.1:{port}", JTRAINER_NUM_PROCESSES="2",
-                   JTRAINER_PROCESS_ID=str(i), XLA_FLAGS="--xla_force_host_platform_device_count=4",
-                   CKPT_JOB_SAVE_MODEL="1")
-        procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, "ckpt_job.py"), *args], env=env,
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+        env = _env(
+            url,
+            JTRAINER_COORDINATOR=f"127.0.0.1:{port}",
+            JTRAINER_NUM_PROCESSES="2",
+            JTRAINER_PROCESS_ID=str(i),
+            XLA_FLAGS="--xla_force_host_platform_device_count=4",
+            CKPT_JOB_SAVE_MODEL="1",
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, os.path.join(HERE, "ckpt_job.py"), *args],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     for proc in procs:
         _, err = proc.communicate(timeout=400)
         assert proc.returncode == 0, err[-3000:]
@@ -171,11 +193,14 @@ def test_two_processes_save_to_gcs_and_resume_bit_identically(gcs):
     resumed = json.loads(fs.cat_file("bkt/mh-resumed/losses.json"))
     assert set(resumed) == set(full) == {"1", "2", "3", "4"}  # steps 1-2 come with the resumed state
     assert all(resumed[k] == full[k] for k in ("3", "4"))
-    assert fs.cat_file("bkt/mh-full/checkpoint-4/model.safetensors") == \
-        fs.cat_file("bkt/mh-resumed/checkpoint-4/model.safetensors")
+    assert fs.cat_file("bkt/mh-full/checkpoint-4/model.safetensors") == fs.cat_file(
+        "bkt/mh-resumed/checkpoint-4/model.safetensors"
+    )
     # The checkpoint's export, read back from its train state by process 0 inside the commit, is the export
     # save_model() gathers from both processes' shards, byte for byte.
-    assert fs.cat_file("bkt/mh-full/checkpoint-4/model.safetensors") == fs.cat_file("bkt/mh-full/final/model.safetensors")
+    assert fs.cat_file("bkt/mh-full/checkpoint-4/model.safetensors") == fs.cat_file(
+        "bkt/mh-full/final/model.safetensors"
+    )
     manifest = json.loads(fs.cat_file("bkt/mh-full/checkpoint-4/manifest.json"))
     assert any("ocdbt.process_1" in name for name in manifest)  # process 1 wrote its shards there too
     checkpoint.verify_checkpoint("gs://bkt/mh-resumed/checkpoint-4")
@@ -185,11 +210,37 @@ def test_cli_reads_text_and_writes_checkpoints_on_gcs_and_continues_there(gcs, t
     fs = _bucket()
     for i in range(4):
         fs.pipe_file(f"bkt/cli-data/text/f{i}.txt", " ".join(f"w{(i + j) % 30}" for j in range(400)).encode())
-    small = ["--hidden_size", "32", "--intermediate_size", "64", "--num_hidden_layers", "1", "--num_attention_heads",
-             "2", "--num_key_value_heads", "1", "--block_size", "16", "--tokenizer_vocab_size", "300",
-             "--save_steps", "2", "--disable_tqdm", "true"]
-    command = [sys.executable, "-m", "jtrainer.cli", "train", "--text_dir", "gs://bkt/cli-data/text", "--output_dir",
-               "gs://bkt/cli-run", *small]
+    small = [
+        "--hidden_size",
+        "32",
+        "--intermediate_size",
+        "64",
+        "--num_hidden_layers",
+        "1",
+        "--num_attention_heads",
+        "2",
+        "--num_key_value_heads",
+        "1",
+        "--block_size",
+        "16",
+        "--tokenizer_vocab_size",
+        "300",
+        "--save_steps",
+        "2",
+        "--disable_tqdm",
+        "true",
+    ]
+    command = [
+        sys.executable,
+        "-m",
+        "jtrainer.cli",
+        "train",
+        "--text_dir",
+        "gs://bkt/cli-data/text",
+        "--output_dir",
+        "gs://bkt/cli-run",
+        *small,
+    ]
     first = subprocess.run(command + ["--max_steps", "2"], env=_env(gcs), capture_output=True, text=True, timeout=400)
     assert first.returncode == 0, first.stderr[-3000:]
     assert checkpoint.get_last_checkpoint("gs://bkt/cli-run") == "gs://bkt/cli-run/checkpoint-2"
@@ -199,10 +250,31 @@ def test_cli_reads_text_and_writes_checkpoints_on_gcs_and_continues_there(gcs, t
     assert checkpoint.get_last_checkpoint("gs://bkt/cli-run") == "gs://bkt/cli-run/checkpoint-4"
     # The trained model folder on the bucket is a model_name_or_path for the next job.
     tuned = subprocess.run(
-        [sys.executable, "-m", "jtrainer.cli", "train", "--text_dir", "gs://bkt/cli-data/text", "--model_name_or_path",
-         "gs://bkt/cli-run", "--output_dir", str(tmp_path / "tuned"), "--block_size", "16", "--max_steps", "1",
-         "--save_strategy", "no", "--disable_tqdm", "true"],
-        env=_env(gcs), capture_output=True, text=True, timeout=400)
+        [
+            sys.executable,
+            "-m",
+            "jtrainer.cli",
+            "train",
+            "--text_dir",
+            "gs://bkt/cli-data/text",
+            "--model_name_or_path",
+            "gs://bkt/cli-run",
+            "--output_dir",
+            str(tmp_path / "tuned"),
+            "--block_size",
+            "16",
+            "--max_steps",
+            "1",
+            "--save_strategy",
+            "no",
+            "--disable_tqdm",
+            "true",
+        ],
+        env=_env(gcs),
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert tuned.returncode == 0, tuned.stderr[-3000:]
     assert (tmp_path / "tuned" / "model.safetensors").exists()
 

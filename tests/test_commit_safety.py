@@ -11,8 +11,8 @@ import time
 import jax
 import numpy as np
 import pytest
-
 from ckpt_job import make_trainer
+
 from jtrainer import TrainerCallback, checkpoint
 
 HERE = os.path.dirname(__file__)
@@ -22,7 +22,8 @@ def _spawn(out, *args, env=None):
     return subprocess.Popen(
         [sys.executable, os.path.join(HERE, "ckpt_job.py"), str(out), *map(str, args)],
         env=dict(os.environ, JAX_PLATFORMS="cpu", **(env or {})),
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
     )
 
 
@@ -42,8 +43,10 @@ def _step(out):
 
 
 def _params_equal(a, b):
-    return all(np.array_equal(np.asarray(x), np.asarray(y))
-               for x, y in zip(jax.tree.leaves(a._train_state.params), jax.tree.leaves(b._train_state.params)))
+    return all(
+        np.array_equal(np.asarray(x), np.asarray(y))
+        for x, y in zip(jax.tree.leaves(a._train_state.params), jax.tree.leaves(b._train_state.params))
+    )
 
 
 def _resumes_exactly(out, tmp_path, folder, steps=6):
@@ -155,15 +158,50 @@ def test_jtrainer_train_on_a_full_disk_says_so_in_one_line(tmp_path):
     text.mkdir()
     for i in range(4):
         (text / f"f{i}.txt").write_text(" ".join(f"w{(i + j) % 30}" for j in range(400)))
-    limited = ("import resource, sys; sys.modules['torch'] = None; "
-               "resource.setrlimit(resource.RLIMIT_FSIZE, (32768, resource.getrlimit(resource.RLIMIT_FSIZE)[1])); "
-               "from jtrainer.cli import main; sys.exit(main(sys.argv[1:]))")
-    small = ["--hidden_size", "32", "--intermediate_size", "64", "--num_hidden_layers", "1", "--num_attention_heads",
-             "2", "--num_key_value_heads", "1", "--block_size", "16", "--tokenizer_vocab_size", "300"]
-    done = subprocess.run([sys.executable, "-c", limited, "train", "--text_dir", str(text), "--output_dir",
-                           str(tmp_path / "out"), "--save_steps", "1", "--max_steps", "2", "--disable_tqdm", "true",
-                           *small], capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    limited = (
+        "import resource, sys; sys.modules['torch'] = None; "
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (32768, resource.getrlimit(resource.RLIMIT_FSIZE)[1])); "
+        "from jtrainer.cli import main; sys.exit(main(sys.argv[1:]))"
+    )
+    small = [
+        "--hidden_size",
+        "32",
+        "--intermediate_size",
+        "64",
+        "--num_hidden_layers",
+        "1",
+        "--num_attention_heads",
+        "2",
+        "--num_key_value_heads",
+        "1",
+        "--block_size",
+        "16",
+        "--tokenizer_vocab_size",
+        "300",
+    ]
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            limited,
+            "train",
+            "--text_dir",
+            str(text),
+            "--output_dir",
+            str(tmp_path / "out"),
+            "--save_steps",
+            "1",
+            "--max_steps",
+            "2",
+            "--disable_tqdm",
+            "true",
+            *small,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    )
     assert done.returncode == 1, done.stderr[-3000:]
     said = [line for line in done.stderr.splitlines() if line.startswith("jtrainer train: ")]
     assert len(said) == 1, done.stderr[-3000:]

@@ -2,17 +2,25 @@
 
 import numpy as np
 import pytest
+from conftest import count_compiles, tiny_llama_config, token_rows
 from flax import nnx
 
 import jtrainer.trainer
-from conftest import count_compiles, tiny_llama_config, token_rows
 from jtrainer import EarlyStoppingCallback, EvalPrediction, Trainer, TrainingArguments
 from jtrainer.models.llama import LlamaForCausalLM
 
 
 def _args(out, **over):
-    kw = dict(output_dir=str(out), per_device_train_batch_size=4, per_device_eval_batch_size=4, learning_rate=1e-2,
-              report_to="none", disable_tqdm=True, save_strategy="no", logging_steps=1)
+    kw = dict(
+        output_dir=str(out),
+        per_device_train_batch_size=4,
+        per_device_eval_batch_size=4,
+        learning_rate=1e-2,
+        report_to="none",
+        disable_tqdm=True,
+        save_strategy="no",
+        logging_steps=1,
+    )
     kw.update(over)
     return TrainingArguments(**kw)
 
@@ -44,8 +52,13 @@ def accuracy(pred: EvalPrediction):
 
 def test_user_model_metrics_and_ragged_eval(tmp_path):
     train, val = class_rows(40), class_rows(10, seed=1)  # 10 rows / batch 4: the last eval batch is ragged
-    trainer = Trainer(model=Classifier(nnx.Rngs(0)), args=_args(tmp_path, num_train_epochs=4, learning_rate=0.1), train_dataset=train,
-                      eval_dataset=val, compute_metrics=accuracy)
+    trainer = Trainer(
+        model=Classifier(nnx.Rngs(0)),
+        args=_args(tmp_path, num_train_epochs=4, learning_rate=0.1),
+        train_dataset=train,
+        eval_dataset=val,
+        compute_metrics=accuracy,
+    )
     before = trainer.evaluate()
     trainer.train()
     after = trainer.evaluate()
@@ -64,8 +77,12 @@ def test_user_model_metrics_and_ragged_eval(tmp_path):
 def test_eval_dict_prefixes_and_predict_pads_lengths(tmp_path):
     model = LlamaForCausalLM.from_config(tiny_llama_config())
     a, b = token_rows(5, length=8), token_rows(4, length=12, seed=3)
-    trainer = Trainer(model=model, args=_args(tmp_path), eval_dataset={"short": a, "long": b},
-                      preprocess_logits_for_metrics=lambda logits, labels: logits.argmax(-1))
+    trainer = Trainer(
+        model=model,
+        args=_args(tmp_path),
+        eval_dataset={"short": a, "long": b},
+        preprocess_logits_for_metrics=lambda logits, labels: logits.argmax(-1),
+    )
     metrics = trainer.evaluate()
     assert {"eval_short_loss", "eval_long_loss"} <= set(metrics)
     both = trainer.predict(a[:4] + b)  # batches of 8 then 12 tokens: padded with -100 across batches
@@ -102,11 +119,24 @@ def test_group_by_length_and_seeded_order():
 
 def test_early_stopping_and_best_model(tmp_path):
     train, val = class_rows(40), class_rows(8, seed=1)
-    args = _args(tmp_path, num_train_epochs=20, eval_strategy="epoch", save_strategy="epoch",
-                 load_best_model_at_end=True, metric_for_best_model="accuracy", save_total_limit=1,
-                 learning_rate=0.0)  # nothing improves after the first evaluation
-    trainer = Trainer(model=Classifier(nnx.Rngs(0)), args=args, train_dataset=train, eval_dataset=val,
-                      compute_metrics=accuracy, callbacks=[EarlyStoppingCallback(early_stopping_patience=2)])
+    args = _args(
+        tmp_path,
+        num_train_epochs=20,
+        eval_strategy="epoch",
+        save_strategy="epoch",
+        load_best_model_at_end=True,
+        metric_for_best_model="accuracy",
+        save_total_limit=1,
+        learning_rate=0.0,
+    )  # nothing improves after the first evaluation
+    trainer = Trainer(
+        model=Classifier(nnx.Rngs(0)),
+        args=args,
+        train_dataset=train,
+        eval_dataset=val,
+        compute_metrics=accuracy,
+        callbacks=[EarlyStoppingCallback(early_stopping_patience=2)],
+    )
     trainer.train()
     assert trainer.state.epoch == 3  # best at epoch 1, then 2 evaluations without improvement
     assert trainer.state.best_model_checkpoint.endswith("checkpoint-10")
@@ -119,12 +149,15 @@ def test_resume_from_checkpoint_continues_the_run(tmp_path):
     import jax
 
     rows = token_rows(16, length=8)
-    full = Trainer(model=LlamaForCausalLM.from_config(tiny_llama_config()),
-                   args=_args(tmp_path / "full", num_train_epochs=2, train_sampling_strategy="sequential"),
-                   train_dataset=rows)
+    full = Trainer(
+        model=LlamaForCausalLM.from_config(tiny_llama_config()),
+        args=_args(tmp_path / "full", num_train_epochs=2, train_sampling_strategy="sequential"),
+        train_dataset=rows,
+    )
     full.train()
-    part = _args(tmp_path / "part", num_train_epochs=2, train_sampling_strategy="sequential", save_strategy="steps",
-                 save_steps=3)
+    part = _args(
+        tmp_path / "part", num_train_epochs=2, train_sampling_strategy="sequential", save_strategy="steps", save_steps=3
+    )
     first = Trainer(model=LlamaForCausalLM.from_config(tiny_llama_config()), args=part, train_dataset=rows)
     first.train()
     resumed = Trainer(model=LlamaForCausalLM.from_config(tiny_llama_config(), seed=7), args=part, train_dataset=rows)
@@ -144,10 +177,16 @@ def test_resume_from_checkpoint_continues_the_run(tmp_path):
     [
         (lambda m, r: Trainer(m, _args("o", eval_strategy="steps"), train_dataset=r), "eval_dataset"),
         (lambda m, r: Trainer(m, _args("o"), train_dataset=[]).train(), "empty"),
-        (lambda m, r: Trainer(m, _args("o"), train_dataset=[{"input_ids": x["input_ids"]} for x in r]).train(),
-         "did not return a loss"),
-        (lambda m, r: Trainer(m, _args("o"), train_dataset=r[:2] + [{"input_ids": r[2]["input_ids"]}] + r[3:]).train(),
-         "disagree on their columns"),
+        (
+            lambda m, r: Trainer(m, _args("o"), train_dataset=[{"input_ids": x["input_ids"]} for x in r]).train(),
+            "did not return a loss",
+        ),
+        (
+            lambda m, r: Trainer(
+                m, _args("o"), train_dataset=r[:2] + [{"input_ids": r[2]["input_ids"]}] + r[3:]
+            ).train(),
+            "disagree on their columns",
+        ),
         (lambda m, r: Trainer(m, _args("o", optim="galore_adamw"), train_dataset=r), "not supported by jtrainer"),
     ],
 )
@@ -177,14 +216,20 @@ def test_tokenizer_collators_with_varied_lengths(tmp_path):
     rows = [{"input_ids": tokenizer(t)["input_ids"][: rng.randint(3, 20)]} for t in texts]
     model = LlamaForCausalLM.from_config(tiny_llama_config(vocab_size=len(tokenizer)))
     collator = DataCollatorForLanguageModeling(tokenizer, mlm=False, return_tensors="np")
-    trainer = Trainer(model=model, args=_args(tmp_path, num_train_epochs=2, remove_unused_columns=False),
-                      train_dataset=rows, data_collator=collator, processing_class=tokenizer)
+    trainer = Trainer(
+        model=model,
+        args=_args(tmp_path, num_train_epochs=2, remove_unused_columns=False),
+        train_dataset=rows,
+        data_collator=collator,
+        processing_class=tokenizer,
+    )
     jtrainer.trainer._SHARED_TRAIN_STEPS.clear()  # another test may have compiled this structure already
     with count_compiles() as compiles:
         trainer.train()
     # Lengths vary batch to batch; the padded length only grows by powers of two: few compilations.
     assert 1 <= len(compiles) <= 3
     # With only a tokenizer, HF's default collator (DataCollatorWithPadding) pads inputs of varied lengths.
-    metrics = Trainer(model=model, args=_args(tmp_path, prediction_loss_only=True), processing_class=tokenizer,
-                      compute_loss_func=None).predict([{"input_ids": r["input_ids"]} for r in rows[:6]])
+    metrics = Trainer(
+        model=model, args=_args(tmp_path, prediction_loss_only=True), processing_class=tokenizer, compute_loss_func=None
+    ).predict([{"input_ids": r["input_ids"]} for r in rows[:6]])
     assert metrics.predictions is None

@@ -2,7 +2,6 @@
 
 import numpy as np
 import pytest
-
 from conftest import tiny_llama_config
 
 torch = pytest.importorskip("torch")
@@ -15,9 +14,20 @@ from jtrainer.models import AutoModelForCausalLM  # noqa: E402
 def test_greedy_matches_pytorch_generate(tmp_path, family):
     import transformers
 
-    config = tiny_llama_config() if family == "llama" else transformers.Qwen3Config(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
+    config = (
+        tiny_llama_config()
+        if family == "llama"
+        else transformers.Qwen3Config(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            max_position_embeddings=64,
+        )
+    )
     config.eos_token_id = None
     config.pad_token_id = 0
     torch.manual_seed(0)
@@ -26,8 +36,9 @@ def test_greedy_matches_pytorch_generate(tmp_path, family):
     prompts = np.array([[0, 0, 5, 9, 17, 3], [11, 12, 13, 14, 15, 16]])  # the first is left-padded
     mask = (np.arange(6)[None] >= np.array([[2], [0]])).astype(np.int64)
     with torch.no_grad():
-        expected = reference.generate(torch.tensor(prompts), attention_mask=torch.tensor(mask), max_new_tokens=12,
-                                      do_sample=False, pad_token_id=0).numpy()
+        expected = reference.generate(
+            torch.tensor(prompts), attention_mask=torch.tensor(mask), max_new_tokens=12, do_sample=False, pad_token_id=0
+        ).numpy()
     ours = AutoModelForCausalLM.from_pretrained(str(tmp_path))
     got = generate(ours, prompts, mask, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
     np.testing.assert_array_equal(got, expected)
@@ -50,7 +61,7 @@ def test_sampling_eos_padding_and_one_compile():
     eos = int(greedy[0, 5])  # make the third generated token of row 0 an EOS: the rest of the row is padding
     stopped = generate(model, prompts, max_new_tokens=10, eos_token_id=eos, pad_token_id=63)
     first = int(np.argmax(stopped[0, 3:] == eos))
-    assert (stopped[0, 3 + first + 1:] == 63).all()
+    assert (stopped[0, 3 + first + 1 :] == 63).all()
     with pytest.raises(ValueError, match="do_sample=False with num_beams"):
         generate(model, prompts, max_new_tokens=4, num_beams=2, do_sample=True)
 
@@ -66,8 +77,9 @@ def test_beam_search_matches_pytorch_generate(tmp_path):
     reference.save_pretrained(tmp_path)
     prompts = np.array([[5, 9, 17, 3], [11, 12, 13, 14]])
     with torch.no_grad():
-        expected = reference.generate(torch.tensor(prompts), max_new_tokens=8, num_beams=3, do_sample=False,
-                                      pad_token_id=0).numpy()
+        expected = reference.generate(
+            torch.tensor(prompts), max_new_tokens=8, num_beams=3, do_sample=False, pad_token_id=0
+        ).numpy()
     ours = AutoModelForCausalLM.from_pretrained(str(tmp_path))
     got = generate(ours, prompts, max_new_tokens=8, num_beams=3, eos_token_id=None, pad_token_id=0)
     np.testing.assert_array_equal(got, expected)

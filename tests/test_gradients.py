@@ -119,11 +119,13 @@ def test_attention_takes_causality_itself_on_every_path(monkeypatch, window, pad
     mask = padding if padded else None
     dense = attention.causal_mask(q.shape[1], window) & (True if mask is None else mask)
     reference = jax.nn.dot_product_attention(q, k, v, mask=dense)
-    np.testing.assert_allclose(attention.causal_attention(q, k, v, mask, sliding_window=window), reference,
-                               rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(
+        attention.causal_attention(q, k, v, mask, sliding_window=window), reference, rtol=2e-5, atol=2e-5
+    )
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
-    np.testing.assert_allclose(attention.causal_attention(q, k, v, mask, sliding_window=window), reference,
-                               rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(
+        attention.causal_attention(q, k, v, mask, sliding_window=window), reference, rtol=2e-5, atol=2e-5
+    )
 
 
 def test_cudnn_attention_chosen_for_half_precision_on_gpus_and_overridable(monkeypatch):

@@ -17,7 +17,7 @@ JTRAINER_NAMES = {"Trainer", "TrainingArguments", "Seq2SeqTrainer", "Seq2SeqTrai
 
 pytestmark = pytest.mark.skipif(not os.path.isdir(EXAMPLES), reason=f"HF's example scripts are not at {EXAMPLES}")
 
-ACCURACY = '''
+ACCURACY = """
 import datasets
 import evaluate
 
@@ -29,7 +29,7 @@ class Accuracy(evaluate.Metric):
 
     def _compute(self, predictions, references):
         return {"accuracy": float(sum(int(p == r) for p, r in zip(predictions, references)) / len(references))}
-'''
+"""
 
 
 def rewrite_imports(source: str) -> str:
@@ -64,18 +64,30 @@ def glue(tmp_path_factory):
     words = [f"w{i}" for i in range(40)]
     (folder / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]) + "\n")
     tokenizer = transformers.BertTokenizerFast(vocab_file=str(folder / "vocab.txt"))
-    config = dict(vocab_size=45, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-                  max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    for name, model_class, labels in (("base", transformers.BertForMaskedLM, 2),
-                                      ("three", transformers.BertForSequenceClassification, 3),
-                                      ("two", transformers.BertForSequenceClassification, 2)):
+    config = dict(
+        vocab_size=45,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    for name, model_class, labels in (
+        ("base", transformers.BertForMaskedLM, 2),
+        ("three", transformers.BertForSequenceClassification, 3),
+        ("two", transformers.BertForSequenceClassification, 2),
+    ):
         torch.manual_seed(0)
         model_class(transformers.BertConfig(**config, num_labels=labels)).save_pretrained(folder / name)
         tokenizer.save_pretrained(folder / name)
     rng = random.Random(0)
     for split, n in (("train", 32), ("validation", 16)):
-        rows = [{"sentence": " ".join(rng.choice(words) for _ in range(rng.randint(3, 10))), "label": rng.randint(0, 2)}
-                for _ in range(n)]
+        rows = [
+            {"sentence": " ".join(rng.choice(words) for _ in range(rng.randint(3, 10))), "label": rng.randint(0, 2)}
+            for _ in range(n)
+        ]
         (folder / f"{split}.json").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (folder / "accuracy").mkdir()  # evaluate.load("accuracy") finds ./accuracy/accuracy.py first: offline
     (folder / "accuracy" / "accuracy.py").write_text(ACCURACY)
@@ -89,8 +101,14 @@ def _script(folder, script: str, which: str, args: list[str], **env) -> subproce
     """One run of `script` in `folder`, offline: the original (`which="hf"`, under torch) or its import-rewritten
     copy ("jtrainer")."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_EVALUATE_OFFLINE="1", JAX_PLATFORMS="cpu", **env)
-    return subprocess.run([sys.executable, f"{script}_{which}.py", *args], cwd=folder, env=env, capture_output=True,
-                          text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, f"{script}_{which}.py", *args],
+        cwd=folder,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def _both(folder, script: str, args: list[str], out: str, **env) -> dict[str, subprocess.CompletedProcess]:
@@ -103,11 +121,37 @@ def _both(folder, script: str, args: list[str], out: str, **env) -> dict[str, su
 
 
 def _run(folder, which: str, model: str, out: str, *extra):
-    args = ["--model_name_or_path", model, "--train_file", "train.json", "--validation_file", "validation.json",
-            "--do_train", "--do_eval", "--max_seq_length", "16", "--per_device_train_batch_size", "4",
-            "--per_device_eval_batch_size", "4", "--max_steps", "6", "--learning_rate", "1e-3", "--seed", "0",
-            "--report_to", "none", "--train_sampling_strategy", "sequential", "--logging_steps", "1",
-            "--output_dir", out, *extra]
+    args = [
+        "--model_name_or_path",
+        model,
+        "--train_file",
+        "train.json",
+        "--validation_file",
+        "validation.json",
+        "--do_train",
+        "--do_eval",
+        "--max_seq_length",
+        "16",
+        "--per_device_train_batch_size",
+        "4",
+        "--per_device_eval_batch_size",
+        "4",
+        "--max_steps",
+        "6",
+        "--learning_rate",
+        "1e-3",
+        "--seed",
+        "0",
+        "--report_to",
+        "none",
+        "--train_sampling_strategy",
+        "sequential",
+        "--logging_steps",
+        "1",
+        "--output_dir",
+        out,
+        *extra,
+    ]
     return _script(folder, "run_glue", which, args)
 
 
@@ -120,9 +164,15 @@ def test_the_import_rewrite_changes_only_imports():
     before, after = source.splitlines(), rewrite_imports(source).splitlines()
     removed = [line for line in before if line not in after]
     added = [line for line in after if line not in before]
-    assert sorted(x.strip() for x in removed) == ["AutoModelForSequenceClassification,", "Trainer,", "TrainingArguments,"]
-    assert added == ["from jtrainer import Trainer, TrainingArguments",
-                     "from jtrainer.models import AutoModelForSequenceClassification"]
+    assert sorted(x.strip() for x in removed) == [
+        "AutoModelForSequenceClassification,",
+        "Trainer,",
+        "TrainingArguments,",
+    ]
+    assert added == [
+        "from jtrainer import Trainer, TrainingArguments",
+        "from jtrainer.models import AutoModelForSequenceClassification",
+    ]
 
 
 def test_run_glue_fine_tunes_a_classifier_with_torchs_numbers(glue):
@@ -160,9 +210,8 @@ def clm(tmp_path_factory, glue):
 
     import torch
     import transformers
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     from conftest import tiny_llama_config
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     folder = tmp_path_factory.mktemp("clm")
     rng = random.Random(0)
@@ -172,10 +221,15 @@ def clm(tmp_path_factory, glue):
     (folder / "validation.txt").write_text("\n".join(lines[160:]) + "\n")
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-    bpe.train_from_iterator(lines, trainers.BpeTrainer(vocab_size=70, special_tokens=["<|endoftext|>"],
-                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>",
-                                                     bos_token="<|endoftext|>")
+    bpe.train_from_iterator(
+        lines,
+        trainers.BpeTrainer(
+            vocab_size=70, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=bpe, eos_token="<|endoftext|>", bos_token="<|endoftext|>"
+    )
     assert len(tokenizer) > 64  # run_clm resizes the embeddings
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(tiny_llama_config(bos_token_id=0, eos_token_id=0)).save_pretrained(folder / "model")
@@ -190,10 +244,30 @@ def clm(tmp_path_factory, glue):
 def test_run_clm_fine_tunes_with_resized_embeddings_and_torchs_numbers(clm):
     """run_clm's path: resize_token_embeddings for a larger tokenizer, its torch-style
     preprocess_logits_for_metrics (`logits.argmax(dim=-1)`), perplexity; the same numbers as torch."""
-    args = ["--model_name_or_path", "model", "--train_file", "train.txt", "--validation_file", "validation.txt",
-            "--do_train", "--do_eval", "--block_size", "16", "--per_device_train_batch_size", "4",
-            "--per_device_eval_batch_size", "4", "--max_steps", "4", "--seed", "0", "--report_to", "none",
-            "--train_sampling_strategy", "sequential"]
+    args = [
+        "--model_name_or_path",
+        "model",
+        "--train_file",
+        "train.txt",
+        "--validation_file",
+        "validation.txt",
+        "--do_train",
+        "--do_eval",
+        "--block_size",
+        "16",
+        "--per_device_train_batch_size",
+        "4",
+        "--per_device_eval_batch_size",
+        "4",
+        "--max_steps",
+        "4",
+        "--seed",
+        "0",
+        "--report_to",
+        "none",
+        "--train_sampling_strategy",
+        "sequential",
+    ]
     _both(clm, "run_clm", args, "out")
     expected, got = _results(clm, "out_hf"), _results(clm, "out_jtrainer")
     assert set(got) == set(expected)
@@ -202,7 +276,7 @@ def test_run_clm_fine_tunes_with_resized_embeddings_and_torchs_numbers(clm):
     assert got["eval_accuracy"] == expected["eval_accuracy"] and got["total_flos"] == expected["total_flos"]
 
 
-ROUGE = '''
+ROUGE = """
 import datasets
 import evaluate
 from rouge_score import rouge_scorer, scoring
@@ -219,7 +293,7 @@ class Rouge(evaluate.Metric):
         for reference, prediction in zip(references, predictions):
             aggregator.add_scores(scorer.score(reference, prediction))
         return {key: value.mid.fmeasure for key, value in aggregator.aggregate().items()}
-'''
+"""
 
 
 def test_run_summarization_trains_and_generates_with_torchs_numbers(tmp_path):
@@ -240,13 +314,31 @@ def test_run_summarization_trains_and_generates_with_torchs_numbers(tmp_path):
         (tmp_path / f"{split}.json").write_text("".join(json.dumps(r) + "\n" for r in part))
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-    bpe.train_from_iterator([r["text"] + " " + r["summary"] for r in rows], trainers.BpeTrainer(
-        vocab_size=64, special_tokens=["<pad>", "</s>", "<unk>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, pad_token="<pad>", eos_token="</s>",
-                                                     unk_token="<unk>")
-    config = transformers.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
-                                   feed_forward_proj="gated-gelu", tie_word_embeddings=False, dropout_rate=0.0,
-                                   decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+    bpe.train_from_iterator(
+        [r["text"] + " " + r["summary"] for r in rows],
+        trainers.BpeTrainer(
+            vocab_size=64,
+            special_tokens=["<pad>", "</s>", "<unk>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=bpe, pad_token="<pad>", eos_token="</s>", unk_token="<unk>"
+    )
+    config = transformers.T5Config(
+        vocab_size=64,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_heads=4,
+        feed_forward_proj="gated-gelu",
+        tie_word_embeddings=False,
+        dropout_rate=0.0,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        eos_token_id=1,
+    )
     torch.manual_seed(0)
     transformers.T5ForConditionalGeneration(config).save_pretrained(tmp_path / "model")
     tokenizer.save_pretrained(tmp_path / "model")
@@ -260,11 +352,39 @@ def test_run_summarization_trains_and_generates_with_torchs_numbers(tmp_path):
     source = open(os.path.join(EXAMPLES, "run_summarization.py")).read()
     (tmp_path / "run_summarization_hf.py").write_text(source)
     (tmp_path / "run_summarization_jtrainer.py").write_text(rewrite_imports(source))
-    args = ["--model_name_or_path", "model", "--train_file", "train.json", "--validation_file", "validation.json",
-            "--text_column", "text", "--summary_column", "summary", "--do_train", "--do_eval",
-            "--predict_with_generate", "--max_source_length", "32", "--max_target_length", "12",
-            "--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "4", "--max_steps", "4",
-            "--seed", "0", "--report_to", "none", "--train_sampling_strategy", "sequential", "--learning_rate", "1e-3"]
+    args = [
+        "--model_name_or_path",
+        "model",
+        "--train_file",
+        "train.json",
+        "--validation_file",
+        "validation.json",
+        "--text_column",
+        "text",
+        "--summary_column",
+        "summary",
+        "--do_train",
+        "--do_eval",
+        "--predict_with_generate",
+        "--max_source_length",
+        "32",
+        "--max_target_length",
+        "12",
+        "--per_device_train_batch_size",
+        "4",
+        "--per_device_eval_batch_size",
+        "4",
+        "--max_steps",
+        "4",
+        "--seed",
+        "0",
+        "--report_to",
+        "none",
+        "--train_sampling_strategy",
+        "sequential",
+        "--learning_rate",
+        "1e-3",
+    ]
     _both(tmp_path, "run_summarization", args, "out", NLTK_DATA=str(tmp_path / "nltk_data"))
     expected, got = _results(tmp_path, "out_hf"), _results(tmp_path, "out_jtrainer")
     assert set(got) == set(expected)
@@ -278,11 +398,37 @@ def test_run_clm_from_scratch_counts_parameters_as_torch(clm):
     """run_clm's from-scratch branch (--config_name, no model): from_config, and its torch-style parameter count
     `sum({p.data_ptr(): p.numel() ...})` logged through the script's own logging format. (Each framework draws
     its own initial weights, so the losses are not compared.)"""
-    args = ["--config_name", "model", "--tokenizer_name", "model", "--train_file", "train.txt", "--validation_file",
-            "validation.txt", "--do_train", "--do_eval", "--block_size", "16", "--per_device_train_batch_size", "4",
-            "--per_device_eval_batch_size", "4", "--max_steps", "2", "--seed", "0", "--report_to", "none"]
-    said = {which: [line.split(" - ", 3)[-1] for line in (run.stdout + run.stderr).splitlines()
-                    if "Training new model from scratch" in line]
-            for which, run in _both(clm, "run_clm", args, "scratch").items()}
+    args = [
+        "--config_name",
+        "model",
+        "--tokenizer_name",
+        "model",
+        "--train_file",
+        "train.txt",
+        "--validation_file",
+        "validation.txt",
+        "--do_train",
+        "--do_eval",
+        "--block_size",
+        "16",
+        "--per_device_train_batch_size",
+        "4",
+        "--per_device_eval_batch_size",
+        "4",
+        "--max_steps",
+        "2",
+        "--seed",
+        "0",
+        "--report_to",
+        "none",
+    ]
+    said = {
+        which: [
+            line.split(" - ", 3)[-1]
+            for line in (run.stdout + run.stderr).splitlines()
+            if "Training new model from scratch" in line
+        ]
+        for which, run in _both(clm, "run_clm", args, "scratch").items()
+    }
     assert said["jtrainer"] == said["hf"] and len(said["hf"]) == 1
     assert set(_results(clm, "scratch_jtrainer")) == set(_results(clm, "scratch_hf"))

@@ -4,9 +4,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import short_run_args, tiny_llama_config, token_rows
 from flax import nnx
 
-from conftest import short_run_args, tiny_llama_config, token_rows
 from jtrainer import Trainer, batch_size
 from jtrainer.models import AutoModelForSequenceClassification, AutoModelForTokenClassification
 from jtrainer.models.base import Embed
@@ -34,8 +34,12 @@ def test_neftune_noise_is_hf_uniform_and_only_in_training():
     rows = token_rows(12)
     plain = Trainer(LlamaForCausalLM.from_config(tiny_llama_config()), _args(), train_dataset=rows)
     plain.train()
-    noisy = Trainer(LlamaForCausalLM.from_config(tiny_llama_config()), _args(neftune_noise_alpha=5.0),
-                    train_dataset=rows, eval_dataset=rows[:4])
+    noisy = Trainer(
+        LlamaForCausalLM.from_config(tiny_llama_config()),
+        _args(neftune_noise_alpha=5.0),
+        train_dataset=rows,
+        eval_dataset=rows[:4],
+    )
     noisy.train()
     assert _losses(noisy) != _losses(plain) and np.allclose(_losses(noisy), _losses(plain), rtol=0.05)
     assert noisy.model.get_input_embeddings().neftune_noise_alpha is None  # removed after training, as HF
@@ -48,31 +52,49 @@ def test_auto_find_batch_size_keeps_the_effective_batch(monkeypatch):
     assert batch_size.is_out_of_memory(RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 1GiB"))
 
     rows = token_rows(32, length=16)
-    reference = Trainer(LlamaForCausalLM.from_config(tiny_llama_config()),
-                        _args(per_device_train_batch_size=4, gradient_accumulation_steps=4), train_dataset=rows)
+    reference = Trainer(
+        LlamaForCausalLM.from_config(tiny_llama_config()),
+        _args(per_device_train_batch_size=4, gradient_accumulation_steps=4),
+        train_dataset=rows,
+    )
     reference.train()
     with jax.set_mesh(reference.mesh):
         fits = batch_size.step_bytes(
-            reference._train_step.lower(reference._train_state, reference._last_step_batch).compile())
+            reference._train_step.lower(reference._train_state, reference._last_step_batch).compile()
+        )
     # A device with just enough memory for batches of 4: 16 and 8 do not fit, 4 does.
     monkeypatch.setenv(batch_size.MEMORY_ENV, str(fits + 1024))
-    searched = Trainer(LlamaForCausalLM.from_config(tiny_llama_config()),
-                       _args(per_device_train_batch_size=16, auto_find_batch_size=True), train_dataset=rows)
+    searched = Trainer(
+        LlamaForCausalLM.from_config(tiny_llama_config()),
+        _args(per_device_train_batch_size=16, auto_find_batch_size=True),
+        train_dataset=rows,
+    )
     searched.train()
     assert (searched.args.per_device_train_batch_size, searched.args.gradient_accumulation_steps) == (4, 4)
     assert _losses(searched) == pytest.approx(_losses(reference), rel=1e-5)
 
     monkeypatch.setenv(batch_size.MEMORY_ENV, "1000")
     with pytest.raises(RuntimeError, match="No executable batch size found"):
-        Trainer(LlamaForCausalLM.from_config(tiny_llama_config()),
-                _args(per_device_train_batch_size=2, auto_find_batch_size=True), train_dataset=rows).train()
+        Trainer(
+            LlamaForCausalLM.from_config(tiny_llama_config()),
+            _args(per_device_train_batch_size=2, auto_find_batch_size=True),
+            train_dataset=rows,
+        ).train()
 
 
 def _bert_config(**kw):
     import transformers
 
-    return transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                   intermediate_size=64, max_position_embeddings=32, num_labels=3, **kw)
+    return transformers.BertConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=32,
+        num_labels=3,
+        **kw,
+    )
 
 
 @pytest.mark.parametrize("auto", [AutoModelForSequenceClassification, AutoModelForTokenClassification])
@@ -108,14 +130,19 @@ def test_auto_find_batch_size_resumes_with_the_batch_it_found(monkeypatch, tmp_p
     rows = token_rows(48, length=16)
 
     def run(out, resume=None):
-        trainer = Trainer(LlamaForCausalLM.from_config(tiny_llama_config()),
-                          _args(out, per_device_train_batch_size=16, auto_find_batch_size=True, save_strategy="steps",
-                                save_steps=2), train_dataset=rows)
+        trainer = Trainer(
+            LlamaForCausalLM.from_config(tiny_llama_config()),
+            _args(out, per_device_train_batch_size=16, auto_find_batch_size=True, save_strategy="steps", save_steps=2),
+            train_dataset=rows,
+        )
         trainer.train(resume_from_checkpoint=resume)
         return trainer
 
-    probe = Trainer(LlamaForCausalLM.from_config(tiny_llama_config()),
-                    _args(per_device_train_batch_size=4, gradient_accumulation_steps=4, max_steps=1), train_dataset=rows)
+    probe = Trainer(
+        LlamaForCausalLM.from_config(tiny_llama_config()),
+        _args(per_device_train_batch_size=4, gradient_accumulation_steps=4, max_steps=1),
+        train_dataset=rows,
+    )
     probe.train()
     with jax.set_mesh(probe.mesh):
         fits = batch_size.step_bytes(probe._train_step.lower(probe._train_state, probe._last_step_batch).compile())

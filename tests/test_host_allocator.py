@@ -43,7 +43,10 @@ def test_without_platforms_the_installed_plugins_decide(monkeypatch):
 
 def _faults_per_call(tuned: bool, **env) -> list[int]:
     run = subprocess.run(
-        [sys.executable, JOB], env={**os.environ, "JAX_PLATFORMS": "cpu", **env}, capture_output=True, text=True,
+        [sys.executable, JOB],
+        env={**os.environ, "JAX_PLATFORMS": "cpu", **env},
+        capture_output=True,
+        text=True,
         timeout=300,
     )
     assert run.returncode == 0, run.stderr[-3000:]

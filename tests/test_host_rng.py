@@ -19,8 +19,14 @@ def _tokenizer():
     vocab.update({f"w{i}": 5 + i for i in range(27)})
     tok = Tokenizer(WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", mask_token="[MASK]",
-                                   cls_token="[CLS]", sep_token="[SEP]")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="[PAD]",
+        unk_token="[UNK]",
+        mask_token="[MASK]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+    )
 
 
 def _rows(n, seed):
@@ -34,11 +40,29 @@ def _mlm_trainer(out, **over):
     from jtrainer.models.bert import BertForMaskedLM
 
     tokenizer = _tokenizer()
-    config = BertConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                        intermediate_size=32, max_position_embeddings=32)
-    kw = dict(output_dir=str(out), per_device_train_batch_size=4, learning_rate=1e-2, max_steps=6, logging_steps=1,
-              save_steps=3, eval_strategy="steps", eval_steps=3, per_device_eval_batch_size=4, report_to="none",
-              disable_tqdm=True, seed=7, remove_unused_columns=False)
+    config = BertConfig(
+        vocab_size=32,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=32,
+    )
+    kw = dict(
+        output_dir=str(out),
+        per_device_train_batch_size=4,
+        learning_rate=1e-2,
+        max_steps=6,
+        logging_steps=1,
+        save_steps=3,
+        eval_strategy="steps",
+        eval_steps=3,
+        per_device_eval_batch_size=4,
+        report_to="none",
+        disable_tqdm=True,
+        seed=7,
+        remove_unused_columns=False,
+    )
     kw.update(over)
     return Trainer(
         model=BertForMaskedLM.from_config(config),

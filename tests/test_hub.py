@@ -5,10 +5,10 @@ import os
 import types
 
 import pytest
+from conftest import tiny_llama_config, token_rows
 from huggingface_hub import HfApi
 from huggingface_hub.utils import filter_repo_objects
 
-from conftest import tiny_llama_config, token_rows
 from jtrainer import Trainer, TrainingArguments
 from jtrainer.models.llama import LlamaForCausalLM
 
@@ -21,10 +21,22 @@ def uploads(monkeypatch):
     def create_repo(self, repo_id, **kwargs):
         return types.SimpleNamespace(repo_id=f"user/{repo_id}")
 
-    def upload_folder(self, *, repo_id, folder_path, path_in_repo=None, ignore_patterns=None, run_as_future=False,
-                      commit_message=None, **kwargs):
-        files = [os.path.relpath(os.path.join(root, f), folder_path)
-                 for root, _, names in os.walk(folder_path) for f in names]
+    def upload_folder(
+        self,
+        *,
+        repo_id,
+        folder_path,
+        path_in_repo=None,
+        ignore_patterns=None,
+        run_as_future=False,
+        commit_message=None,
+        **kwargs,
+    ):
+        files = [
+            os.path.relpath(os.path.join(root, f), folder_path)
+            for root, _, names in os.walk(folder_path)
+            for f in names
+        ]
         kept = sorted(filter_repo_objects(files, ignore_patterns=ignore_patterns))
         sent.append({"repo": repo_id, "in_repo": path_in_repo, "files": kept, "message": commit_message})
         if run_as_future:
@@ -39,12 +51,24 @@ def uploads(monkeypatch):
 
 
 def _trainer(out, **over):
-    kw = dict(output_dir=str(out), per_device_train_batch_size=4, learning_rate=1e-3, report_to="none",
-              disable_tqdm=True, logging_steps=1, max_steps=4, save_strategy="steps", save_steps=2,
-              push_to_hub=True, hub_model_id="tiny-llama", async_checkpointing=False)
+    kw = dict(
+        output_dir=str(out),
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        report_to="none",
+        disable_tqdm=True,
+        logging_steps=1,
+        max_steps=4,
+        save_strategy="steps",
+        save_steps=2,
+        push_to_hub=True,
+        hub_model_id="tiny-llama",
+        async_checkpointing=False,
+    )
     kw.update(over)
-    return Trainer(LlamaForCausalLM.from_config(tiny_llama_config()), TrainingArguments(**kw),
-                   train_dataset=token_rows(16))
+    return Trainer(
+        LlamaForCausalLM.from_config(tiny_llama_config()), TrainingArguments(**kw), train_dataset=token_rows(16)
+    )
 
 
 def test_hub_strategy_checkpoint_then_push_to_hub(tmp_path, uploads):

@@ -52,7 +52,7 @@ def _cycles(graph) -> list[list[str]]:
         stack.append(node)
         for nxt in sorted(graph[node]):
             if state.get(nxt) == "open":
-                cycles.append([*stack[stack.index(nxt):], nxt])
+                cycles.append([*stack[stack.index(nxt) :], nxt])
             elif nxt not in state:
                 visit(nxt)
         stack.pop()
@@ -76,8 +76,11 @@ def test_the_cycle_finder_finds_cycles():
 
 def test_the_cli_is_the_application_layer():
     """Nothing in the library imports the command's package."""
-    offenders = {name: sorted(i for i in deps if i.startswith("jtrainer.cli"))
-                 for name, deps in _graph().items() if not name.startswith("jtrainer.cli")}
+    offenders = {
+        name: sorted(i for i in deps if i.startswith("jtrainer.cli"))
+        for name, deps in _graph().items()
+        if not name.startswith("jtrainer.cli")
+    }
     assert {k: v for k, v in offenders.items() if v} == {}
 
 
@@ -91,7 +94,13 @@ def test_every_module_imports_on_its_own():
         "    importlib.import_module(name)\n"
         "print('imported', len(" + repr(names) + "))\n"
     )
-    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"imported {len(names)}" in done.stdout

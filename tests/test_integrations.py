@@ -5,19 +5,32 @@ import os
 import time
 
 import pytest
-
 from conftest import tiny_llama_config, token_rows
+
 from jtrainer import Trainer, TrainingArguments
 from jtrainer.models.llama import LlamaForCausalLM
 
 
 def _train(out, report_to, **over):
-    kw = dict(output_dir=str(out), per_device_train_batch_size=4, learning_rate=1e-3, report_to=report_to,
-              disable_tqdm=True, save_strategy="no", logging_steps=1, max_steps=3, eval_strategy="steps",
-              eval_steps=3)
+    kw = dict(
+        output_dir=str(out),
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        report_to=report_to,
+        disable_tqdm=True,
+        save_strategy="no",
+        logging_steps=1,
+        max_steps=3,
+        eval_strategy="steps",
+        eval_steps=3,
+    )
     kw.update(over)
-    trainer = Trainer(LlamaForCausalLM.from_config(tiny_llama_config()), TrainingArguments(**kw),
-                      train_dataset=token_rows(12), eval_dataset=token_rows(4, seed=1))
+    trainer = Trainer(
+        LlamaForCausalLM.from_config(tiny_llama_config()),
+        TrainingArguments(**kw),
+        train_dataset=token_rows(12),
+        eval_dataset=token_rows(4, seed=1),
+    )
     trainer.train()
     return trainer
 

@@ -5,7 +5,6 @@ import json
 
 import numpy as np
 import pytest
-
 from conftest import short_run_args
 
 
@@ -14,15 +13,24 @@ def _bert_classifier(num_labels):
 
     from jtrainer.models import BertForSequenceClassification
 
-    config = BertConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                        intermediate_size=32, max_position_embeddings=16, num_labels=num_labels)
+    config = BertConfig(
+        vocab_size=32,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=16,
+        num_labels=num_labels,
+    )
     return BertForSequenceClassification.from_config(config)
 
 
 def _rows(labels):
     rng = np.random.RandomState(0)
-    return [{"input_ids": rng.randint(1, 32, 8), "attention_mask": np.ones(8, np.int64), "labels": label}
-            for label in labels]
+    return [
+        {"input_ids": rng.randint(1, 32, 8), "attention_mask": np.ones(8, np.int64), "labels": label}
+        for label in labels
+    ]
 
 
 @pytest.mark.parametrize("bad", [5, 2, -1])
@@ -57,8 +65,13 @@ def test_cli_keeps_float_labels_for_one_label(tmp_path):
     with open(tmp_path / "train.json", "w") as f:
         f.write("\n".join(json.dumps({"sentence": f"row {i} text", "label": i / 4}) for i in range(8)))
     model_args = ModelArguments(task="sequence_classification", num_labels=1)
-    data_args = DataArguments(dataset_name="", train_file=str(tmp_path / "train.json"), text_column="sentence",
-                              tokenizer_vocab_size=128, eval_fraction=0.25)
+    data_args = DataArguments(
+        dataset_name="",
+        train_file=str(tmp_path / "train.json"),
+        text_column="sentence",
+        tokenizer_vocab_size=128,
+        eval_fraction=0.25,
+    )
     _, train, valid = build_data(model_args, data_args)
     labels = sorted(r["labels"] for r in train + valid)
     assert labels == [i / 4 for i in range(8)] and isinstance(labels[1], float)

@@ -2,9 +2,8 @@
 
 import numpy as np
 import pytest
-from flax import nnx
-
 from conftest import count_compiles, scratch_dir, short_run_args, token_rows
+from flax import nnx
 
 
 def test_a_target_gets_one_eos_whether_or_not_the_tokenizer_appends_it():
@@ -16,8 +15,8 @@ def test_a_target_gets_one_eos_whether_or_not_the_tokenizer_appends_it():
 
 
 def test_head_width_is_set_or_must_divide():
-    from jtrainer.errors import BadInput
     from jtrainer.cli.tasks import ModelArguments, fresh_config
+    from jtrainer.errors import BadInput
 
     # The shipped T5 v1.1-small shape: 6 heads of 64 over a width of 512 (512 // 6 would build 85-wide heads).
     t5 = fresh_config(ModelArguments(model_type="t5", hidden_size=512, num_attention_heads=6, head_dim=64), 128)
@@ -28,10 +27,11 @@ def test_head_width_is_set_or_must_divide():
 
 
 def test_the_shipped_t5_config_names_its_head_width():
+    import os
+
     import yaml
 
     from jtrainer.cli import DEFAULT_CONFIG
-    import os
 
     config = yaml.safe_load(open(os.path.join(os.path.dirname(DEFAULT_CONFIG), "t5_summarisation.yaml")))
     assert config["hidden_size"] == 512 and config["num_attention_heads"] == 6 and config["head_dim"] == 64
@@ -39,13 +39,16 @@ def test_the_shipped_t5_config_names_its_head_width():
 
 def test_the_finite_check_of_saves_compiles_once(tmp_path):
     """save_steps with load_best_model / NaN checks: the parameters' finite check is one program, not one per save."""
-    from jtrainer import Trainer
-    from jtrainer.models.llama import LlamaForCausalLM
     from conftest import tiny_llama_config
 
-    trainer = Trainer(model=LlamaForCausalLM.from_config(tiny_llama_config()),
-                      args=short_run_args(tmp_path, max_steps=4, save_strategy="steps", save_steps=1),
-                      train_dataset=token_rows(16))
+    from jtrainer import Trainer
+    from jtrainer.models.llama import LlamaForCausalLM
+
+    trainer = Trainer(
+        model=LlamaForCausalLM.from_config(tiny_llama_config()),
+        args=short_run_args(tmp_path, max_steps=4, save_strategy="steps", save_steps=1),
+        train_dataset=token_rows(16),
+    )
     with count_compiles("_all_finite") as compiles:
         trainer.train()
     assert len(compiles) == 1  # four saves, one program
@@ -67,8 +70,9 @@ def test_evaluation_leaves_the_model_in_its_mode(mode):
 
     model = WithDropout(nnx.Rngs(0))
     getattr(model, mode)()
-    trainer = Trainer(model=model, args=short_run_args(scratch_dir(), per_device_eval_batch_size=4),
-                      eval_dataset=token_rows(8))
+    trainer = Trainer(
+        model=model, args=short_run_args(scratch_dir(), per_device_eval_batch_size=4), eval_dataset=token_rows(8)
+    )
     trainer.evaluate()
     assert model.drop.deterministic is (mode == "eval")
 

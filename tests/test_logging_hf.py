@@ -8,8 +8,8 @@ import subprocess
 import sys
 
 import transformers
-
 from conftest import scratch_dir
+
 from jtrainer import TrainingArguments
 
 SCRIPT = """
@@ -23,8 +23,13 @@ logging.getLogger("run_clm").info("the script's own line")
 
 
 def test_a_scripts_basic_config_takes_effect_and_no_torch_advisory():
-    done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "INFO|run_clm|the script's own line" in done.stdout.splitlines()
     assert "PyTorch was not found" not in done.stderr
@@ -33,8 +38,14 @@ def test_a_scripts_basic_config_takes_effect_and_no_torch_advisory():
 def test_log_metrics_prints_as_transformers_and_n_gpu_is_hfs():
     from transformers.trainer_pt_utils import log_metrics
 
-    metrics = {"train_runtime": 12.3456, "train_samples_per_second": 8.809, "epoch": 1.2, "total_flos": 3 << 31,
-               "train_loss": 4.15712345, "eval_steps_per_second": 101.5}
+    metrics = {
+        "train_runtime": 12.3456,
+        "train_samples_per_second": 8.809,
+        "epoch": 1.2,
+        "total_flos": 3 << 31,
+        "train_loss": 4.15712345,
+        "eval_steps_per_second": 101.5,
+    }
 
     class Theirs:
         def is_world_process_zero(self):
@@ -54,5 +65,8 @@ def test_log_metrics_prints_as_transformers_and_n_gpu_is_hfs():
     with contextlib.redirect_stdout(got):
         Ours().log_metrics("train", metrics)
     assert got.getvalue() == expected.getvalue()
-    assert TrainingArguments(output_dir=scratch_dir()).n_gpu == 0 == transformers.TrainingArguments(
-        output_dir=scratch_dir(), use_cpu=True).n_gpu
+    assert (
+        TrainingArguments(output_dir=scratch_dir()).n_gpu
+        == 0
+        == transformers.TrainingArguments(output_dir=scratch_dir(), use_cpu=True).n_gpu
+    )

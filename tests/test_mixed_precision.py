@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-
 from conftest import count_compiles, short_run_args, tiny_llama_config, token_rows
+
 from jtrainer import Trainer, TrainingArguments, mixed_precision
 from jtrainer.models.llama import LlamaForCausalLM
 
@@ -53,8 +53,9 @@ def test_fp16_overflow_skips_the_update_and_the_schedule(monkeypatch):
     monkeypatch.setattr(mixed_precision, "INITIAL_SCALE", 2.0**40)
     model = LlamaForCausalLM.from_config(tiny_llama_config())
     before = jax.tree.map(np.asarray, jax.tree.leaves(model))
-    trainer = Trainer(model, _args(fp16=True, max_steps=2, lr_scheduler_type="linear", warmup_steps=0),
-                      train_dataset=token_rows(8))
+    trainer = Trainer(
+        model, _args(fp16=True, max_steps=2, lr_scheduler_type="linear", warmup_steps=0), train_dataset=token_rows(8)
+    )
     trainer.train()
     assert _logs(trainer, "skipped_updates") == [1, 2]
     assert not np.isfinite(_logs(trainer, "grad_norm")[0])
@@ -67,8 +68,11 @@ def test_fp16_resume_restores_the_loss_scale(tmp_path):
     rows = token_rows(12)
 
     def run(out, resume=None):
-        trainer = Trainer(LlamaForCausalLM.from_config(tiny_llama_config()),
-                          _args(out, fp16=True, save_strategy="steps", save_steps=2), train_dataset=rows)
+        trainer = Trainer(
+            LlamaForCausalLM.from_config(tiny_llama_config()),
+            _args(out, fp16=True, save_strategy="steps", save_steps=2),
+            train_dataset=rows,
+        )
         trainer.train(resume_from_checkpoint=resume)
         return trainer
 
@@ -102,8 +106,11 @@ def test_resume_across_a_change_of_fp16_or_nan_inf_policy(tmp_path, caplog):
     rows = token_rows(12)
 
     def run(out, resume=None, **kw):
-        trainer = Trainer(LlamaForCausalLM.from_config(tiny_llama_config()),
-                          _args(out, save_strategy="steps", save_steps=2, **kw), train_dataset=rows)
+        trainer = Trainer(
+            LlamaForCausalLM.from_config(tiny_llama_config()),
+            _args(out, save_strategy="steps", save_steps=2, **kw),
+            train_dataset=rows,
+        )
         trainer.train(resume_from_checkpoint=resume)
         return trainer
 

@@ -6,7 +6,6 @@ import os
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import tiny_llama_config
 
 torch = pytest.importorskip("torch")
@@ -62,10 +61,34 @@ def test_main_job_end_to_end(tmp_path, capsys):
     from jtrainer.cli import main
 
     out = tmp_path / "run"
-    main(["train", "configs/default.yaml", "--max_steps", "4", "--max_chars", "60000", "--hidden_size", "32",
-          "--intermediate_size", "64", "--num_hidden_layers", "1", "--block_size", "32",
-          "--tokenizer_vocab_size", "300", "--logging_steps", "1", "--sample_tokens", "4", "--output_dir", str(out),
-          "--disable_tqdm", "true"])
+    main(
+        [
+            "train",
+            "configs/default.yaml",
+            "--max_steps",
+            "4",
+            "--max_chars",
+            "60000",
+            "--hidden_size",
+            "32",
+            "--intermediate_size",
+            "64",
+            "--num_hidden_layers",
+            "1",
+            "--block_size",
+            "32",
+            "--tokenizer_vocab_size",
+            "300",
+            "--logging_steps",
+            "1",
+            "--sample_tokens",
+            "4",
+            "--output_dir",
+            str(out),
+            "--disable_tqdm",
+            "true",
+        ]
+    )
     printed = capsys.readouterr().out
     assert "held-out perplexity" in printed and "sample:" in printed
     model = transformers.LlamaForCausalLM.from_pretrained(str(out))

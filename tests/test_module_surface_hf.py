@@ -4,32 +4,63 @@ tied), generation_config and the generation_config.json that save_pretrained wri
 
 import json
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 import transformers
-
-import jax.numpy as jnp
 from conftest import tiny_llama_config
-from jtrainer.models import (AutoModelForCausalLM, AutoModelForMaskedLM, AutoModelForSeq2SeqLM,
-                             AutoModelForSequenceClassification)
+
+from jtrainer.models import (
+    AutoModelForCausalLM,
+    AutoModelForMaskedLM,
+    AutoModelForSeq2SeqLM,
+    AutoModelForSequenceClassification,
+)
 
 
 def _families():
-    bert = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-                max_position_embeddings=32)
+    bert = dict(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=32,
+    )
     return {
         "llama": (transformers.LlamaForCausalLM, AutoModelForCausalLM, tiny_llama_config(tie_word_embeddings=False)),
-        "llama-tied": (transformers.LlamaForCausalLM, AutoModelForCausalLM, tiny_llama_config(tie_word_embeddings=True)),
-        "gpt2": (transformers.GPT2LMHeadModel, AutoModelForCausalLM,
-                 transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2, n_positions=32)),
+        "llama-tied": (
+            transformers.LlamaForCausalLM,
+            AutoModelForCausalLM,
+            tiny_llama_config(tie_word_embeddings=True),
+        ),
+        "gpt2": (
+            transformers.GPT2LMHeadModel,
+            AutoModelForCausalLM,
+            transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2, n_positions=32),
+        ),
         "bert-mlm": (transformers.BertForMaskedLM, AutoModelForMaskedLM, transformers.BertConfig(**bert)),
-        "bert-cls": (transformers.BertForSequenceClassification, AutoModelForSequenceClassification,
-                     transformers.BertConfig(**bert)),
-        "t5": (transformers.T5ForConditionalGeneration, AutoModelForSeq2SeqLM,
-               transformers.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
-                                     feed_forward_proj="gated-gelu", tie_word_embeddings=False,
-                                     decoder_start_token_id=0)),
+        "bert-cls": (
+            transformers.BertForSequenceClassification,
+            AutoModelForSequenceClassification,
+            transformers.BertConfig(**bert),
+        ),
+        "t5": (
+            transformers.T5ForConditionalGeneration,
+            AutoModelForSeq2SeqLM,
+            transformers.T5Config(
+                vocab_size=64,
+                d_model=32,
+                d_kv=8,
+                d_ff=64,
+                num_layers=2,
+                num_heads=4,
+                feed_forward_proj="gated-gelu",
+                tie_word_embeddings=False,
+                decoder_start_token_id=0,
+            ),
+        ),
     }
 
 
@@ -48,8 +79,9 @@ def _count(model):
 @pytest.mark.parametrize("name", list(_families()))
 def test_embeddings_and_parameter_counts_are_torchs(tmp_path, name):
     theirs, ours = _pair(tmp_path, name)
-    np.testing.assert_array_equal(np.asarray(ours.get_input_embeddings().weight),
-                                  theirs.get_input_embeddings().weight.detach().numpy())
+    np.testing.assert_array_equal(
+        np.asarray(ours.get_input_embeddings().weight), theirs.get_input_embeddings().weight.detach().numpy()
+    )
     assert _count(ours) == _count(theirs) == ours.num_parameters()
     head = theirs.get_output_embeddings()
     if head is None:

@@ -40,12 +40,18 @@ def test_two_processes_equal_one(tmp_path):
     jtrainer = [sys.executable, "-m", "jtrainer.cli"]
     run = subprocess.run(
         jtrainer + ["launch", "--num_processes", "2", "--devices_per_process", "4", JOB, str(launched), MESH],
-        env=_env(), capture_output=True, text=True, timeout=400,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=400,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     subprocess.run(
         [sys.executable, JOB, str(single), MESH],
-        env=_env(XLA_FLAGS="--xla_force_host_platform_device_count=8"), check=True, capture_output=True, timeout=400,
+        env=_env(XLA_FLAGS="--xla_force_host_platform_device_count=8"),
+        check=True,
+        capture_output=True,
+        timeout=400,
     )
     a, b = np.load(launched), np.load(single)
     assert int(a["processes"]) == 2 and int(b["processes"]) == 1
@@ -62,7 +68,7 @@ def test_two_processes_equal_one(tmp_path):
     for key in params:
         np.testing.assert_allclose(a[key], b[key], rtol=1e-5, atol=1e-6, err_msg=key)
         # Gathered in blocks of a few rows across both processes: the same tensors, bit for bit.
-        np.testing.assert_array_equal(a["blocked:" + key[len("param:"):]], a[key], err_msg=key)
+        np.testing.assert_array_equal(a["blocked:" + key[len("param:") :]], a[key], err_msg=key)
 
 
 def test_a_killed_process_makes_the_other_fail_fast(tmp_path):
@@ -111,9 +117,22 @@ def test_hyperparameter_search_on_two_processes(tmp_path):
     would hang otherwise) and returns None."""
     out = tmp_path / "trials.json"
     run = subprocess.run(
-        [sys.executable, "-m", "jtrainer.cli", "launch", "--num_processes", "2", "--devices_per_process", "2",
-         os.path.join(HERE, "hpsearch_job.py"), str(out)],
-        env=_env(), capture_output=True, text=True, timeout=400,
+        [
+            sys.executable,
+            "-m",
+            "jtrainer.cli",
+            "launch",
+            "--num_processes",
+            "2",
+            "--devices_per_process",
+            "2",
+            os.path.join(HERE, "hpsearch_job.py"),
+            str(out),
+        ],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=400,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     import json

@@ -90,14 +90,20 @@ def test_logged_rates_are_hf_float64(tmp_path):
     """End to end: a run's logged learning_rate equals HF's float64 schedule, not the device's float32."""
     pytest.importorskip("torch")
     import torch
+    from conftest import short_run_args, tiny_llama_config, token_rows
     from transformers.optimization import get_scheduler
 
-    from conftest import short_run_args, tiny_llama_config, token_rows
     from jtrainer import Trainer
     from jtrainer.models import LlamaForCausalLM
 
-    args = short_run_args(tmp_path, max_steps=12, lr_scheduler_type="cosine_with_restarts", warmup_steps=0.25,
-                          learning_rate=3e-3, lr_scheduler_kwargs={"num_cycles": 2})
+    args = short_run_args(
+        tmp_path,
+        max_steps=12,
+        lr_scheduler_type="cosine_with_restarts",
+        warmup_steps=0.25,
+        learning_rate=3e-3,
+        lr_scheduler_kwargs={"num_cycles": 2},
+    )
     trainer = Trainer(model=LlamaForCausalLM.from_config(tiny_llama_config()), args=args, train_dataset=token_rows(48))
     trainer.train()
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=3e-3)
@@ -113,11 +119,14 @@ def test_logged_rates_are_hf_float64(tmp_path):
     assert trainer.get_learning_rates() == [pytest.approx(expected[-1], rel=1e-12)]
 
 
-@pytest.mark.parametrize("kwargs", [
-    dict(patience=1, factor=0.5, min_lr=0.1, reset_start=2),
-    dict(patience=0, factor=0.8, cooldown=1, warmup=2, threshold_mode="rel", threshold=0.01, max_lr=1.5),
-    dict(patience=1, factor=0.5, smooth=True, window_size=3, mode="max"),
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(patience=1, factor=0.5, min_lr=0.1, reset_start=2),
+        dict(patience=0, factor=0.8, cooldown=1, warmup=2, threshold_mode="rel", threshold=0.01, max_lr=1.5),
+        dict(patience=1, factor=0.5, smooth=True, window_size=3, mode="max"),
+    ],
+)
 def test_greedy_matches_transformers(kwargs):
     torch = pytest.importorskip("torch")
     from transformers.optimization import GreedyLR
@@ -137,26 +146,73 @@ def test_greedy_matches_transformers(kwargs):
 
 
 def test_weight_decay_mask_follows_hf_rule():
-    paths = ["model.layers.0.q_proj.kernel", "model.layers.0.q_proj.bias", "model.norm.weight",
-             "model.layers.0.input_layernorm.weight", "model.final_norm.weight", "encoder.ln.weight",
-             "encoder.ln_scale.weight", "encoder.Normalizer.kernel"]
+    paths = [
+        "model.layers.0.q_proj.kernel",
+        "model.layers.0.q_proj.bias",
+        "model.norm.weight",
+        "model.layers.0.input_layernorm.weight",
+        "model.final_norm.weight",
+        "encoder.ln.weight",
+        "encoder.ln_scale.weight",
+        "encoder.Normalizer.kernel",
+    ]
     mask = decay_mask(dict.fromkeys(paths), layer_norm_paths={"encoder.ln"})
-    assert mask == {paths[0]: True, paths[1]: False, paths[2]: False, paths[3]: False, paths[4]: False,
-                    paths[5]: False, paths[6]: True, paths[7]: True}
+    assert mask == {
+        paths[0]: True,
+        paths[1]: False,
+        paths[2]: False,
+        paths[3]: False,
+        paths[4]: False,
+        paths[5]: False,
+        paths[6]: True,
+        paths[7]: True,
+    }
 
 
 _FAMILIES = {
-    "llama": ("LlamaConfig", dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                  num_attention_heads=2, num_key_value_heads=1), "AutoModelForCausalLM"),
-    "qwen3": ("Qwen3Config", dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                  num_attention_heads=2, num_key_value_heads=1, head_dim=8), "AutoModelForCausalLM"),
-    "gpt2": ("GPT2Config", dict(vocab_size=32, n_embd=16, n_layer=1, n_head=2, n_positions=16),
-             "AutoModelForCausalLM"),
-    "bert": ("BertConfig", dict(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                                intermediate_size=32, max_position_embeddings=16), "AutoModelForSequenceClassification"),
-    "t5": ("T5Config", dict(vocab_size=32, d_model=16, d_ff=32, num_layers=1, num_heads=2, d_kv=8,
-                            decoder_start_token_id=0),
-           "AutoModelForSeq2SeqLM"),
+    "llama": (
+        "LlamaConfig",
+        dict(
+            vocab_size=32,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+        ),
+        "AutoModelForCausalLM",
+    ),
+    "qwen3": (
+        "Qwen3Config",
+        dict(
+            vocab_size=32,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=8,
+        ),
+        "AutoModelForCausalLM",
+    ),
+    "gpt2": ("GPT2Config", dict(vocab_size=32, n_embd=16, n_layer=1, n_head=2, n_positions=16), "AutoModelForCausalLM"),
+    "bert": (
+        "BertConfig",
+        dict(
+            vocab_size=32,
+            hidden_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=32,
+            max_position_embeddings=16,
+        ),
+        "AutoModelForSequenceClassification",
+    ),
+    "t5": (
+        "T5Config",
+        dict(vocab_size=32, d_model=16, d_ff=32, num_layers=1, num_heads=2, d_kv=8, decoder_start_token_id=0),
+        "AutoModelForSeq2SeqLM",
+    ),
 }
 
 
@@ -185,7 +241,10 @@ def test_decay_groups_equal_hf_on_every_family(family):
 def test_optim_args_parsing():
     """HF's parsing: strings per key (each optimizer converts what it reads)."""
     assert parse_optim_args("momentum=0.9, nesterov=True,dampening=0") == {
-        "momentum": "0.9", "nesterov": "True", "dampening": "0"}
+        "momentum": "0.9",
+        "nesterov": "True",
+        "dampening": "0",
+    }
 
 
 @pytest.mark.parametrize("name", SUPPORTED_OPTIMIZERS)
@@ -213,8 +272,7 @@ def test_every_optimizer_builds_and_descends(name):
 def test_schedule_numbers_are_data(name, kwargs):
     """The rate each update used is HF's schedule at that step, computed under jit from the state's numbers."""
     args = TrainingArguments("o", learning_rate=0.05, report_to="none")
-    tx = make_optimizer(args, None, multiplier=schedule_multiplier(name, 0.05, kwargs), warmup_steps=3,
-                        total_steps=12)
+    tx = make_optimizer(args, None, multiplier=schedule_multiplier(name, 0.05, kwargs), warmup_steps=3, total_steps=12)
     params = {"w": jnp.ones(3)}
     update = jax.jit(lambda g, s: tx.update(g, s, params)[1])
     state = tx.init(params)

@@ -60,13 +60,25 @@ CASES = [
 ]
 # Names whose HF optimizer keeps 8/4-bit state: compared with the 32-bit rule of the same class (HF's 32-bit name).
 THIRTY_TWO_BIT = {
-    "adamw_bnb_8bit": "paged_adamw_32bit", "adamw_8bit": "paged_adamw_32bit", "paged_adamw_8bit": "paged_adamw_32bit",
-    "lion_8bit": "lion_32bit", "paged_lion_8bit": "lion_32bit", "ademamix_8bit": "ademamix",
-    "paged_ademamix_8bit": "ademamix", "adamw_torch_4bit": "adamw_torch", "adamw_torch_8bit": "adamw_torch",
+    "adamw_bnb_8bit": "paged_adamw_32bit",
+    "adamw_8bit": "paged_adamw_32bit",
+    "paged_adamw_8bit": "paged_adamw_32bit",
+    "lion_8bit": "lion_32bit",
+    "paged_lion_8bit": "lion_32bit",
+    "ademamix_8bit": "ademamix",
+    "paged_ademamix_8bit": "ademamix",
+    "adamw_torch_4bit": "adamw_torch",
+    "adamw_torch_8bit": "adamw_torch",
 }
 # Their packages (torch_xla, torch_npu, torchao, torchdistx) do not install on this CPU: these AdamW variants are
 # compared with torch's AdamW.
-NOT_IN_CASES = {"adamw_torch_xla", "adamw_torch_npu_fused", "adamw_torch_4bit", "adamw_torch_8bit", "adamw_anyprecision"}
+NOT_IN_CASES = {
+    "adamw_torch_xla",
+    "adamw_torch_npu_fused",
+    "adamw_torch_4bit",
+    "adamw_torch_8bit",
+    "adamw_anyprecision",
+}
 
 
 class Toy(torch.nn.Module):
@@ -84,9 +96,19 @@ class Toy(torch.nn.Module):
 
 def _initial_values():
     rng = np.random.RandomState(0)
-    return {name: rng.normal(0, 0.5, shape) for name, shape in [
-        ("dense.weight", (5, 6)), ("dense.bias", (5,)), ("ln.weight", (5,)), ("ln.bias", (5,)),
-        ("out_norm.weight", (3, 5)), ("out_norm.bias", (3,)), ("stack", (2, 3, 4)), ("scale", (7,))]}
+    return {
+        name: rng.normal(0, 0.5, shape)
+        for name, shape in [
+            ("dense.weight", (5, 6)),
+            ("dense.bias", (5,)),
+            ("ln.weight", (5,)),
+            ("ln.bias", (5,)),
+            ("out_norm.weight", (3, 5)),
+            ("out_norm.bias", (3,)),
+            ("stack", (2, 3, 4)),
+            ("scale", (7,)),
+        ]
+    }
 
 
 def _gradients(values):
@@ -96,8 +118,17 @@ def _gradients(values):
 
 def _hf_args(tmp_path, optim, optim_args, scheduler, cls):
     warmup = 3 if scheduler == "linear" else 0
-    return cls(str(tmp_path), optim=optim, optim_args=optim_args, learning_rate=0.05, weight_decay=0.1,
-               lr_scheduler_type=scheduler, warmup_steps=warmup, report_to="none", adam_beta2=0.99)
+    return cls(
+        str(tmp_path),
+        optim=optim,
+        optim_args=optim_args,
+        learning_rate=0.05,
+        weight_decay=0.1,
+        lr_scheduler_type=scheduler,
+        warmup_steps=warmup,
+        report_to="none",
+        adam_beta2=0.99,
+    )
 
 
 def _torch_run(tmp_path, optim, optim_args, scheduler, values, grads):
@@ -132,8 +163,13 @@ def _jax_run(tmp_path, optim, optim_args, scheduler, values, grads, decayed):
     args = _hf_args(tmp_path, optim, optim_args, scheduler, TrainingArguments)
     warmup = args.get_warmup_steps(STEPS)
     mask = {k: k in decayed for k in values}
-    tx = make_optimizer(args, mask, multiplier=schedule_multiplier(scheduler, args.learning_rate), warmup_steps=warmup,
-                        total_steps=STEPS)
+    tx = make_optimizer(
+        args,
+        mask,
+        multiplier=schedule_multiplier(scheduler, args.learning_rate),
+        warmup_steps=warmup,
+        total_steps=STEPS,
+    )
     params = {k: jnp.asarray(v, jnp.float32) for k, v in values.items()}
     state = tx.init(params)
 
@@ -189,16 +225,20 @@ def test_names_without_their_package_run_adamw(tmp_path, optim):
     _assert_close(params, ref, optim)
 
 
-@pytest.mark.parametrize("optim, optim_args, match", [
-    ("sgd", "momentum=0,nesterov=True", "nesterov"),
-    ("sgd", "momentum", "key=value"),
-    ("stable_adamw", "decouple_lr=True", "max_lr"),
-    ("adamw_anyprecision", "use_kahan_summation=True", "not reproduced"),
-])
+@pytest.mark.parametrize(
+    "optim, optim_args, match",
+    [
+        ("sgd", "momentum=0,nesterov=True", "nesterov"),
+        ("sgd", "momentum", "key=value"),
+        ("stable_adamw", "decouple_lr=True", "max_lr"),
+        ("adamw_anyprecision", "use_kahan_summation=True", "not reproduced"),
+    ],
+)
 def test_options_hf_cannot_match_are_refused_at_construction(optim, optim_args, match):
+    from conftest import tiny_llama_config
+
     from jtrainer import Trainer
     from jtrainer.models import LlamaForCausalLM
-    from conftest import tiny_llama_config
 
     args = TrainingArguments("o", optim=optim, optim_args=optim_args, report_to="none")
     with pytest.raises(ValueError, match=match):

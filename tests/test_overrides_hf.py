@@ -10,7 +10,6 @@ pytest.importorskip("accelerate")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-
 from conftest import tiny_llama_config, token_rows, torch_rows  # noqa: E402
 
 VOCAB = 64
@@ -18,11 +17,28 @@ TOKEN_WEIGHTS = np.linspace(0.5, 2.0, VOCAB).astype(np.float32)  # a class-weigh
 
 
 def _args(cls, out, **over):
-    kw = dict(output_dir=str(out), per_device_train_batch_size=4, gradient_accumulation_steps=2, learning_rate=3e-3,
-              weight_decay=0.1, lr_scheduler_type="linear", warmup_steps=1, max_grad_norm=1.0, num_train_epochs=1,
-              logging_steps=1, train_sampling_strategy="sequential", save_strategy="no", report_to="none",
-              disable_tqdm=True, seed=0, use_cpu=True, optim="adamw_torch", per_device_eval_batch_size=4,
-              eval_strategy="steps", eval_steps=2)
+    kw = dict(
+        output_dir=str(out),
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        learning_rate=3e-3,
+        weight_decay=0.1,
+        lr_scheduler_type="linear",
+        warmup_steps=1,
+        max_grad_norm=1.0,
+        num_train_epochs=1,
+        logging_steps=1,
+        train_sampling_strategy="sequential",
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        seed=0,
+        use_cpu=True,
+        optim="adamw_torch",
+        per_device_eval_batch_size=4,
+        eval_strategy="steps",
+        eval_steps=2,
+    )
     kw.update(over)
     return cls(**kw)
 
@@ -46,7 +62,7 @@ def _hf_trainers():
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             loss, outputs = super().compute_loss(model, inputs, True, num_items_in_batch)
-            loss = loss + 1e-2 * (outputs.logits ** 2).mean()
+            loss = loss + 1e-2 * (outputs.logits**2).mean()
             return (loss, outputs) if return_outputs else loss
 
     return {"weighted": WeightedHF, "super-aux": AuxHF}
@@ -90,13 +106,15 @@ def test_compute_loss_override_as_transformers(tmp_path, kind):
     hf = _hf_trainers()[kind](
         model=transformers.LlamaForCausalLM.from_pretrained(tmp_path / "init"),
         args=_args(transformers.TrainingArguments, tmp_path / "hf"),
-        train_dataset=torch_rows(rows), eval_dataset=torch_rows(eval_rows),
+        train_dataset=torch_rows(rows),
+        eval_dataset=torch_rows(eval_rows),
     )
     hf.train()
     ours = _jt_trainers()[kind](
         model=LlamaForCausalLM.from_pretrained(str(tmp_path / "init")),
         args=_args(__import__("jtrainer").TrainingArguments, tmp_path / "jt"),
-        train_dataset=rows, eval_dataset=eval_rows,
+        train_dataset=rows,
+        eval_dataset=eval_rows,
     )
     ours.train()
 
@@ -137,8 +155,9 @@ def test_untraceable_compute_loss_fails_before_compiling(tmp_path):
 
     trainer = TorchStyle(
         model=LlamaForCausalLM.from_config(tiny_llama_config()),
-        args=TrainingArguments(output_dir=str(tmp_path), report_to="none", max_steps=2, save_strategy="no",
-                               per_device_train_batch_size=4),
+        args=TrainingArguments(
+            output_dir=str(tmp_path), report_to="none", max_steps=2, save_strategy="no", per_device_train_batch_size=4
+        ),
         train_dataset=token_rows(8),
     )
     with count_compiles() as compiles, pytest.raises(TypeError, match=r"TorchStyle\.compute_loss cannot run inside"):
@@ -156,10 +175,17 @@ def test_create_optimizer_and_dataloader_overrides(tmp_path):
     from jtrainer.models.llama import LlamaForCausalLM
 
     def build(cls):
-        return cls(model=LlamaForCausalLM.from_config(tiny_llama_config()),
-                   args=TrainingArguments(output_dir=str(tmp_path), report_to="none", max_steps=2,
-                                          save_strategy="no", per_device_train_batch_size=4),
-                   train_dataset=token_rows(8))
+        return cls(
+            model=LlamaForCausalLM.from_config(tiny_llama_config()),
+            args=TrainingArguments(
+                output_dir=str(tmp_path),
+                report_to="none",
+                max_steps=2,
+                save_strategy="no",
+                per_device_train_batch_size=4,
+            ),
+            train_dataset=token_rows(8),
+        )
 
     class FrozenOptimizer(Trainer):
         def create_optimizer(self):

@@ -93,18 +93,29 @@ def test_schedule_free_evaluates_and_saves_x_as_transformers(tmp_path, optim):
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "init")
     rows, eval_rows = token_rows(32, ragged_labels=True), token_rows(8, seed=1)
-    over = dict(optim=optim, eval_strategy="steps", eval_steps=4, num_train_epochs=1, learning_rate=1e-2,
-                warmup_steps=1, lr_scheduler_type="constant", per_device_eval_batch_size=4)
+    over = dict(
+        optim=optim,
+        eval_strategy="steps",
+        eval_steps=4,
+        num_train_epochs=1,
+        learning_rate=1e-2,
+        warmup_steps=1,
+        lr_scheduler_type="constant",
+        per_device_eval_batch_size=4,
+    )
 
     hf = transformers.Trainer(
         model=transformers.LlamaForCausalLM.from_pretrained(tmp_path / "init"),
         args=_args(transformers.TrainingArguments, tmp_path / "hf", **over),
-        train_dataset=torch_rows(rows), eval_dataset=torch_rows(eval_rows),
+        train_dataset=torch_rows(rows),
+        eval_dataset=torch_rows(eval_rows),
     )
     hf.train()
     ours = Trainer(
         model=LlamaForCausalLM.from_pretrained(str(tmp_path / "init")),
-        args=_args(TrainingArguments, tmp_path / "jt", **over), train_dataset=rows, eval_dataset=eval_rows,
+        args=_args(TrainingArguments, tmp_path / "jt", **over),
+        train_dataset=rows,
+        eval_dataset=eval_rows,
     )
     ours.train()
 
@@ -112,8 +123,9 @@ def test_schedule_free_evaluates_and_saves_x_as_transformers(tmp_path, optim):
     jt_evals = [h for h in ours.state.log_history if "eval_loss" in h]
     assert [h["step"] for h in jt_evals] == [h["step"] for h in hf_evals] == [4]
     np.testing.assert_allclose(jt_evals[0]["eval_loss"], hf_evals[0]["eval_loss"], rtol=1e-5)
-    for ref, got in zip([h for h in hf.state.log_history if "loss" in h],
-                        [h for h in ours.state.log_history if "loss" in h]):
+    for ref, got in zip(
+        [h for h in hf.state.log_history if "loss" in h], [h for h in ours.state.log_history if "loss" in h]
+    ):
         np.testing.assert_allclose(got["loss"], ref["loss"], rtol=1e-4, err_msg=str(ref["step"]))
     # float32 on both sides; Adam-normalised updates of rate 1e-2 leave ~1e-5 of rounding noise on a few entries,
     # while x and y differ by ~1e-3.
@@ -146,14 +158,18 @@ def test_evaluate_gathers_logits_only_for_compute_metrics_as_transformers(tmp_pa
             return logits.argmax(-1)
 
         trainer = trainer_class(
-            model=model, args=_args(args_class, tmp_path / args_class.__module__, per_device_eval_batch_size=4),
-            eval_dataset=data, preprocess_logits_for_metrics=preprocess,
+            model=model,
+            args=_args(args_class, tmp_path / args_class.__module__, per_device_eval_batch_size=4),
+            eval_dataset=data,
+            preprocess_logits_for_metrics=preprocess,
             compute_metrics=(lambda p: {"n": float(np.size(p.predictions))}) if with_metrics else None,
         )
         return trainer.evaluate(), seen
 
     hf_metrics, hf_seen = run(transformers.Trainer, transformers.TrainingArguments, torch_model, torch_rows(rows))
-    jt_metrics, jt_seen = run(Trainer, TrainingArguments, LlamaForCausalLM.from_pretrained(str(tmp_path / "init")), rows)
+    jt_metrics, jt_seen = run(
+        Trainer, TrainingArguments, LlamaForCausalLM.from_pretrained(str(tmp_path / "init")), rows
+    )
     assert bool(hf_seen) is bool(jt_seen) is with_metrics
     np.testing.assert_allclose(jt_metrics["eval_loss"], hf_metrics["eval_loss"], rtol=1e-5)
     assert ("eval_n" in jt_metrics) is ("eval_n" in hf_metrics) is with_metrics
@@ -161,8 +177,17 @@ def test_evaluate_gathers_logits_only_for_compute_metrics_as_transformers(tmp_pa
         assert jt_metrics["eval_n"] == hf_metrics["eval_n"]
 
 
-@pytest.mark.parametrize("name", ["LlamaForCausalLM", "Qwen2ForCausalLM", "GPT2LMHeadModel", "BertForMaskedLM",
-                                  "BertForSequenceClassification", "T5ForConditionalGeneration"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "LlamaForCausalLM",
+        "Qwen2ForCausalLM",
+        "GPT2LMHeadModel",
+        "BertForMaskedLM",
+        "BertForSequenceClassification",
+        "T5ForConditionalGeneration",
+    ],
+)
 def test_num_items_in_batch_counts_labels_as_transformers_trainer(tmp_path, name):
     """HF counts labels[..., 1:] only where the model's loss_type (from its class name) is the causal-LM loss:
     GPT2LMHeadModel shifts in its loss but has no loss_type, so every label is counted (15/16 of the mean)."""
@@ -171,14 +196,20 @@ def test_num_items_in_batch_counts_labels_as_transformers_trainer(tmp_path, name
     import jtrainer.models as models
     from jtrainer.trainer import _counts_shifted_labels
 
-    configs = {"Llama": tiny_llama_config(), "Qwen2": transformers.Qwen2Config(**tiny_llama_config().to_dict()),
-               "GPT2": transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=4, n_positions=64),
-               "Bert": transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1,
-                                               num_attention_heads=4, intermediate_size=64),
-               "T5": transformers.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4,
-                                           decoder_start_token_id=0)}
+    configs = {
+        "Llama": tiny_llama_config(),
+        "Qwen2": transformers.Qwen2Config(**tiny_llama_config().to_dict()),
+        "GPT2": transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=4, n_positions=64),
+        "Bert": transformers.BertConfig(
+            vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64
+        ),
+        "T5": transformers.T5Config(
+            vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4, decoder_start_token_id=0
+        ),
+    }
     config = configs[next(k for k in configs if name.startswith(k))]
-    hf = transformers.Trainer(model=getattr(transformers, name)(config),
-                              args=transformers.TrainingArguments(output_dir=str(tmp_path), report_to="none",
-                                                                  use_cpu=True))
+    hf = transformers.Trainer(
+        model=getattr(transformers, name)(config),
+        args=transformers.TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True),
+    )
     assert _counts_shifted_labels(getattr(models, name).from_config(config)) == hf._loss_shifts_labels

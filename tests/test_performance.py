@@ -9,10 +9,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import count_compiles, scratch_dir, tiny_llama_config, token_rows
 from flax import nnx
 
 import jtrainer.trainer
-from conftest import count_compiles, scratch_dir, tiny_llama_config, token_rows
 from jtrainer import Trainer, TrainingArguments, throughput
 from jtrainer.losses import shift_labels, token_cross_entropy_sum
 from jtrainer.models.llama import LlamaForCausalLM
@@ -20,9 +20,17 @@ from jtrainer.packing import pack_sequences, packing_efficiency
 
 
 def _args(**over):
-    kw = dict(output_dir=scratch_dir(), per_device_train_batch_size=4, learning_rate=1e-2, report_to="none",
-              disable_tqdm=True, save_strategy="no", logging_steps=1, max_steps=4,
-              train_sampling_strategy="sequential")
+    kw = dict(
+        output_dir=scratch_dir(),
+        per_device_train_batch_size=4,
+        learning_rate=1e-2,
+        report_to="none",
+        disable_tqdm=True,
+        save_strategy="no",
+        logging_steps=1,
+        max_steps=4,
+        train_sampling_strategy="sequential",
+    )
     kw.update(over)
     return TrainingArguments(**kw)
 
@@ -64,16 +72,21 @@ def test_group_by_length_pads_to_bounded_buckets():
 
     def pad(features):
         width = max(len(f["input_ids"]) for f in features)
-        out = {"input_ids": np.zeros((len(features), width), np.int64),
-               "labels": np.full((len(features), width), -100, np.int64)}
+        out = {
+            "input_ids": np.zeros((len(features), width), np.int64),
+            "labels": np.full((len(features), width), -100, np.int64),
+        }
         for i, f in enumerate(features):
             out["input_ids"][i, : len(f["input_ids"])] = f["input_ids"]
             out["labels"][i, : len(f["labels"])] = f["labels"]
         return out
 
-    trainer = Trainer(LlamaForCausalLM.from_config(tiny_llama_config(max_position_embeddings=128)),
-                      _args(train_sampling_strategy="group_by_length", max_steps=8, remove_unused_columns=False),
-                      train_dataset=rows, data_collator=pad)
+    trainer = Trainer(
+        LlamaForCausalLM.from_config(tiny_llama_config(max_position_embeddings=128)),
+        _args(train_sampling_strategy="group_by_length", max_steps=8, remove_unused_columns=False),
+        train_dataset=rows,
+        data_collator=pad,
+    )
     jtrainer.trainer._SHARED_TRAIN_STEPS.clear()
     with count_compiles() as compiles:
         trainer.train()
@@ -93,11 +106,17 @@ def test_the_loop_reads_the_device_only_when_it_logs(monkeypatch):
         return original.fget(self)
 
     def run(steps):
-        trainer = Trainer(LlamaForCausalLM.from_config(tiny_llama_config()),
-                          _args(max_steps=steps, logging_steps=steps), train_dataset=token_rows(48))
+        trainer = Trainer(
+            LlamaForCausalLM.from_config(tiny_llama_config()),
+            _args(max_steps=steps, logging_steps=steps),
+            train_dataset=token_rows(48),
+        )
         trainer.train()  # compiles first, outside the count below (equal for both runs anyway)
-        trainer = Trainer(LlamaForCausalLM.from_config(tiny_llama_config()),
-                          _args(max_steps=steps, logging_steps=steps), train_dataset=token_rows(48))
+        trainer = Trainer(
+            LlamaForCausalLM.from_config(tiny_llama_config()),
+            _args(max_steps=steps, logging_steps=steps),
+            train_dataset=token_rows(48),
+        )
         monkeypatch.setattr(ArrayImpl, "_value", property(counted))
         del reads[:]
         trainer.train()
@@ -118,13 +137,22 @@ def test_throughput_in_the_logs_and_mfu_table():
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert all(h["train_tokens_per_second"] > 0 for h in logs)
     assert not any("train_mfu" in h for h in logs)  # no peak is known for CPUs
-    for kind, peak in (("TPU v5 lite", 197e12), ("TPU v4", 275e12), ("NVIDIA H200", 989e12),
-                       ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA A100-SXM4-80GB", 312e12), ("cpu", None)):
+    for kind, peak in (
+        ("TPU v5 lite", 197e12),
+        ("TPU v4", 275e12),
+        ("NVIDIA H200", 989e12),
+        ("NVIDIA H100 80GB HBM3", 989e12),
+        ("NVIDIA A100-SXM4-80GB", 312e12),
+        ("cpu", None),
+    ):
         assert throughput.peak_flops(types.SimpleNamespace(device_kind=kind)) == peak
     model, config = trainer.model, trainer.model.config
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    non_embedding = sum(int(np.prod(np.shape(v))) for p, v in jax.tree_util.tree_flatten_with_path(params)[0]
-                        if "embed_tokens" not in jax.tree_util.keystr(p))
+    non_embedding = sum(
+        int(np.prod(np.shape(v)))
+        for p, v in jax.tree_util.tree_flatten_with_path(params)[0]
+        if "embed_tokens" not in jax.tree_util.keystr(p)
+    )
     expected = 6 * non_embedding + 12 * config.num_hidden_layers * config.hidden_size * 16
     assert not config.tie_word_embeddings and throughput.flops_per_token(model, 16) == expected
     # A tied head has no parameters of its own, yet its [width x vocab] product costs what the untied one does.
@@ -145,16 +173,20 @@ from jtrainer import Trainer, TrainingArguments
 from jtrainer.models.llama import LlamaForCausalLM
 logging.getLogger("jax._src.compiler").setLevel(logging.DEBUG)
 logging.basicConfig()
-args = TrainingArguments(tempfile.mkdtemp(), per_device_train_batch_size=4, max_steps=2, report_to="none", disable_tqdm=True,
-                         save_strategy="no", jax_compilation_cache_dir=sys.argv[1])
+args = TrainingArguments(tempfile.mkdtemp(), per_device_train_batch_size=4, max_steps=2, report_to="none",
+                         disable_tqdm=True, save_strategy="no", jax_compilation_cache_dir=sys.argv[1])
 Trainer(LlamaForCausalLM.from_config(tiny_llama_config()), args, train_dataset=token_rows(8)).train()
 """
 
 
 def test_second_run_loads_the_compiled_step_from_the_persistent_cache(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    runs = [subprocess.run([sys.executable, "-c", JOB, str(tmp_path / "cache")], env=env, capture_output=True,
-                           text=True, timeout=300) for _ in range(2)]
+    runs = [
+        subprocess.run(
+            [sys.executable, "-c", JOB, str(tmp_path / "cache")], env=env, capture_output=True, text=True, timeout=300
+        )
+        for _ in range(2)
+    ]
     assert all(r.returncode == 0 for r in runs), runs[-1].stderr[-3000:]
     assert os.listdir(tmp_path / "cache")
     assert "cache hit" not in runs[0].stderr.lower()
@@ -166,9 +198,25 @@ def test_benchmark_script_in_its_accelerator_mode(tmp_path):
     attention mask, device memory and MFU columns): here on the CPU, where no peak is known (MFU "-")."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_DISABLE_MOST_OPTIMIZATIONS="true", TMPDIR=str(tmp_path))
-    out = subprocess.run([sys.executable, "benchmarks/bench_train.py", "--accelerator", "--configs", "tiny",
-                          "--repeats", "1", "--steps", "4", "--no-startup"], cwd=root, env=env,
-                         capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/bench_train.py",
+            "--accelerator",
+            "--configs",
+            "tiny",
+            "--repeats",
+            "1",
+            "--steps",
+            "4",
+            "--no-startup",
+        ],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.splitlines()
     assert any("bf16 on the accelerator" in line for line in lines)

@@ -7,9 +7,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("accelerate")
 
-from flax import nnx  # noqa: E402
-
 from conftest import torch_rows  # noqa: E402
+from flax import nnx  # noqa: E402
 
 
 def _rows(n, seed=0):

@@ -5,8 +5,8 @@ Both give HF's metrics on the same model and data."""
 import numpy as np
 import torch
 import transformers
-
 from conftest import scratch_dir, tiny_llama_config, token_rows, torch_rows
+
 from jtrainer import Trainer, TrainingArguments
 from jtrainer.models import AutoModelForCausalLM
 
@@ -33,16 +33,24 @@ def test_a_torch_style_preprocess_runs_on_the_host_and_gives_hfs_metrics(tmp_pat
     reference.save_pretrained(tmp_path / "ref")
     rows = token_rows(10, length=12, seed=4)
     hf = transformers.Trainer(
-        model=reference, args=transformers.TrainingArguments(output_dir=str(tmp_path / "hf"), report_to="none",
-                                                             per_device_eval_batch_size=4, use_cpu=True),
-        eval_dataset=torch_rows(rows), compute_metrics=accuracy, preprocess_logits_for_metrics=torch_style)
+        model=reference,
+        args=transformers.TrainingArguments(
+            output_dir=str(tmp_path / "hf"), report_to="none", per_device_eval_batch_size=4, use_cpu=True
+        ),
+        eval_dataset=torch_rows(rows),
+        compute_metrics=accuracy,
+        preprocess_logits_for_metrics=torch_style,
+    )
     expected = hf.evaluate()
     results = {}
     for name, function in (("torch", torch_style), ("jax", jax_style)):
-        trainer = Trainer(model=AutoModelForCausalLM.from_pretrained(str(tmp_path / "ref")),
-                          args=TrainingArguments(output_dir=scratch_dir(), report_to="none",
-                                                 per_device_eval_batch_size=4),
-                          eval_dataset=rows, compute_metrics=accuracy, preprocess_logits_for_metrics=function)
+        trainer = Trainer(
+            model=AutoModelForCausalLM.from_pretrained(str(tmp_path / "ref")),
+            args=TrainingArguments(output_dir=scratch_dir(), report_to="none", per_device_eval_batch_size=4),
+            eval_dataset=rows,
+            compute_metrics=accuracy,
+            preprocess_logits_for_metrics=function,
+        )
         results[name] = trainer.evaluate()
         assert trainer._preprocess_placement.on_host == (name == "torch")
     for result in results.values():

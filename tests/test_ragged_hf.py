@@ -13,9 +13,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("accelerate")
 
-from flax import nnx  # noqa: E402
-
 from conftest import torch_rows  # noqa: E402
+from flax import nnx  # noqa: E402
 
 HERE = os.path.dirname(__file__)
 
@@ -52,10 +51,23 @@ class NnxRegression(nnx.Module):
 
 
 def run_args(out, **over):
-    kw = dict(output_dir=str(out), per_device_train_batch_size=8, per_device_eval_batch_size=8, learning_rate=1e-2,
-              weight_decay=0.1, max_grad_norm=1.0, num_train_epochs=2, logging_steps=1, optim="adamw_torch",
-              train_sampling_strategy="sequential", save_strategy="no", eval_strategy="epoch", report_to="none",
-              disable_tqdm=True, seed=0)
+    kw = dict(
+        output_dir=str(out),
+        per_device_train_batch_size=8,
+        per_device_eval_batch_size=8,
+        learning_rate=1e-2,
+        weight_decay=0.1,
+        max_grad_norm=1.0,
+        num_train_epochs=2,
+        logging_steps=1,
+        optim="adamw_torch",
+        train_sampling_strategy="sequential",
+        save_strategy="no",
+        eval_strategy="epoch",
+        report_to="none",
+        disable_tqdm=True,
+        seed=0,
+    )
     kw.update(over)
     return kw
 
@@ -65,8 +77,12 @@ def _hf_run(tmp_path, train_rows, eval_rows, **over):
 
     model = TorchRegression()
     init = (model.lin.weight.detach().numpy().copy(), model.lin.bias.detach().numpy().copy())
-    hf = transformers.Trainer(model=model, args=transformers.TrainingArguments(**run_args(tmp_path / "hf", **over)),
-                              train_dataset=torch_rows(train_rows), eval_dataset=torch_rows(eval_rows))
+    hf = transformers.Trainer(
+        model=model,
+        args=transformers.TrainingArguments(**run_args(tmp_path / "hf", **over)),
+        train_dataset=torch_rows(train_rows),
+        eval_dataset=torch_rows(eval_rows),
+    )
     hf.train()
     predictions = hf.predict(torch_rows(eval_rows))
     return hf, init, predictions
@@ -82,9 +98,12 @@ def test_ragged_batches_on_one_device_as_transformers(tmp_path, accumulation):
 
     rows = regression_rows(66)
     hf, init, ref_pred = _hf_run(tmp_path, rows, rows, gradient_accumulation_steps=accumulation)
-    ours = Trainer(model=NnxRegression(*init),
-                   args=TrainingArguments(**run_args(tmp_path / "jt", gradient_accumulation_steps=accumulation)),
-                   train_dataset=rows, eval_dataset=rows)
+    ours = Trainer(
+        model=NnxRegression(*init),
+        args=TrainingArguments(**run_args(tmp_path / "jt", gradient_accumulation_steps=accumulation)),
+        train_dataset=rows,
+        eval_dataset=rows,
+    )
     ours.train()
     got_pred = ours.predict(rows)
 
@@ -94,10 +113,12 @@ def test_ragged_batches_on_one_device_as_transformers(tmp_path, accumulation):
         np.testing.assert_allclose(got, ref, rtol=1e-5, err_msg=key)
     np.testing.assert_allclose(got_pred.predictions, ref_pred.predictions, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(got_pred.metrics["test_loss"], ref_pred.metrics["test_loss"], rtol=1e-5)
-    np.testing.assert_allclose(np.asarray(ours.model.lin.kernel[...]).T, hf.model.lin.weight.detach().numpy(),
-                               rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(np.asarray(ours.model.lin.bias[...]), hf.model.lin.bias.detach().numpy(),
-                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(ours.model.lin.kernel[...]).T, hf.model.lin.weight.detach().numpy(), rtol=1e-5, atol=1e-6
+    )
+    np.testing.assert_allclose(
+        np.asarray(ours.model.lin.bias[...]), hf.model.lin.bias.detach().numpy(), rtol=1e-5, atol=1e-6
+    )
 
 
 EIGHT_SHARDS = r"""
@@ -131,7 +152,7 @@ def _hf_distributed_eval_loss(model, rows, processes, per_process):
     order = list(range(n)) + list(range(-n % total))
     losses = []
     for start in range(0, len(order), per_process):
-        shard = [rows[i] for i in order[start:start + per_process]]
+        shard = [rows[i] for i in order[start : start + per_process]]
         x = torch.tensor(np.stack([r["x"] for r in shard]))
         labels = torch.tensor(np.stack([r["labels"] for r in shard]))
         with torch.no_grad():
@@ -144,21 +165,29 @@ def test_ragged_batches_on_eight_data_shards_follow_the_distributed_rule(tmp_pat
     distributed sampler completes it from the start). The training reference is HF's single-device run on
     exactly those batches; predictions leave the completing rows out; eval_loss is HF's per-process rule."""
     rows = regression_rows(66)
-    hf, init, ref_pred = _hf_run(tmp_path, rows + rows[:30], rows, eval_strategy="no",
-                                 per_device_train_batch_size=32)
+    hf, init, ref_pred = _hf_run(tmp_path, rows + rows[:30], rows, eval_strategy="no", per_device_train_batch_size=32)
     (tmp_path / "init.json").write_text(json.dumps([init[0].tolist(), init[1].tolist()]))
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    result = subprocess.run([sys.executable, "-c", EIGHT_SHARDS, str(tmp_path / "jt"), HERE,
-                             str(tmp_path / "init.json")], env=env, capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [sys.executable, "-c", EIGHT_SHARDS, str(tmp_path / "jt"), HERE, str(tmp_path / "init.json")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     got = json.loads((tmp_path / "jt" / "out.json").read_text())
     np.testing.assert_allclose(got["losses"], _logged(hf.state.log_history, "loss"), rtol=1e-5)
-    np.testing.assert_allclose(np.asarray(got["kernel"]).T, hf.model.lin.weight.detach().numpy(), rtol=1e-5,
-                               atol=1e-6)
+    np.testing.assert_allclose(np.asarray(got["kernel"]).T, hf.model.lin.weight.detach().numpy(), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(got["predictions"], ref_pred.predictions, rtol=1e-5, atol=1e-6)
     expected = _hf_distributed_eval_loss(hf.model, rows, processes=8, per_process=4)
-    assert abs(expected - float(np.mean([(p - r["labels"][0]) ** 2 for p, r in
-                                          zip(np.asarray(got["predictions"])[:, 0], rows)]))) > 1e-4  # the rule shows
+    assert (
+        abs(
+            expected
+            - float(np.mean([(p - r["labels"][0]) ** 2 for p, r in zip(np.asarray(got["predictions"])[:, 0], rows)]))
+        )
+        > 1e-4
+    )  # the rule shows
     np.testing.assert_allclose(got["test_loss"], expected, rtol=1e-5)
     np.testing.assert_allclose(got["eval_losses"][-1], expected, rtol=1e-5)
 
@@ -182,7 +211,6 @@ def test_token_loss_eval_on_eight_data_shards_follows_the_distributed_rule(tmp_p
     its token sum over the count of all processes' tokens, times 8 (average_tokens_across_devices); the last batch
     is completed from the first rows and only its first 5 entries are kept. Computed with the torch model."""
     import transformers
-
     from conftest import tiny_llama_config, token_rows
 
     torch.manual_seed(0)
@@ -194,22 +222,29 @@ def test_token_loss_eval_on_eight_data_shards_follows_the_distributed_rule(tmp_p
     order = list(range(21)) + list(range(-21 % total))
     losses = []
     for start in range(0, len(order), total):
-        batch = [rows[i] for i in order[start:start + total]]
+        batch = [rows[i] for i in order[start : start + total]]
         labels = torch.tensor(np.stack([r["labels"] for r in batch]))
         num_items = int((labels[:, 1:] != -100).sum())
         for p in range(processes):
-            shard = batch[p * per_process:(p + 1) * per_process]
+            shard = batch[p * per_process : (p + 1) * per_process]
             with torch.no_grad():
-                out = model(input_ids=torch.tensor(np.stack([r["input_ids"] for r in shard])),
-                            attention_mask=torch.tensor(np.stack([r["attention_mask"] for r in shard])),
-                            labels=torch.tensor(np.stack([r["labels"] for r in shard])),
-                            num_items_in_batch=torch.tensor(num_items))
+                out = model(
+                    input_ids=torch.tensor(np.stack([r["input_ids"] for r in shard])),
+                    attention_mask=torch.tensor(np.stack([r["attention_mask"] for r in shard])),
+                    labels=torch.tensor(np.stack([r["labels"] for r in shard])),
+                    num_items_in_batch=torch.tensor(num_items),
+                )
             losses += [float(out.loss) * processes] * per_process
     expected = float(np.mean(np.asarray(losses[:21], np.float64)))
 
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    result = subprocess.run([sys.executable, "-c", EIGHT_SHARDS_LM, str(tmp_path / "jt"), HERE, str(tmp_path / "init")],
-                            env=env, capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [sys.executable, "-c", EIGHT_SHARDS_LM, str(tmp_path / "jt"), HERE, str(tmp_path / "init")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
-    got = json.loads(next(l for l in result.stdout.splitlines() if l.startswith("EVAL_LOSS")).split(" ", 1)[1])
+    got = json.loads(next(line for line in result.stdout.splitlines() if line.startswith("EVAL_LOSS")).split(" ", 1)[1])
     np.testing.assert_allclose(got, expected, rtol=1e-5)

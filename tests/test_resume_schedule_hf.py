@@ -11,10 +11,24 @@ from conftest import tiny_llama_config, token_rows, torch_rows  # noqa: E402
 
 
 def _kwargs(out, **over):
-    kw = dict(output_dir=str(out), per_device_train_batch_size=4, learning_rate=3e-3, warmup_steps=2,
-              lr_scheduler_type="linear", max_steps=6, save_steps=6, logging_steps=1, max_grad_norm=1.0,
-              train_sampling_strategy="sequential", report_to="none", disable_tqdm=True, seed=0, use_cpu=True,
-              optim="adamw_torch", weight_decay=0.1)
+    kw = dict(
+        output_dir=str(out),
+        per_device_train_batch_size=4,
+        learning_rate=3e-3,
+        warmup_steps=2,
+        lr_scheduler_type="linear",
+        max_steps=6,
+        save_steps=6,
+        logging_steps=1,
+        max_grad_norm=1.0,
+        train_sampling_strategy="sequential",
+        report_to="none",
+        disable_tqdm=True,
+        seed=0,
+        use_cpu=True,
+        optim="adamw_torch",
+        weight_decay=0.1,
+    )
     kw.update(over)
     return kw
 
@@ -26,8 +40,14 @@ CASES = {
     # scheduler's base rate) while the new max_grad_norm is.
     "epochs_rate_and_clipping": (
         {"max_steps": -1, "num_train_epochs": 1, "warmup_steps": 0.25, "lr_scheduler_type": "cosine"},
-        {"max_steps": -1, "num_train_epochs": 2, "warmup_steps": 0.25, "lr_scheduler_type": "cosine",
-         "learning_rate": 1e-3, "max_grad_norm": 0.05},
+        {
+            "max_steps": -1,
+            "num_train_epochs": 2,
+            "warmup_steps": 0.25,
+            "lr_scheduler_type": "cosine",
+            "learning_rate": 1e-3,
+            "max_grad_norm": 0.05,
+        },
     ),
 }
 

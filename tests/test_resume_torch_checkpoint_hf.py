@@ -11,26 +11,49 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("accelerate")
 
 import transformers  # noqa: E402
-from safetensors.numpy import load_file  # noqa: E402
-
 from conftest import scratch_dir, tiny_llama_config, token_rows, torch_rows  # noqa: E402
+from safetensors.numpy import load_file  # noqa: E402
 
 FAMILIES = {
     "llama": (lambda: transformers.LlamaForCausalLM(tiny_llama_config()), "LlamaForCausalLM"),
     # Tied embeddings (torch lists the table once), Conv1D weights stored [in, out], LayerNorm excluded by type;
     # no dropout (torch's and jax's masks differ).
-    "gpt2": (lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2,
-                                                                          n_head=4, n_positions=64, resid_pdrop=0.0,
-                                                                          embd_pdrop=0.0, attn_pdrop=0.0)),
-             "GPT2LMHeadModel"),
+    "gpt2": (
+        lambda: transformers.GPT2LMHeadModel(
+            transformers.GPT2Config(
+                vocab_size=64,
+                n_embd=32,
+                n_layer=2,
+                n_head=4,
+                n_positions=64,
+                resid_pdrop=0.0,
+                embd_pdrop=0.0,
+                attn_pdrop=0.0,
+            )
+        ),
+        "GPT2LMHeadModel",
+    ),
 }
 
 
 def _kwargs(out, **over):
-    kw = dict(output_dir=str(out), per_device_train_batch_size=4, learning_rate=3e-3, warmup_steps=1,
-              lr_scheduler_type="linear", max_steps=4, save_steps=2, logging_steps=1, max_grad_norm=1.0,
-              weight_decay=0.1, train_sampling_strategy="sequential", report_to="none", disable_tqdm=True, seed=0,
-              use_cpu=True)
+    kw = dict(
+        output_dir=str(out),
+        per_device_train_batch_size=4,
+        learning_rate=3e-3,
+        warmup_steps=1,
+        lr_scheduler_type="linear",
+        max_steps=4,
+        save_steps=2,
+        logging_steps=1,
+        max_grad_norm=1.0,
+        weight_decay=0.1,
+        train_sampling_strategy="sequential",
+        report_to="none",
+        disable_tqdm=True,
+        seed=0,
+        use_cpu=True,
+    )
     kw.update(over)
     return kw
 

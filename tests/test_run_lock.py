@@ -10,11 +10,11 @@ import sys
 import time
 
 import pytest
-
 from ckpt_job import make_trainer
+from test_commit_safety import _spawn, _wait
+
 from jtrainer import checkpoint, run_lock
 from jtrainer.run_lock import LOCK_NAME, OutputDirLocked, RunLock
-from test_commit_safety import _spawn, _wait
 
 
 def _write_lock(folder, host, pid, age_s=0.0):

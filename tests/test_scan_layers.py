@@ -3,15 +3,15 @@ unrolled model's loss and gradients, HF names on export and import, the same gen
 
 from types import SimpleNamespace
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 import transformers
+from conftest import count_compiles, scratch_dir, tiny_llama_config, token_rows
 from flax import nnx
 
-import jax
-import jax.numpy as jnp
-from conftest import count_compiles, scratch_dir, tiny_llama_config, token_rows
 from jtrainer import Trainer, TrainingArguments
 from jtrainer.generation import generate
 from jtrainer.models import AutoModelForCausalLM, hf_io
@@ -70,13 +70,13 @@ def test_scanned_export_is_transformers_folder_and_loads_sharded(tmp_path):
     back = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "out").eval()
     ids = _ids()
     with torch.no_grad():
-        np.testing.assert_allclose(np.asarray(scanned(jnp.asarray(ids)).logits),
-                                   back(torch.tensor(ids)).logits.numpy(), atol=2e-5)
+        np.testing.assert_allclose(
+            np.asarray(scanned(jnp.asarray(ids)).logits), back(torch.tensor(ids)).logits.numpy(), atol=2e-5
+        )
     # Onto a mesh: every device reads only its slices of every layer's tensors.
     from jtrainer import sharding
 
-    mesh = sharding.make_mesh(sharding.resolve_mesh_shape(SimpleNamespace(mesh_shape={"fsdp": -1}),
-                                                          jax.device_count()))
+    mesh = sharding.make_mesh(sharding.resolve_mesh_shape(SimpleNamespace(mesh_shape={"fsdp": -1}), jax.device_count()))
     placed = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), mesh=mesh, scan_layers=True)
     kernel = placed.model.layers.mlp.down_proj.kernel[...]
     assert kernel.shape == (3, 64, 32) and kernel.sharding.spec[0] is None
@@ -100,9 +100,18 @@ def test_a_trainer_run_with_scanned_layers_equals_the_unrolled_run(tmp_path):
     _reference(tmp_path / "ref")
 
     def run(scan):
-        args = TrainingArguments(output_dir=scratch_dir(), per_device_train_batch_size=4, max_steps=3,
-                                 learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to="none",
-                                 disable_tqdm=True, activation_checkpointing=True, seed=1)
+        args = TrainingArguments(
+            output_dir=scratch_dir(),
+            per_device_train_batch_size=4,
+            max_steps=3,
+            learning_rate=1e-3,
+            logging_steps=1,
+            save_strategy="no",
+            report_to="none",
+            disable_tqdm=True,
+            activation_checkpointing=True,
+            seed=1,
+        )
         model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "ref"), scan_layers=scan)
         trainer = Trainer(model=model, args=args, train_dataset=token_rows(12, length=16))
         with count_compiles() as compiles:
@@ -119,16 +128,29 @@ def test_a_trainer_run_with_scanned_layers_equals_the_unrolled_run(tmp_path):
 
 
 def test_layers_that_differ_cannot_be_scanned_and_a_checkpoint_says_how_it_was_built(tmp_path):
-    config = transformers.Qwen2Config(**{**tiny_llama_config(num_hidden_layers=3).to_dict(), "model_type": "qwen2",
-                                         "use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1})
+    config = transformers.Qwen2Config(
+        **{
+            **tiny_llama_config(num_hidden_layers=3).to_dict(),
+            "model_type": "qwen2",
+            "use_sliding_window": True,
+            "sliding_window": 4,
+            "max_window_layers": 1,
+        }
+    )
     with pytest.raises(ValueError, match="scan_layers runs one compiled layer for all, but this config's layers"):
         AutoModelForCausalLM.from_config(config, scan_layers=True)
 
     from jtrainer import checkpoint
 
     def trainer(scan):
-        args = TrainingArguments(output_dir=str(tmp_path / "run"), per_device_train_batch_size=4, max_steps=1,
-                                 save_steps=1, report_to="none", disable_tqdm=True)
+        args = TrainingArguments(
+            output_dir=str(tmp_path / "run"),
+            per_device_train_batch_size=4,
+            max_steps=1,
+            save_steps=1,
+            report_to="none",
+            disable_tqdm=True,
+        )
         model = AutoModelForCausalLM.from_config(tiny_llama_config(), scan_layers=scan)
         return Trainer(model=model, args=args, train_dataset=token_rows(4, length=16))
 

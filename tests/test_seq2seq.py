@@ -2,8 +2,8 @@
 
 import numpy as np
 import pytest
-
 from conftest import tiny_llama_config, token_rows
+
 from jtrainer import Seq2SeqTrainer, Seq2SeqTrainingArguments
 from jtrainer.models.auto import AutoModelForSeq2SeqLM
 from jtrainer.models.llama import LlamaForCausalLM
@@ -13,20 +13,39 @@ def _t5_config(vocab=64, **kw):
     import transformers
 
     kw = {"decoder_start_token_id": 0, "pad_token_id": 0, "eos_token_id": 1, **kw}
-    return transformers.T5Config(vocab_size=vocab, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
-                                 num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=16,
-                                 **kw)
+    return transformers.T5Config(
+        vocab_size=vocab,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=16,
+        **kw,
+    )
 
 
 def _rows(n, seed=0):
     rng = np.random.RandomState(seed)
-    return [{"input_ids": rng.randint(2, 64, 10), "attention_mask": np.ones(10, np.int64),
-             "labels": rng.randint(2, 64, 6)} for _ in range(n)]
+    return [
+        {"input_ids": rng.randint(2, 64, 10), "attention_mask": np.ones(10, np.int64), "labels": rng.randint(2, 64, 6)}
+        for _ in range(n)
+    ]
 
 
 def _args(out, **over):
-    kw = dict(output_dir=str(out), per_device_eval_batch_size=4, per_device_train_batch_size=4, report_to="none",
-              disable_tqdm=True, save_strategy="no", predict_with_generate=True, generation_max_length=8)
+    kw = dict(
+        output_dir=str(out),
+        per_device_eval_batch_size=4,
+        per_device_train_batch_size=4,
+        report_to="none",
+        disable_tqdm=True,
+        save_strategy="no",
+        predict_with_generate=True,
+        generation_max_length=8,
+    )
     kw.update(over)
     return Seq2SeqTrainingArguments(**kw)
 
@@ -61,12 +80,19 @@ def test_predict_with_generate_equals_transformers(tmp_path):
             return {k: torch.tensor(v) for k, v in rows[i].items()}
 
     hf_args = transformers.Seq2SeqTrainingArguments(
-        str(tmp_path / "hf"), per_device_eval_batch_size=4, report_to="none", predict_with_generate=True,
-        generation_max_length=8, use_cpu=True, disable_tqdm=True)
+        str(tmp_path / "hf"),
+        per_device_eval_batch_size=4,
+        report_to="none",
+        predict_with_generate=True,
+        generation_max_length=8,
+        use_cpu=True,
+        disable_tqdm=True,
+    )
     expected = transformers.Seq2SeqTrainer(model=reference, args=hf_args).predict(Rows())
 
-    ours = Seq2SeqTrainer(model=AutoModelForSeq2SeqLM.from_pretrained(str(tmp_path / "t5")),
-                          args=_args(tmp_path / "ours"))
+    ours = Seq2SeqTrainer(
+        model=AutoModelForSeq2SeqLM.from_pretrained(str(tmp_path / "t5")), args=_args(tmp_path / "ours")
+    )
     got = ours.predict(rows)
     assert got.predictions.shape == expected.predictions.shape == (6, 20)  # padded to max_length 20, as HF
     np.testing.assert_array_equal(got.predictions, expected.predictions)
@@ -82,30 +108,43 @@ def test_t5_trains_and_compute_metrics_gets_decoded_text(tmp_path):
 
     texts = ["copy these words", "short one", "a longer sentence to copy", "hello world"] * 4
     tokenizer = train_tokenizer(texts, vocab_size=300)
-    config = _t5_config(vocab=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
-                        decoder_start_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    config = _t5_config(
+        vocab=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        decoder_start_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     model = AutoModelForSeq2SeqLM.from_config(config)
     rows = []
     for text in texts:
         ids = tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]
-        rows.append({"input_ids": np.asarray(ids), "attention_mask": np.ones(len(ids), np.int64),
-                     "labels": np.asarray(ids)})
+        rows.append(
+            {"input_ids": np.asarray(ids), "attention_mask": np.ones(len(ids), np.int64), "labels": np.asarray(ids)}
+        )
     decoded = []
 
     def compute_metrics(prediction):
         preds = np.where(prediction.predictions != -100, prediction.predictions, tokenizer.pad_token_id)
         labels = np.where(prediction.label_ids != -100, prediction.label_ids, tokenizer.pad_token_id)
-        decoded.append((tokenizer.batch_decode(preds, skip_special_tokens=True),
-                        tokenizer.batch_decode(labels, skip_special_tokens=True)))
+        decoded.append(
+            (
+                tokenizer.batch_decode(preds, skip_special_tokens=True),
+                tokenizer.batch_decode(labels, skip_special_tokens=True),
+            )
+        )
         return {"exact": float(np.mean([p == t for p, t in zip(*decoded[-1])]))}
 
     from transformers import DataCollatorForSeq2Seq
 
-    trainer = Seq2SeqTrainer(model=model, args=_args(tmp_path, learning_rate=3e-3, max_steps=12, logging_steps=4,
-                                                     eval_strategy="steps", eval_steps=12),
-                             train_dataset=rows, eval_dataset=rows[:4], processing_class=tokenizer,
-                             data_collator=DataCollatorForSeq2Seq(tokenizer, return_tensors="np"),
-                             compute_metrics=compute_metrics)
+    trainer = Seq2SeqTrainer(
+        model=model,
+        args=_args(tmp_path, learning_rate=3e-3, max_steps=12, logging_steps=4, eval_strategy="steps", eval_steps=12),
+        train_dataset=rows,
+        eval_dataset=rows[:4],
+        processing_class=tokenizer,
+        data_collator=DataCollatorForSeq2Seq(tokenizer, return_tensors="np"),
+        compute_metrics=compute_metrics,
+    )
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert losses[-1] < losses[0]
@@ -128,6 +167,6 @@ def test_causal_lm_predict_with_generate_returns_prompt_and_new_tokens(tmp_path)
     for i, length in ((0, 6), (1, 4)):
         prompt = rows[i]["input_ids"][:length]
         alone = generate(model, prompt[None], max_new_tokens=3)[0]
-        np.testing.assert_array_equal(out.predictions[i][6 - length:6], prompt)
+        np.testing.assert_array_equal(out.predictions[i][6 - length : 6], prompt)
         np.testing.assert_array_equal(out.predictions[i][6:9], alone[-3:])
         assert (out.predictions[i][9:] == 0).all()

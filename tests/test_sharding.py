@@ -7,10 +7,9 @@ import sys
 
 import numpy as np
 import pytest
-
 from conftest import tiny_llama_config
-from jtrainer import Trainer, TrainingArguments
-from jtrainer import sharding
+
+from jtrainer import Trainer, TrainingArguments, sharding
 from jtrainer.models.llama import LlamaForCausalLM
 
 HERE = os.path.dirname(__file__)
@@ -31,8 +30,9 @@ def _run_layouts(tmp_path, *runs):
         out = tmp_path / f"layouts_{i}.json"
         env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
         cmd = [sys.executable, os.path.join(HERE, "layout_job.py"), str(out)] + [json.dumps(x) for x in layouts]
-        running.append((out, subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                              text=True)))
+        running.append(
+            (out, subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+        )
     results = {}
     for out, process in running:
         _, stderr = process.communicate(timeout=600)
@@ -65,10 +65,18 @@ def test_mesh_shape_sources_and_errors():
     assert sharding.resolve_mesh_shape(Args(), 8) == {"data": 8, "fsdp": 1, "tensor": 1, "sequence": 1}
     assert sharding.resolve_mesh_shape(Args(fsdp="full_shard"), 8)["fsdp"] == 8
     assert sharding.resolve_mesh_shape(Args(mesh_shape='{"data": 2, "fsdp": -1, "tensor": 2}'), 8) == {
-        "data": 2, "fsdp": 2, "tensor": 2, "sequence": 1}
+        "data": 2,
+        "fsdp": 2,
+        "tensor": 2,
+        "sequence": 1,
+    }
     pc = {"dp_replicate_size": 2, "dp_shard_size": 2, "tp_size": 1, "cp_size": 2}
     assert sharding.resolve_mesh_shape(Args(parallelism_config=pc), 8) == {
-        "data": 2, "fsdp": 2, "tensor": 1, "sequence": 2}
+        "data": 2,
+        "fsdp": 2,
+        "tensor": 1,
+        "sequence": 2,
+    }
     with pytest.raises(ValueError, match="needs 6 devices but there are 8"):
         sharding.resolve_mesh_shape(Args(mesh_shape={"data": 3, "tensor": 2}), 8)
     with pytest.raises(ValueError, match="unknown mesh axes"):
@@ -111,7 +119,9 @@ def test_unannotated_parameters_get_a_default():
 
 
 def test_layout_errors_name_the_parameter_and_the_fix():
-    model = LlamaForCausalLM.from_config(tiny_llama_config(hidden_size=36, num_attention_heads=3, num_key_value_heads=1))
+    model = LlamaForCausalLM.from_config(
+        tiny_llama_config(hidden_size=36, num_attention_heads=3, num_key_value_heads=1)
+    )
     with pytest.raises(ValueError, match=r"lm_head.kernel of shape \(36, 64\): dimension 0.*mesh_shape"):
         sharding.param_specs(model, _fake_mesh(fsdp=8), sharding.merged_rules())
     wide = LlamaForCausalLM.from_config(tiny_llama_config())
@@ -149,6 +159,7 @@ assert np.abs(a - b).max() < 0.1, np.abs(a - b).max()
 print("ok")
 """
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    out = subprocess.run([sys.executable, "-c", script, str(tmp_path), HERE], env=env, capture_output=True, text=True,
-                         timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path), HERE], env=env, capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]

@@ -12,9 +12,20 @@ from jtrainer.models.auto import AutoModelForSeq2SeqLM  # noqa: E402
 def _config(**kw):
     import transformers
 
-    return transformers.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
-                                 num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=16,
-                                 decoder_start_token_id=0, pad_token_id=0, **kw)
+    return transformers.T5Config(
+        vocab_size=64,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=16,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        **kw,
+    )
 
 
 @pytest.mark.parametrize("kw", [{}, {"feed_forward_proj": "gated-gelu", "tie_word_embeddings": False}])
@@ -34,16 +45,16 @@ def test_t5_matches_pytorch(tmp_path, kw):
     labels = rng.randint(1, 64, (2, 7))
     labels[0, 5:] = -100
     with torch.no_grad():
-        expected = reference(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
-                             labels=torch.tensor(labels))
+        expected = reference(
+            input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask), labels=torch.tensor(labels)
+        )
     ours = AutoModelForSeq2SeqLM.from_pretrained(str(tmp_path / "torch"))
     got = ours(jnp.asarray(ids), jnp.asarray(mask), labels=jnp.asarray(labels))
     assert np.abs(np.asarray(got.logits) - expected.logits.numpy()).max() <= 1e-4
     assert float(got.loss) == pytest.approx(float(expected.loss), rel=1e-4)
 
     ours.save_pretrained(str(tmp_path / "jax"))
-    _, info = transformers.T5ForConditionalGeneration.from_pretrained(str(tmp_path / "jax"),
-                                                                      output_loading_info=True)
+    _, info = transformers.T5ForConditionalGeneration.from_pretrained(str(tmp_path / "jax"), output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
 
 
@@ -56,8 +67,16 @@ def test_t5_trains(tmp_path):
         src = rng.randint(1, 64, 8)
         rows.append({"input_ids": src, "attention_mask": np.ones(8, np.int64), "labels": src[::-1].copy()})
     model = AutoModelForSeq2SeqLM.from_config(_config())
-    args = TrainingArguments(str(tmp_path), per_device_train_batch_size=8, max_steps=20, learning_rate=1e-2,
-                             logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True)
+    args = TrainingArguments(
+        str(tmp_path),
+        per_device_train_batch_size=8,
+        max_steps=20,
+        learning_rate=1e-2,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+    )
     trainer = Trainer(model=model, args=args, train_dataset=rows)
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
@@ -76,8 +95,9 @@ def test_t5_greedy_matches_pytorch_generate(tmp_path):
     mask = np.ones_like(ids)
     mask[1, 6:] = 0
     with torch.no_grad():
-        expected = reference.generate(torch.tensor(ids), attention_mask=torch.tensor(mask), max_new_tokens=8,
-                                      do_sample=False, eos_token_id=None).numpy()
+        expected = reference.generate(
+            torch.tensor(ids), attention_mask=torch.tensor(mask), max_new_tokens=8, do_sample=False, eos_token_id=None
+        ).numpy()
     ours = AutoModelForSeq2SeqLM.from_pretrained(str(tmp_path))
     got = generate(ours, ids, mask, max_new_tokens=8, eos_token_id=None)
     np.testing.assert_array_equal(got, expected)
@@ -93,8 +113,9 @@ def test_t5_beam_search_matches_pytorch_generate(tmp_path):
     reference.save_pretrained(tmp_path)
     ids = np.random.RandomState(1).randint(2, 64, (2, 9))
     with torch.no_grad():
-        expected = reference.generate(torch.tensor(ids), max_new_tokens=6, num_beams=3, do_sample=False,
-                                      eos_token_id=None).numpy()
+        expected = reference.generate(
+            torch.tensor(ids), max_new_tokens=6, num_beams=3, do_sample=False, eos_token_id=None
+        ).numpy()
     ours = AutoModelForSeq2SeqLM.from_pretrained(str(tmp_path))
     np.testing.assert_array_equal(generate(ours, ids, max_new_tokens=6, num_beams=3, eos_token_id=None), expected)
 
@@ -113,7 +134,7 @@ def test_t5_decoder_cache_steps_equal_the_whole_decoder():
     whole = model.decode(targets, encoded, mask)
     cache = model.init_decoder_cache(encoded, 20)
     for i in range(20):
-        logits, cache = model.decode_step(targets[:, i:i + 1], cache, i, mask)
+        logits, cache = model.decode_step(targets[:, i : i + 1], cache, i, mask)
         np.testing.assert_allclose(logits[:, 0], whole[:, i], rtol=1e-5, atol=1e-5)
 
     class Uncached(T5ForConditionalGeneration):

@@ -8,43 +8,92 @@ import sys
 import pytest
 
 from jtrainer import targets
-from jtrainer.cli.check import run_check
 from jtrainer.cli import main, parse_train_args
+from jtrainer.cli.check import run_check
 from jtrainer.errors import BadInput
 
 CONFIG = "configs/llama_1b_fsdp_v5e_16.yaml"
-SMALL = ["--hidden_size", "256", "--intermediate_size", "512", "--num_hidden_layers", "2", "--num_attention_heads",
-         "4", "--num_key_value_heads", "2", "--block_size", "128", "--tokenizer_vocab_size", "512",
-         "--per_device_train_batch_size", "1"]
+SMALL = [
+    "--hidden_size",
+    "256",
+    "--intermediate_size",
+    "512",
+    "--num_hidden_layers",
+    "2",
+    "--num_attention_heads",
+    "4",
+    "--num_key_value_heads",
+    "2",
+    "--block_size",
+    "128",
+    "--tokenizer_vocab_size",
+    "512",
+    "--per_device_train_batch_size",
+    "1",
+]
 
-TINY = ["--hidden_size", "32", "--intermediate_size", "64", "--num_hidden_layers", "2", "--num_attention_heads", "4",
-        "--num_key_value_heads", "2", "--block_size", "32", "--tokenizer_vocab_size", "128",
-        "--per_device_train_batch_size", "2"]
+TINY = [
+    "--hidden_size",
+    "32",
+    "--intermediate_size",
+    "64",
+    "--num_hidden_layers",
+    "2",
+    "--num_attention_heads",
+    "4",
+    "--num_key_value_heads",
+    "2",
+    "--block_size",
+    "32",
+    "--tokenizer_vocab_size",
+    "128",
+    "--per_device_train_batch_size",
+    "2",
+]
 
 
-@pytest.mark.parametrize("name, chips, shape", [
-    ("v4-8", 4, (2, 2, 1)), ("v4-32", 16, (2, 2, 4)), ("v4-64", 32, (2, 4, 4)), ("v5p-8", 4, (2, 2, 1)),
-    ("v5litepod-8", 8, (2, 4)), ("v5e-16", 16, (4, 4)), ("v5litepod-32", 32, (4, 8)), ("v6e-256", 256, (16, 16)),
-    ("v5litepod-1", 1, (1, 1)),
-])
+@pytest.mark.parametrize(
+    "name, chips, shape",
+    [
+        ("v4-8", 4, (2, 2, 1)),
+        ("v4-32", 16, (2, 2, 4)),
+        ("v4-64", 32, (2, 4, 4)),
+        ("v5p-8", 4, (2, 2, 1)),
+        ("v5litepod-8", 8, (2, 4)),
+        ("v5e-16", 16, (4, 4)),
+        ("v5litepod-32", 32, (4, 8)),
+        ("v6e-256", 256, (16, 16)),
+        ("v5litepod-1", 1, (1, 1)),
+    ],
+)
 def test_gcloud_accelerator_types_name_their_chips_and_torus(name, chips, shape):
     chip, count = targets.parse(name)
     assert count == chips
     assert targets.torus_shape(count, chip.torus_dims) == shape
 
 
-@pytest.mark.parametrize("name, says", [
-    ("v3-8", "not a TPU accelerator type"), ("tpu-8", "not a TPU accelerator type"),
-    ("v4-7", "two per chip"), ("v5litepod-12", "no v5litepod slice has 12 chips"),
-])
+@pytest.mark.parametrize(
+    "name, says",
+    [
+        ("v3-8", "not a TPU accelerator type"),
+        ("tpu-8", "not a TPU accelerator type"),
+        ("v4-7", "two per chip"),
+        ("v5litepod-12", "no v5litepod slice has 12 chips"),
+    ],
+)
 def test_a_bad_target_name_is_refused_naming_the_fix(name, says):
     with pytest.raises(BadInput, match=says):
         targets.parse(name)
 
 
-@pytest.mark.parametrize("name, slices, devices, kind", [
-    ("v5litepod-16", 1, 16, "TPU v5 lite"), ("v4-32", 1, 16, "TPU v4"), ("v6e-8", 2, 16, "TPU v6 lite"),
-])
+@pytest.mark.parametrize(
+    "name, slices, devices, kind",
+    [
+        ("v5litepod-16", 1, 16, "TPU v5 lite"),
+        ("v4-32", 1, 16, "TPU v4"),
+        ("v6e-8", 2, 16, "TPU v6 lite"),
+    ],
+)
 def test_libtpu_builds_the_named_slice(name, slices, devices, kind):
     target = targets.resolve(name, slices)
     assert len(target.devices) == devices == target.chips
@@ -108,17 +157,23 @@ def test_flops_count_every_micro_batch():
     gradient_accumulation_steps doubles the step's FLOPs, as it doubles 6ND."""
     results = []
     for ga in ("1", "2"):
-        parsed = parse_train_args([CONFIG, *TINY, "--eval_strategy", "no", "--gradient_accumulation_steps", ga],
-                                  "check")
+        parsed = parse_train_args(
+            [CONFIG, *TINY, "--eval_strategy", "no", "--gradient_accumulation_steps", ga], "check"
+        )
         results.append(run_check(*parsed[:3]))
     one, two = results
     assert two["model_flops_per_step"] == 2 * one["model_flops_per_step"]
     assert two["flops_per_step_per_device"] == pytest.approx(2 * one["flops_per_step_per_device"], rel=0.02)
 
 
-@pytest.mark.parametrize("name, per_node, kind", [
-    ("h100x8", 8, "NVIDIA H100 80GB HBM3"), ("h200x8", 8, "NVIDIA H200"), ("a100x4", 4, "NVIDIA A100-SXM4-80GB"),
-])
+@pytest.mark.parametrize(
+    "name, per_node, kind",
+    [
+        ("h100x8", 8, "NVIDIA H100 80GB HBM3"),
+        ("h200x8", 8, "NVIDIA H200"),
+        ("a100x4", 4, "NVIDIA A100-SXM4-80GB"),
+    ],
+)
 def test_the_cuda_plugin_builds_gpu_nodes_without_a_gpu(name, per_node, kind):
     target = targets.resolve(name, num_nodes=2)
     assert len(target.devices) == target.chips == 2 * per_node and target.topology == f"1x2x{per_node}"
@@ -140,10 +195,12 @@ def test_check_sizes_a_gpu_node_itself_and_refuses_what_overflows(capsys):
     assert result["memory_per_device"]["parameters"] == pytest.approx(result["parameters"] * 4 / 8, rel=0.05)
     assert "of 79.65 GiB" in printed and "at least" in printed and "lower bound: 6ND at peak" in printed
     assert "MFU (estimate)" not in printed and result["estimate"]["mfu"] is None
-    code = ("import sys; sys.modules['torch'] = None\nfrom jtrainer.cli import main\n"
-            f"sys.exit(main(['check', {CONFIG!r}, '--target', 'a100x1', *{TINY!r}, '--eval_strategy', 'no', "
-            "'--hidden_size', '256', '--tokenizer_vocab_size', '250000', '--block_size', '2048', "
-            "'--per_device_train_batch_size', '64']))\n")
+    code = (
+        "import sys; sys.modules['torch'] = None\nfrom jtrainer.cli import main\n"
+        f"sys.exit(main(['check', {CONFIG!r}, '--target', 'a100x1', *{TINY!r}, '--eval_strategy', 'no', "
+        "'--hidden_size', '256', '--tokenizer_vocab_size', '250000', '--block_size', '2048', "
+        "'--per_device_train_batch_size', '64']))\n"
+    )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert run.returncode == 1, run.stdout[-2000:] + run.stderr[-3000:]
     assert "jtrainer check: the train step does not fit:" in run.stdout and "of 80.00 GiB" in run.stdout
@@ -158,14 +215,16 @@ def test_the_check_of_scanned_layers_gives_no_mfu_from_counts_xla_makes_once(cap
     assert "(the scanned layers counted once)" in printed and "XLA counts the scanned layers once" in printed
 
 
-@pytest.mark.parametrize("name, slices, sizes, ring", [
-    ("v5litepod-16", 1, {"data": 1, "fsdp": 16, "tensor": 1, "sequence": 1}, True),
-    ("v4-32", 1, {"data": 2, "fsdp": 8, "tensor": 1, "sequence": 1}, False),
-    ("v5litepod-16", 1, {"data": 1, "fsdp": 4, "tensor": 4, "sequence": 1}, True),
-    ("v6e-8", 2, {"data": 2, "fsdp": 8, "tensor": 1, "sequence": 1}, False),
-])
-def test_the_mesh_follows_the_torus_keeps_each_hosts_rows_together_and_puts_slices_on_data(name, slices, sizes,
-                                                                                           ring):
+@pytest.mark.parametrize(
+    "name, slices, sizes, ring",
+    [
+        ("v5litepod-16", 1, {"data": 1, "fsdp": 16, "tensor": 1, "sequence": 1}, True),
+        ("v4-32", 1, {"data": 2, "fsdp": 8, "tensor": 1, "sequence": 1}, False),
+        ("v5litepod-16", 1, {"data": 1, "fsdp": 4, "tensor": 4, "sequence": 1}, True),
+        ("v6e-8", 2, {"data": 2, "fsdp": 8, "tensor": 1, "sequence": 1}, False),
+    ],
+)
+def test_the_mesh_follows_the_torus_keeps_each_hosts_rows_together_and_puts_slices_on_data(name, slices, sizes, ring):
     from jtrainer import sharding
 
     target = targets.resolve(name, slices)
@@ -187,10 +246,32 @@ def test_the_mesh_follows_the_torus_keeps_each_hosts_rows_together_and_puts_slic
 def test_auto_find_batch_size_on_a_target_finds_the_batch_that_fits(capsys):
     """The search training would run on that machine, done by cross-compiling: a 250k vocabulary at 64 rows of 512
     tokens per v5e chip overflows; HF's smaller sizes are tried (effective batch kept) until one fits."""
-    parsed = parse_train_args([CONFIG, "--hidden_size", "256", "--intermediate_size", "256", "--num_hidden_layers",
-                               "1", "--num_attention_heads", "4", "--num_key_value_heads", "2", "--block_size", "512",
-                               "--tokenizer_vocab_size", "250000", "--per_device_train_batch_size", "64",
-                               "--eval_strategy", "no", "--auto_find_batch_size", "true"], "check")
+    parsed = parse_train_args(
+        [
+            CONFIG,
+            "--hidden_size",
+            "256",
+            "--intermediate_size",
+            "256",
+            "--num_hidden_layers",
+            "1",
+            "--num_attention_heads",
+            "4",
+            "--num_key_value_heads",
+            "2",
+            "--block_size",
+            "512",
+            "--tokenizer_vocab_size",
+            "250000",
+            "--per_device_train_batch_size",
+            "64",
+            "--eval_strategy",
+            "no",
+            "--auto_find_batch_size",
+            "true",
+        ],
+        "check",
+    )
     result = run_check(*parsed[:3], "v5litepod-16")
     printed = capsys.readouterr().out
     args = parsed[2]

@@ -17,11 +17,15 @@ def _run(*args):
 @pytest.mark.parametrize(
     "cmd, expected",
     [
-        (["create", "--type", "v5litepod-16", "--spot"], "gcloud compute tpus tpu-vm create t1 --zone us-x1 "
-                                                          "--accelerator-type v5litepod-16"),
+        (
+            ["create", "--type", "v5litepod-16", "--spot"],
+            "gcloud compute tpus tpu-vm create t1 --zone us-x1 --accelerator-type v5litepod-16",
+        ),
         (["install"], "--worker=all --command python3\\ -m\\ pip\\ install\\ -U\\ \\'jax\\[tpu\\]\\'"),
-        (["run", "--config", "configs/default.yaml", "--", "--max_steps", "5"],
-         "jtrainer.cli\\ train\\ configs/default.yaml\\ --max_steps\\ 5"),
+        (
+            ["run", "--config", "configs/default.yaml", "--", "--max_steps", "5"],
+            "jtrainer.cli\\ train\\ configs/default.yaml\\ --max_steps\\ 5",
+        ),
         (["logs"], "gcloud compute tpus tpu-vm scp t1:jtrainer/jtrainer-\\*.log ./tpu-logs --zone us-x1 --worker=all"),
         (["delete"], "gcloud compute tpus tpu-vm delete t1 --zone us-x1 --quiet"),
     ],
@@ -32,13 +36,27 @@ def test_tpu_dry_run_prints_the_commands(cmd, expected):
 
 
 def test_tpu_script_names_missing_arguments():
-    result = subprocess.run(["bash", "tpu/tpu.sh", "run", "--name", "t1", "--zone", "z", "--dry-run"], cwd=ROOT,
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        ["bash", "tpu/tpu.sh", "run", "--name", "t1", "--zone", "z", "--dry-run"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 2 and "--config is required" in result.stderr
 
 
 def test_slurm_dry_run_prints_the_batch_script():
-    out = _run("tpu/slurm_gpu.sh", "--nodes", "4", "--gpus-per-node", "8", "--config", "configs/default.yaml",
-               "--partition", "gpu", "--dry-run")
+    out = _run(
+        "tpu/slurm_gpu.sh",
+        "--nodes",
+        "4",
+        "--gpus-per-node",
+        "8",
+        "--config",
+        "configs/default.yaml",
+        "--partition",
+        "gpu",
+        "--dry-run",
+    )
     assert "#SBATCH --nodes=4" in out and "#SBATCH --gpus-per-node=8" in out and "#SBATCH --partition=gpu" in out
     assert "srun python3 -m jtrainer.cli train configs/default.yaml" in out

@@ -3,16 +3,28 @@ accumulation; one compilation per run."""
 
 import numpy as np
 import pytest
+from conftest import count_compiles, scratch_dir, tiny_llama_config, token_rows, torch_rows
 
 import jtrainer.trainer
-from conftest import count_compiles, scratch_dir, tiny_llama_config, token_rows, torch_rows
 from jtrainer import Trainer, TrainerCallback, TrainingArguments
 from jtrainer.models.llama import LlamaForCausalLM
 
 EVENTS = [
-    "on_init_end", "on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end", "on_step_begin",
-    "on_substep_end", "on_pre_optimizer_step", "on_optimizer_step", "on_step_end", "on_evaluate", "on_log",
-    "on_save", "on_prediction_step", "on_predict",
+    "on_init_end",
+    "on_train_begin",
+    "on_train_end",
+    "on_epoch_begin",
+    "on_epoch_end",
+    "on_step_begin",
+    "on_substep_end",
+    "on_pre_optimizer_step",
+    "on_optimizer_step",
+    "on_step_end",
+    "on_evaluate",
+    "on_log",
+    "on_save",
+    "on_prediction_step",
+    "on_predict",
 ]
 
 
@@ -22,16 +34,27 @@ class Recorder(TrainerCallback):
 
     def __getattribute__(self, name):
         if name in EVENTS:
+
             def record(args, state, control, **kwargs):
                 self.events.append((name, state.global_step, round(state.epoch or 0, 6)))
+
             return record
         return super().__getattribute__(name)
 
 
 def _kwargs(out, **over):
-    kw = dict(output_dir=str(out), per_device_train_batch_size=4, per_device_eval_batch_size=4,
-              learning_rate=1e-3, logging_steps=1, report_to="none", disable_tqdm=True,
-              train_sampling_strategy="sequential", save_strategy="no", use_cpu=True)
+    kw = dict(
+        output_dir=str(out),
+        per_device_train_batch_size=4,
+        per_device_eval_batch_size=4,
+        learning_rate=1e-3,
+        logging_steps=1,
+        report_to="none",
+        disable_tqdm=True,
+        train_sampling_strategy="sequential",
+        save_strategy="no",
+        use_cpu=True,
+    )
     kw.update(over)
     return kw
 
@@ -87,8 +110,14 @@ def _log_keys(state):
 )
 def test_step_counts_events_and_logs_match_hf(tmp_path, n_rows, batch, ga, epochs, max_steps, drop_last):
     rows = token_rows(n_rows, length=8)
-    over = dict(per_device_train_batch_size=batch, gradient_accumulation_steps=ga, num_train_epochs=epochs,
-                max_steps=max_steps, dataloader_drop_last=drop_last, logging_steps=2)
+    over = dict(
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=ga,
+        num_train_epochs=epochs,
+        max_steps=max_steps,
+        dataloader_drop_last=drop_last,
+        logging_steps=2,
+    )
     hf, hf_events = run_hf(tmp_path, rows, **over)
     ours, our_events = run_ours(tmp_path, rows, **over)
     assert ours.state.global_step == hf.state.global_step
@@ -99,9 +128,18 @@ def test_step_counts_events_and_logs_match_hf(tmp_path, n_rows, batch, ga, epoch
 
 def test_eval_save_and_first_step_flow_matches_hf(tmp_path):
     rows, eval_rows = token_rows(10, length=8), token_rows(6, length=8, seed=1)
-    over = dict(gradient_accumulation_steps=2, num_train_epochs=2, logging_first_step=True, logging_steps=2,
-                eval_strategy="steps", eval_steps=2, eval_on_start=True, save_strategy="steps", save_steps=3,
-                save_total_limit=1)
+    over = dict(
+        gradient_accumulation_steps=2,
+        num_train_epochs=2,
+        logging_first_step=True,
+        logging_steps=2,
+        eval_strategy="steps",
+        eval_steps=2,
+        eval_on_start=True,
+        save_strategy="steps",
+        save_steps=3,
+        save_total_limit=1,
+    )
     hf, hf_events = run_hf(tmp_path, rows, eval_rows, **over)
     ours, our_events = run_ours(tmp_path, rows, eval_rows, async_checkpointing=False, **over)
     assert our_events == hf_events  # committing in the step keeps HF's exact order
@@ -121,8 +159,17 @@ def test_eval_save_and_first_step_flow_matches_hf(tmp_path):
 def _train_one_step(rows, batch, ga):
     trainer = Trainer(
         model=LlamaForCausalLM.from_config(tiny_llama_config()),
-        args=TrainingArguments(**_kwargs(scratch_dir(), per_device_train_batch_size=batch, gradient_accumulation_steps=ga,
-                                         max_steps=1, max_grad_norm=0.0, learning_rate=1.0, optim="sgd")),
+        args=TrainingArguments(
+            **_kwargs(
+                scratch_dir(),
+                per_device_train_batch_size=batch,
+                gradient_accumulation_steps=ga,
+                max_steps=1,
+                max_grad_norm=0.0,
+                learning_rate=1.0,
+                optim="sgd",
+            )
+        ),
         # SGD: the update is the gradient itself, so the comparison is not amplified by Adam's g / |g|.
         train_dataset=rows,
     )
@@ -159,6 +206,7 @@ def test_shape_probe_loses_no_batch_and_collates_once(tmp_path):
     """The probe before compiling peeks at the first batch: a one-shot iterable still trains on every row, and
     the collator runs once per batch (a random collator draws as HF's would)."""
     from conftest import short_run_args, tiny_llama_config, token_rows
+
     from jtrainer import Trainer
     from jtrainer.models import LlamaForCausalLM
 
@@ -171,8 +219,12 @@ def test_shape_probe_loses_no_batch_and_collates_once(tmp_path):
 
     one_shot = (row for row in rows)  # iter(one_shot) is one_shot: rows read once are gone
     args = short_run_args(tmp_path, max_steps=3, include_num_input_tokens_seen=True)
-    trainer = Trainer(model=LlamaForCausalLM.from_config(tiny_llama_config()), args=args, train_dataset=one_shot,
-                      data_collator=collate)
+    trainer = Trainer(
+        model=LlamaForCausalLM.from_config(tiny_llama_config()),
+        args=args,
+        train_dataset=one_shot,
+        data_collator=collate,
+    )
     out = trainer.train()
     assert out.global_step == 3
     assert trainer.state.num_input_tokens_seen == 12 * 16  # every row, the first batch included

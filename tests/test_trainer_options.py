@@ -5,15 +5,24 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-
 from conftest import scratch_dir, tiny_llama_config, token_rows
+
 from jtrainer import Trainer, TrainingArguments
 from jtrainer.models.llama import LlamaForCausalLM
 
 
 def _args(**over):
-    kw = dict(output_dir=scratch_dir(), per_device_train_batch_size=4, learning_rate=1e-2, report_to="none",
-              disable_tqdm=True, save_strategy="no", logging_steps=1, max_steps=4, train_sampling_strategy="sequential")
+    kw = dict(
+        output_dir=scratch_dir(),
+        per_device_train_batch_size=4,
+        learning_rate=1e-2,
+        report_to="none",
+        disable_tqdm=True,
+        save_strategy="no",
+        logging_steps=1,
+        max_steps=4,
+        train_sampling_strategy="sequential",
+    )
     kw.update(over)
     return TrainingArguments(**kw)
 
@@ -42,8 +51,12 @@ def test_user_optimizers_and_optimizer_cls():
     tx = optax.sgd(0.5)
     by_tuple = Trainer(_model(), _args(), train_dataset=rows, optimizers=(tx, None))
     by_tuple.train()
-    by_cls = Trainer(_model(), _args(learning_rate=0.5, lr_scheduler_type="constant"), train_dataset=rows,
-                     optimizer_cls_and_kwargs=(optax.sgd, {}))
+    by_cls = Trainer(
+        _model(),
+        _args(learning_rate=0.5, lr_scheduler_type="constant"),
+        train_dataset=rows,
+        optimizer_cls_and_kwargs=(optax.sgd, {}),
+    )
     by_cls.train()
     assert _losses(by_tuple) == pytest.approx(_losses(by_cls), rel=1e-5)
     assert [h["learning_rate"] for h in by_cls.state.log_history if "loss" in h] == [0.5] * 4
@@ -95,12 +108,22 @@ def test_compute_loss_func_and_label_smoothing():
 def test_reduce_lr_on_plateau_steps_after_evaluation():
     rows = token_rows(8)
     scores = iter(range(100))
-    trainer = Trainer(_model(), _args(learning_rate=1e-3, lr_scheduler_type="reduce_lr_on_plateau",
-                                      lr_scheduler_kwargs={"patience": 0, "factor": 0.5}, eval_strategy="steps",
-                                      eval_steps=1, max_steps=4, metric_for_best_model="score",
-                                      greater_is_better=False),
-                      train_dataset=rows, eval_dataset=rows,
-                      compute_metrics=lambda pred: {"score": float(next(scores))})
+    trainer = Trainer(
+        _model(),
+        _args(
+            learning_rate=1e-3,
+            lr_scheduler_type="reduce_lr_on_plateau",
+            lr_scheduler_kwargs={"patience": 0, "factor": 0.5},
+            eval_strategy="steps",
+            eval_steps=1,
+            max_steps=4,
+            metric_for_best_model="score",
+            greater_is_better=False,
+        ),
+        train_dataset=rows,
+        eval_dataset=rows,
+        compute_metrics=lambda pred: {"score": float(next(scores))},
+    )
     trainer.train()
     lrs = [h["learning_rate"] for h in trainer.state.log_history if "loss" in h]
     # The score only grows, so with mode "min" and patience 0 every evaluation after the first halves the rate.
@@ -112,11 +135,21 @@ def test_greedy_scheduler_steps_after_evaluation():
     `patience` better ones divide it (mode "min" by default, whatever greater_is_better says, as HF)."""
     rows = token_rows(8)
     scores = iter([5.0, 6.0, 4.0, 3.0, 2.0, 1.0])
-    trainer = Trainer(_model(), _args(learning_rate=1e-3, lr_scheduler_type="greedy",
-                                      lr_scheduler_kwargs={"patience": 0, "factor": 0.5, "min_lr": 1e-5},
-                                      eval_strategy="steps", eval_steps=1, max_steps=5, metric_for_best_model="score"),
-                      train_dataset=rows, eval_dataset=rows,
-                      compute_metrics=lambda pred: {"score": next(scores)})
+    trainer = Trainer(
+        _model(),
+        _args(
+            learning_rate=1e-3,
+            lr_scheduler_type="greedy",
+            lr_scheduler_kwargs={"patience": 0, "factor": 0.5, "min_lr": 1e-5},
+            eval_strategy="steps",
+            eval_steps=1,
+            max_steps=5,
+            metric_for_best_model="score",
+        ),
+        train_dataset=rows,
+        eval_dataset=rows,
+        compute_metrics=lambda pred: {"score": next(scores)},
+    )
     trainer.train()
     lrs = [h["learning_rate"] for h in trainer.state.log_history if "loss" in h]
     # Evaluation 1 (5.0) improves on nothing yet: x2; 6.0 is worse: x0.5; 4.0, 3.0 improve: x2 each.
@@ -152,9 +185,11 @@ def test_gradient_checkpointing_and_memory_report():
     rows = token_rows(16)
     plain = Trainer(_model(), _args(skip_memory_metrics=False), train_dataset=rows)
     out_plain = plain.train()
-    remat = Trainer(_model(), _args(activation_checkpointing=True,
-                                    activation_checkpointing_kwargs={"policy": "nothing_saveable"}),
-                    train_dataset=rows)
+    remat = Trainer(
+        _model(),
+        _args(activation_checkpointing=True, activation_checkpointing_kwargs={"policy": "nothing_saveable"}),
+        train_dataset=rows,
+    )
     remat.train()
     assert _losses(remat) == pytest.approx(_losses(plain), rel=1e-5)  # remat changes memory, not results
     assert remat.model.model.remat_policy == "nothing_saveable"
@@ -174,10 +209,18 @@ def test_plateau_scheduler_state_is_checkpointed(tmp_path):
     rows = token_rows(8)
 
     def run(out, resume=None):
-        args = _args(output_dir=str(out), lr_scheduler_type="reduce_lr_on_plateau",
-                     lr_scheduler_kwargs={"patience": 1, "factor": 0.5}, eval_strategy="steps", eval_steps=1,
-                     save_strategy="steps", save_steps=2, max_steps=5, metric_for_best_model="loss",
-                     greater_is_better=True)
+        args = _args(
+            output_dir=str(out),
+            lr_scheduler_type="reduce_lr_on_plateau",
+            lr_scheduler_kwargs={"patience": 1, "factor": 0.5},
+            eval_strategy="steps",
+            eval_steps=1,
+            save_strategy="steps",
+            save_steps=2,
+            max_steps=5,
+            metric_for_best_model="loss",
+            greater_is_better=True,
+        )
         trainer = Trainer(_model(), args, train_dataset=rows, eval_dataset=rows)
         trainer.train(resume_from_checkpoint=resume)
         return [h["learning_rate"] for h in trainer.state.log_history if "loss" in h]

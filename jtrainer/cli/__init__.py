@@ -24,8 +24,16 @@ from jtrainer.cli.launch import run_launch
 from jtrainer.cli.train import resume_point, run_train
 from jtrainer.errors import BadInput
 
-__all__ = ["DEFAULT_CONFIG", "RunArguments", "main", "parse_train_args", "read_config", "resume_point", "run_train",
-           "say"]
+__all__ = [
+    "DEFAULT_CONFIG",
+    "RunArguments",
+    "main",
+    "parse_train_args",
+    "read_config",
+    "resume_point",
+    "run_train",
+    "say",
+]
 
 
 COMMANDS = ("train", "check", "launch")
@@ -50,8 +58,9 @@ def main(argv: list[str] | None = None) -> int:
 
             if run_args.target is not None:
                 targets.compile_here_on_cpu()
-            result = run_check(model_args, data_args, training_args, run_args.target, run_args.num_slices,
-                               run_args.num_nodes)
+            result = run_check(
+                model_args, data_args, training_args, run_args.target, run_args.num_slices, run_args.num_nodes
+            )
             return 0 if result["fits"] else 1
         if run_args.target is not None:
             raise BadInput("--target is an option of `jtrainer check` (sizing a run for another machine).")
@@ -62,8 +71,10 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:  # the disk: full, read-only, a file-size limit; the message names the file
         if e.filename is None:
             raise
-        print(f"jtrainer {command}: {e.strerror or e} writing or reading {e.filename!r}: free space, fix "
-              "permissions or limits, then run the same command again (it continues from the last checkpoint).",
-              file=sys.stderr)
+        print(
+            f"jtrainer {command}: {e.strerror or e} writing or reading {e.filename!r}: free space, fix "
+            "permissions or limits, then run the same command again (it continues from the last checkpoint).",
+            file=sys.stderr,
+        )
         return 1
     return 0

@@ -3,8 +3,9 @@ step (and, when the config evaluates, the eval step) compiled ahead of time (`ji
 with memory per device, FLOPs and whether it fits, before any data is read or any parameter allocated.
 
 The model is built abstractly (shapes only); the batch is ones of the configured shape; the steps are the ones
-training runs (`Trainer.compile_train_step`, `Trainer.compile_eval_step`). Without `--target` it compiles for this machine's devices; with
-one, for a TPU slice that is not here (libtpu's compile-only topologies, `jtrainer.targets`): sizing a run
+training runs (`Trainer.compile_train_step`, `Trainer.compile_eval_step`). Without `--target` it compiles for
+this machine's devices; with one, for a TPU slice or GPU nodes that are not here (compile-only topologies,
+`jtrainer.targets`): sizing a run
 before renting it. A step that does not fit makes `jtrainer check` exit 1.
 """
 
@@ -136,10 +137,12 @@ def compile_step(model_args, data_args, training_args, target: targets.Target | 
     if args.activation_checkpointing:
         model.gradient_checkpointing_enable(args.activation_checkpointing_kwargs)
     trainer_class = Seq2SeqTrainer if model_args.task == "seq2seq" else Trainer
-    example = sample_batch(model_args.task, args.per_device_train_batch_size, data_args.block_size,
-                           data_args.max_target_length)
-    eval_example = sample_batch(model_args.task, args.per_device_eval_batch_size, data_args.block_size,
-                                data_args.max_target_length)
+    example = sample_batch(
+        model_args.task, args.per_device_train_batch_size, data_args.block_size, data_args.max_target_length
+    )
+    eval_example = sample_batch(
+        model_args.task, args.per_device_eval_batch_size, data_args.block_size, data_args.max_target_length
+    )
     steps = args.max_steps if args.max_steps > 0 else 1000
     evaluates = str(getattr(args.eval_strategy, "value", args.eval_strategy)) != "no"
     with sharding.use_devices(target.devices if target else None), _without_compilation_cache(target is not None):
@@ -177,8 +180,9 @@ def compile_step(model_args, data_args, training_args, target: targets.Target | 
                 "parameters and batch": int(eval_analysis.argument_size_in_bytes),
                 "optimizer state (resident)": memory["optimizer state"],
                 "temporaries": int(eval_analysis.temp_size_in_bytes),
-                "outputs (loss" + (", logits)" if trainer.compute_metrics else ")"):
-                    int(eval_analysis.output_size_in_bytes - eval_analysis.alias_size_in_bytes),
+                "outputs (loss" + (", logits)" if trainer.compute_metrics else ")"): int(
+                    eval_analysis.output_size_in_bytes - eval_analysis.alias_size_in_bytes
+                ),
                 "generated code": int(eval_analysis.generated_code_size_in_bytes),
             }
     cost = compiled.cost_analysis()
@@ -218,17 +222,21 @@ def roofline(numbers: dict[str, Any], target: targets.Target, undercounted: str 
     six_nd = numbers["model_flops_per_step"] / numbers["devices"]
     if not numbers["flops_per_step_per_device"] or undercounted:
         why = undercounted or "XLA reports no FLOPs or bytes for this target"
-        return {"step_s": six_nd / peak, "bound": "compute", "basis": f"lower bound: 6ND at peak ({why})",
-                "mfu": None}
+        return {"step_s": six_nd / peak, "bound": "compute", "basis": f"lower bound: 6ND at peak ({why})", "mfu": None}
     compute_s = max(numbers["flops_per_step_per_device"], six_nd) / peak
     memory_s = numbers["bytes_accessed_per_device"] / target.chip.hbm_bytes_per_s
     step_s = max(compute_s, memory_s)
-    return {"step_s": step_s, "bound": "compute" if compute_s >= memory_s else "memory", "basis": "roofline",
-            "mfu": numbers["model_flops_per_step"] / (step_s * peak * numbers["devices"])}
+    return {
+        "step_s": step_s,
+        "bound": "compute" if compute_s >= memory_s else "memory",
+        "basis": "roofline",
+        "mfu": numbers["model_flops_per_step"] / (step_s * peak * numbers["devices"]),
+    }
 
 
-def run_check(model_args, data_args, training_args, target_name: str | None = None,
-              num_slices: int = 1, num_nodes: int = 1) -> dict[str, Any]:
+def run_check(
+    model_args, data_args, training_args, target_name: str | None = None, num_slices: int = 1, num_nodes: int = 1
+) -> dict[str, Any]:
     """Print the field report and the compiled step's numbers (for `target_name`, e.g. "v5litepod-16", when
     given); returns both, with "fits"."""
     tasks.check_task(model_args)
@@ -239,11 +247,14 @@ def run_check(model_args, data_args, training_args, target_name: str | None = No
     for name, value, status, why in report:
         shown = getattr(value, "value", value)
         say(f"  {name:<{width}}  {status:<8}  {shown!r}" + (f"  ({why})" if why else ""))
-    where = (f"{target.name} ({target.chips} x {target.chip.device_kind}, topology {target.topology}"
-             + (f" x {target.num_slices} slices" if target.num_slices > 1 else "")
-             + (f" = {num_nodes} node(s) x {target.chips // num_nodes} GPUs" if isinstance(target.chip, targets.Gpu)
-                else "") + ", compiled here, not run)"
-             if target else "this machine")
+    where = (
+        f"{target.name} ({target.chips} x {target.chip.device_kind}, topology {target.topology}"
+        + (f" x {target.num_slices} slices" if target.num_slices > 1 else "")
+        + (f" = {num_nodes} node(s) x {target.chips // num_nodes} GPUs" if isinstance(target.chip, targets.Gpu) else "")
+        + ", compiled here, not run)"
+        if target
+        else "this machine"
+    )
     try:
         numbers = _compile_fitting(model_args, data_args, training_args, target, where)
     except StepDoesNotFit as error:
@@ -258,25 +269,33 @@ def run_check(model_args, data_args, training_args, target_name: str | None = No
         say("  memory per device")
         for kind, value in numbers["memory_per_device"].items():
             say(f"    {kind:<38} {_size(value):>11}")
-        say(f"    {'total':<38} {_size(needed):>11}" + (f" of {_size(budget)} ({needed / budget:.0%})" if budget else ""))
+        say(
+            f"    {'total':<38} {_size(needed):>11}"
+            + (f" of {_size(budget)} ({needed / budget:.0%})" if budget else "")
+        )
     fits = budget is None or needed is None or needed <= budget
     eval_needed = numbers["eval_bytes_per_device"]
     if eval_needed is not None:
-        say(f"  memory per device while evaluating (per_device_eval_batch_size {training_args.per_device_eval_batch_size})")
+        eval_batch = training_args.per_device_eval_batch_size
+        say(f"  memory per device while evaluating (per_device_eval_batch_size {eval_batch})")
         for kind, value in numbers["eval_memory_per_device"].items():
             say(f"    {kind:<38} {_size(value):>11}")
-        say(f"    {'total':<38} {_size(eval_needed):>11}"
-            + (f" of {_size(budget)} ({eval_needed / budget:.0%})" if budget else ""))
+        say(
+            f"    {'total':<38} {_size(eval_needed):>11}"
+            + (f" of {_size(budget)} ({eval_needed / budget:.0%})" if budget else "")
+        )
         fits = fits and (budget is None or eval_needed <= budget)
     if budget is not None and needed is not None:
         say(f"  fits                       {'yes' if fits else 'NO'}")
     if numbers["flops_per_step_per_device"]:
         ga = training_args.gradient_accumulation_steps
-        say(f"  XLA FLOPs per device/step  {numbers['flops_per_step_per_device']:.3e}"
+        say(
+            f"  XLA FLOPs per device/step  {numbers['flops_per_step_per_device']:.3e}"
             + (f" (the micro-batch loop's count x {ga})" if ga > 1 else "")
             # The chunked loss is a loop too, whose LM head XLA counts for one chunk only: an undercount.
             + (" (the chunked loss's LM head counted for one chunk)" if training_args.chunked_loss_positions() else "")
-            + (" (the scanned layers counted once)" if model_args.scan_layers else ""))
+            + (" (the scanned layers counted once)" if model_args.scan_layers else "")
+        )
     say(f"  model FLOPs per step (6ND) {numbers['model_flops_per_step']:.3e}")
     undercounted = "XLA counts the scanned layers once" if model_args.scan_layers else None
     estimate = roofline(numbers, target, undercounted) if target else None
@@ -287,8 +306,10 @@ def run_check(model_args, data_args, training_args, target_name: str | None = No
         say(f"  MFU (estimate)             {estimate['mfu']:.1%}")
     if not fits:
         worst = max(needed, eval_needed or 0)
-        say(f"jtrainer check: the {'train' if worst == needed else 'eval'} step does not fit: {_size(worst)} per "
-            f"device, {_size(budget)} available. {ADVICE}")
+        say(
+            f"jtrainer check: the {'train' if worst == needed else 'eval'} step does not fit: {_size(worst)} per "
+            f"device, {_size(budget)} available. {ADVICE}"
+        )
     return {"fields": report, **numbers, "fits": fits, "estimate": estimate}
 
 
@@ -304,9 +325,11 @@ def _compile_fitting(model_args, data_args, training_args, target, where: str) -
             needed, budget = numbers["step_bytes_per_device"], numbers["device_memory_bytes"]
             if not training_args.auto_find_batch_size or needed is None or budget is None or needed <= budget:
                 if training_args.per_device_train_batch_size != first:
-                    say(f"jtrainer check: auto_find_batch_size: per_device_train_batch_size "
+                    say(
+                        f"jtrainer check: auto_find_batch_size: per_device_train_batch_size "
                         f"{training_args.per_device_train_batch_size}, gradient_accumulation_steps "
-                        f"{training_args.gradient_accumulation_steps} fit {where}")
+                        f"{training_args.gradient_accumulation_steps} fit {where}"
+                    )
                 return numbers
             why = f"{_size(needed)} per device, {_size(budget)} available"
             fallback = numbers
@@ -319,13 +342,17 @@ def _compile_fitting(model_args, data_args, training_args, target, where: str) -
             if fallback is None:
                 raise StepDoesNotFit(f"no per_device_train_batch_size fits (auto_find_batch_size): {why}")
             return fallback
-        say(f"jtrainer check: auto_find_batch_size: per_device_train_batch_size "
+        say(
+            f"jtrainer check: auto_find_batch_size: per_device_train_batch_size "
             f"{training_args.per_device_train_batch_size} does not fit {where} ({why}); trying {smaller} with "
-            f"gradient_accumulation_steps {effective // smaller}")
+            f"gradient_accumulation_steps {effective // smaller}"
+        )
         training_args.per_device_train_batch_size = smaller
         training_args.gradient_accumulation_steps = effective // smaller
 
 
-ADVICE = ("Split parameters and optimizer state over more devices (mesh_shape fsdp), lower "
-          "per_device_train_batch_size (keep the batch with gradient_accumulation_steps) or "
-          "per_device_eval_batch_size, or turn on gradient_checkpointing.")
+ADVICE = (
+    "Split parameters and optimizer state over more devices (mesh_shape fsdp), lower "
+    "per_device_train_batch_size (keep the batch with gradient_accumulation_steps) or "
+    "per_device_eval_batch_size, or turn on gradient_checkpointing."
+)

@@ -24,14 +24,18 @@ class RunArguments:
 
     overwrite_output_dir: bool = field(
         default=False,
-        metadata={"help": "Start afresh: remove the checkpoint-N folders of an earlier run in output_dir (default: "
-                  "continue from its last committed checkpoint)."},
+        metadata={
+            "help": "Start afresh: remove the checkpoint-N folders of an earlier run in output_dir (default: "
+            "continue from its last committed checkpoint)."
+        },
     )
     target: str | None = field(
         default=None,
-        metadata={"help": "jtrainer check: compile for this TPU slice instead of this machine, named as gcloud's "
-                  "accelerator types (v4-8, v5litepod-16, v5p-8, v6e-16, ...; needs libtpu, jax[tpu]), or for "
-                  "GPU nodes (h100x8, h200x8, a100x8; needs the CUDA plugin, jax[cuda12-local])."},
+        metadata={
+            "help": "jtrainer check: compile for this TPU slice instead of this machine, named as gcloud's "
+            "accelerator types (v4-8, v5litepod-16, v5p-8, v6e-16, ...; needs libtpu, jax[tpu]), or for "
+            "GPU nodes (h100x8, h200x8, a100x8; needs the CUDA plugin, jax[cuda12-local])."
+        },
     )
     num_slices: int = field(default=1, metadata={"help": "jtrainer check --target: TPU slices joined over DCN."})
     num_nodes: int = field(default=1, metadata={"help": "jtrainer check --target h100x8: GPU nodes."})
@@ -81,8 +85,9 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
             if key in lines:
-                raise BadInput(f"duplicate key {key!r} (lines {lines[key]} and {key_node.start_mark.line + 1}): "
-                               "keep one.")
+                raise BadInput(
+                    f"duplicate key {key!r} (lines {lines[key]} and {key_node.start_mark.line + 1}): keep one."
+                )
             lines[key] = key_node.start_mark.line + 1
         return super().construct_mapping(node, deep)
 
@@ -154,5 +159,7 @@ def check_value_types(values: dict, dataclass_types, path: str) -> None:
         hints.update({f.name: resolved.get(f.name, typing.Any) for f in dataclasses.fields(cls)})
     for name, value in values.items():
         if name in hints and not _accepts(hints[name], value):
-            raise BadInput(f"config file {path}: {name}: {value!r} is not a valid value; the field takes "
-                           f"{_type_name(hints[name])}.")
+            raise BadInput(
+                f"config file {path}: {name}: {value!r} is not a valid value; the field takes "
+                f"{_type_name(hints[name])}."
+            )

@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass, field
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -38,13 +38,19 @@ class ModelArguments:
     num_hidden_layers: int = field(default=4, metadata={"help": "Layers of a fresh model (T5: per stack)."})
     num_attention_heads: int = field(default=4, metadata={"help": "Attention heads of a fresh model."})
     num_key_value_heads: int = field(default=2, metadata={"help": "Key/value heads (GQA) of a fresh Llama."})
-    head_dim: int | None = field(default=None, metadata={
-        "help": "Width of one attention head of a fresh model (T5's d_kv; Llama's head_dim); unset: "
-                "hidden_size / num_attention_heads, which must then divide."})
+    head_dim: int | None = field(
+        default=None,
+        metadata={
+            "help": "Width of one attention head of a fresh model (T5's d_kv; Llama's head_dim); unset: "
+            "hidden_size / num_attention_heads, which must then divide."
+        },
+    )
     max_position_embeddings: int = field(default=2048, metadata={"help": "Positions of a fresh model."})
     num_labels: int = field(default=2, metadata={"help": "Classes (sequence_classification)."})
-    scan_layers: bool = field(default=False, metadata={
-        "help": "Llama family: run the decoder layers as one scan (compile time independent of depth)."})
+    scan_layers: bool = field(
+        default=False,
+        metadata={"help": "Llama family: run the decoder layers as one scan (compile time independent of depth)."},
+    )
 
 
 @dataclass
@@ -92,13 +98,16 @@ def check_job(model_args: ModelArguments, data_args: DataArguments, training_arg
         raise BadInput(f"block_size={d.block_size}, max_chars={d.max_chars}: both must be at least 1.")
     limit, source = _position_limit(model_args)
     if limit is not None and d.block_size > limit:
-        raise BadInput(f"block_size={d.block_size} exceeds the model's {limit} positions ({source}): lower "
-                       "--block_size.")
+        raise BadInput(
+            f"block_size={d.block_size} exceeds the model's {limit} positions ({source}): lower --block_size."
+        )
     for name in ("model_name_or_path", "tokenizer_name"):
         path = getattr(model_args, name)
         if path and not storage.isdir(path):
-            raise BadInput(f"{name}={path!r} is not a folder: give an HF model folder (config.json + weights), local "
-                           "or on gs:// / s3://.")
+            raise BadInput(
+                f"{name}={path!r} is not a folder: give an HF model folder (config.json + weights), local "
+                "or on gs:// / s3://."
+            )
     if model_args.task == "causal_lm" and not (d.dataset_name or d.train_file):
         if d.text_dir is not None and not storage.isdir(d.text_dir):
             raise BadInput(f"text_dir={d.text_dir!r} is not a folder of .py/.txt files.")
@@ -136,8 +145,10 @@ def head_dim(model_args: ModelArguments) -> int:
     if m.head_dim is not None:
         return m.head_dim
     if m.hidden_size % m.num_attention_heads:
-        raise BadInput(f"hidden_size={m.hidden_size} is not divisible by num_attention_heads={m.num_attention_heads}: "
-                       "set head_dim (T5 v1.1-small: hidden_size 512, 6 heads, head_dim 64).")
+        raise BadInput(
+            f"hidden_size={m.hidden_size} is not divisible by num_attention_heads={m.num_attention_heads}: "
+            "set head_dim (T5 v1.1-small: hidden_size 512, 6 heads, head_dim 64)."
+        )
     return m.hidden_size // m.num_attention_heads
 
 
@@ -150,28 +161,56 @@ def fresh_config(model_args: ModelArguments, vocab_size: int, special: dict[str,
     width = head_dim(m)
     if kind in ("llama", "mistral", "qwen2", "qwen3"):
         cls = transformers.AutoConfig.for_model(kind).__class__
-        return cls(vocab_size=vocab_size, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
-                   num_hidden_layers=m.num_hidden_layers, num_attention_heads=m.num_attention_heads,
-                   num_key_value_heads=m.num_key_value_heads, max_position_embeddings=m.max_position_embeddings,
-                   tie_word_embeddings=True, **({"head_dim": width} if m.head_dim is not None else {}), **special)
+        return cls(
+            vocab_size=vocab_size,
+            hidden_size=m.hidden_size,
+            intermediate_size=m.intermediate_size,
+            num_hidden_layers=m.num_hidden_layers,
+            num_attention_heads=m.num_attention_heads,
+            num_key_value_heads=m.num_key_value_heads,
+            max_position_embeddings=m.max_position_embeddings,
+            tie_word_embeddings=True,
+            **({"head_dim": width} if m.head_dim is not None else {}),
+            **special,
+        )
     if m.head_dim is not None and kind in ("gpt2", "bert"):
         raise BadInput(f"head_dim={m.head_dim}: {kind} heads are hidden_size / num_attention_heads wide; unset it.")
     if kind == "gpt2":
-        return transformers.GPT2Config(vocab_size=vocab_size, n_embd=m.hidden_size, n_inner=m.intermediate_size,
-                                       n_layer=m.num_hidden_layers, n_head=m.num_attention_heads,
-                                       n_positions=m.max_position_embeddings, **special)
+        return transformers.GPT2Config(
+            vocab_size=vocab_size,
+            n_embd=m.hidden_size,
+            n_inner=m.intermediate_size,
+            n_layer=m.num_hidden_layers,
+            n_head=m.num_attention_heads,
+            n_positions=m.max_position_embeddings,
+            **special,
+        )
     if kind == "bert":
-        return transformers.BertConfig(vocab_size=vocab_size, hidden_size=m.hidden_size,
-                                       intermediate_size=m.intermediate_size, num_hidden_layers=m.num_hidden_layers,
-                                       num_attention_heads=m.num_attention_heads, num_labels=m.num_labels,
-                                       max_position_embeddings=m.max_position_embeddings, **special)
+        return transformers.BertConfig(
+            vocab_size=vocab_size,
+            hidden_size=m.hidden_size,
+            intermediate_size=m.intermediate_size,
+            num_hidden_layers=m.num_hidden_layers,
+            num_attention_heads=m.num_attention_heads,
+            num_labels=m.num_labels,
+            max_position_embeddings=m.max_position_embeddings,
+            **special,
+        )
     if kind == "t5":
         pad = special.pop("pad_token_id", 0)
-        return transformers.T5Config(vocab_size=vocab_size, d_model=m.hidden_size, d_ff=m.intermediate_size,
-                                     d_kv=width, num_layers=m.num_hidden_layers,
-                                     num_heads=m.num_attention_heads, feed_forward_proj="gated-gelu",
-                                     tie_word_embeddings=False, pad_token_id=pad, decoder_start_token_id=pad,
-                                     **special)
+        return transformers.T5Config(
+            vocab_size=vocab_size,
+            d_model=m.hidden_size,
+            d_ff=m.intermediate_size,
+            d_kv=width,
+            num_layers=m.num_hidden_layers,
+            num_heads=m.num_attention_heads,
+            feed_forward_proj="gated-gelu",
+            tie_word_embeddings=False,
+            pad_token_id=pad,
+            decoder_start_token_id=pad,
+            **special,
+        )
     raise BadInput(f"model_type={kind!r}: use one of {', '.join(MODEL_TYPES)}.")
 
 
@@ -185,8 +224,9 @@ def auto_class(task: str):
     }[task]
 
 
-def build_model(model_args: ModelArguments, vocab_size: int, special: dict[str, int] | None, seed: int,
-                abstract: bool = False):
+def build_model(
+    model_args: ModelArguments, vocab_size: int, special: dict[str, int] | None, seed: int, abstract: bool = False
+):
     """The model of the config: loaded from `model_name_or_path`, or fresh. `abstract`: shapes only (no
     parameters allocated), for `jtrainer check`."""
     from flax import nnx
@@ -214,8 +254,10 @@ def _scan_option(model_args: ModelArguments, config) -> dict[str, bool]:
     if not model_args.scan_layers:
         return {}
     if model_args.task != "causal_lm" or config.model_type not in SCANNABLE:
-        raise BadInput(f"scan_layers: only the causal-LM Llama family ({', '.join(SCANNABLE)}) scans its layers; "
-                       f"this model is {config.model_type!r} ({model_args.task}): set scan_layers false.")
+        raise BadInput(
+            f"scan_layers: only the causal-LM Llama family ({', '.join(SCANNABLE)}) scans its layers; "
+            f"this model is {config.model_type!r} ({model_args.task}): set scan_layers false."
+        )
     return {"scan_layers": True}
 
 
@@ -312,8 +354,10 @@ def _blocks(texts: list[str], tokenizer, block_size: int, split: str) -> list[di
     rows = token_blocks(texts, tokenizer, block_size)
     if not rows:
         tokens = sum(len(ids) + 1 for ids in tokenizer(texts)["input_ids"])
-        raise BadInput(f"block_size={block_size}: the {split} text is {tokens} tokens, less than one block: lower "
-                       "--block_size or give more text.")
+        raise BadInput(
+            f"block_size={block_size}: the {split} text is {tokens} tokens, less than one block: lower "
+            "--block_size or give more text."
+        )
     return rows
 
 
@@ -325,18 +369,23 @@ def _label(value, row: int, column: str, num_labels: int, split: str):
         number = math.nan
     if not math.isfinite(number) or (num_labels > 1 and number != int(number)):
         kind = "a float" if num_labels == 1 else "a class id (a whole number)"
-        raise BadInput(f"label_column {column!r}: row {row} of the {split} split has {value!r}, not {kind}: fix or "
-                       "drop that row.")
+        raise BadInput(
+            f"label_column {column!r}: row {row} of the {split} split has {value!r}, not {kind}: fix or drop that row."
+        )
     return number if num_labels == 1 else int(number)
 
 
 def special_tokens(tokenizer) -> dict[str, int]:
-    return {"bos_token_id": tokenizer.eos_token_id, "eos_token_id": tokenizer.eos_token_id,
-            "pad_token_id": tokenizer.pad_token_id}
+    return {
+        "bos_token_id": tokenizer.eos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
 
 
-def _tokenizer_for(model_args: ModelArguments, data_args: DataArguments, texts: list[str],
-                   saved_tokenizer: str | None = None):
+def _tokenizer_for(
+    model_args: ModelArguments, data_args: DataArguments, texts: list[str], saved_tokenizer: str | None = None
+):
     from transformers import AutoTokenizer
 
     source = model_args.tokenizer_name or model_args.model_name_or_path or saved_tokenizer
@@ -348,12 +397,15 @@ def _tokenizer_for(model_args: ModelArguments, data_args: DataArguments, texts: 
 def _columns(dataset, *names) -> None:
     missing = [n for n in names if n and n not in dataset.column_names]
     if missing:
-        raise BadInput(f"The dataset has no column(s) {missing}; its columns are {dataset.column_names}. "
-                         "Set --text_column / --label_column / --target_column.")
+        raise BadInput(
+            f"The dataset has no column(s) {missing}; its columns are {dataset.column_names}. "
+            "Set --text_column / --label_column / --target_column."
+        )
 
 
-def build_data(model_args: ModelArguments, data_args: DataArguments,
-               saved_tokenizer: str | None = None) -> tuple[Any, list, list]:
+def build_data(
+    model_args: ModelArguments, data_args: DataArguments, saved_tokenizer: str | None = None
+) -> tuple[Any, list, list]:
     """(tokenizer, train rows, eval rows) for the task; `saved_tokenizer`: a folder with the tokenizer an earlier
     run of this job trained (used instead of training one)."""
     check_task(model_args)
@@ -362,41 +414,56 @@ def build_data(model_args: ModelArguments, data_args: DataArguments,
         texts = read_text_files(d.text_dir, d.max_chars)
         n_eval = max(1, int(len(texts) * d.eval_fraction))
         if n_eval >= len(texts):
-            raise BadInput(f"text_dir={d.text_dir or 'the standard library'!r}: {len(texts)} file(s) within max_chars, "
-                           f"and eval_fraction={d.eval_fraction} holds out whole files ({n_eval}): give more files "
-                           "or a larger --max_chars.")
+            raise BadInput(
+                f"text_dir={d.text_dir or 'the standard library'!r}: {len(texts)} file(s) within max_chars, "
+                f"and eval_fraction={d.eval_fraction} holds out whole files ({n_eval}): give more files "
+                "or a larger --max_chars."
+            )
         tokenizer = _tokenizer_for(model_args, d, texts[:-n_eval], saved_tokenizer)
-        return tokenizer, _blocks(texts[:-n_eval], tokenizer, d.block_size, "training"), _blocks(
-            texts[-n_eval:], tokenizer, d.block_size, "held-out")
+        return (
+            tokenizer,
+            _blocks(texts[:-n_eval], tokenizer, d.block_size, "training"),
+            _blocks(texts[-n_eval:], tokenizer, d.block_size, "held-out"),
+        )
     train, valid = load_splits(d)
     if model_args.task == "causal_lm":
         _columns(train, d.text_column)
         tokenizer = _tokenizer_for(model_args, d, list(train[d.text_column]), saved_tokenizer)
-        return (tokenizer, _blocks(list(train[d.text_column]), tokenizer, d.block_size, "training"),
-                _blocks(list(valid[d.text_column]), tokenizer, d.block_size, "held-out"))
+        return (
+            tokenizer,
+            _blocks(list(train[d.text_column]), tokenizer, d.block_size, "training"),
+            _blocks(list(valid[d.text_column]), tokenizer, d.block_size, "held-out"),
+        )
     if model_args.task == "sequence_classification":
         _columns(train, d.text_column, d.text_pair_column, d.label_column)
         tokenizer = _tokenizer_for(model_args, d, list(train[d.text_column]), saved_tokenizer)
 
         def rows(split, name):
             pairs = split[d.text_pair_column] if d.text_pair_column else None
-            encoded = tokenizer(list(split[d.text_column]), pairs and list(pairs), truncation=True,
-                                max_length=d.block_size)
-            labels = [_label(value, i, d.label_column, model_args.num_labels, name)
-                      for i, value in enumerate(split[d.label_column])]
+            encoded = tokenizer(
+                list(split[d.text_column]), pairs and list(pairs), truncation=True, max_length=d.block_size
+            )
+            labels = [
+                _label(value, i, d.label_column, model_args.num_labels, name)
+                for i, value in enumerate(split[d.label_column])
+            ]
             return [{"input_ids": ids, "labels": label} for ids, label in zip(encoded["input_ids"], labels)]
 
         return tokenizer, rows(train, "training"), rows(valid, "validation")
     _columns(train, d.text_column, d.target_column)
-    tokenizer = _tokenizer_for(model_args, d, list(train[d.text_column]) + list(train[d.target_column]),
-                               saved_tokenizer)
+    tokenizer = _tokenizer_for(
+        model_args, d, list(train[d.text_column]) + list(train[d.target_column]), saved_tokenizer
+    )
 
     def pairs(split):
-        sources = tokenizer([d.source_prefix + t for t in split[d.text_column]], truncation=True,
-                            max_length=d.block_size)["input_ids"]
+        sources = tokenizer(
+            [d.source_prefix + t for t in split[d.text_column]], truncation=True, max_length=d.block_size
+        )["input_ids"]
         targets = tokenizer(list(split[d.target_column]), truncation=True, max_length=d.max_target_length - 1)
-        return [{"input_ids": s, "labels": with_eos(t, tokenizer.eos_token_id)}
-                for s, t in zip(sources, targets["input_ids"])]
+        return [
+            {"input_ids": s, "labels": with_eos(t, tokenizer.eos_token_id)}
+            for s, t in zip(sources, targets["input_ids"])
+        ]
 
     return tokenizer, pairs(train), pairs(valid)
 

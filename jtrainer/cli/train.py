@@ -15,8 +15,9 @@ from jtrainer.cli.tasks import DataArguments, ModelArguments
 from jtrainer.errors import BadInput
 
 
-def run_train(model_args: ModelArguments, data_args: DataArguments, training_args,
-              run_args: RunArguments | None = None) -> dict:
+def run_train(
+    model_args: ModelArguments, data_args: DataArguments, training_args, run_args: RunArguments | None = None
+) -> dict:
     """Train the config's model on its data (continuing an earlier run in output_dir), evaluate, save in HF format
     and print a summary."""
     import jax
@@ -45,8 +46,7 @@ def resume_point(training_args, run_args: RunArguments) -> str | None:
 
     out, explicit = training_args.output_dir, training_args.resume_from_checkpoint
     if explicit and run_args.overwrite_output_dir:
-        raise BadInput("--resume_from_checkpoint and --overwrite_output_dir contradict each other: "
-                       "pass one of them.")
+        raise BadInput("--resume_from_checkpoint and --overwrite_output_dir contradict each other: pass one of them.")
     if explicit:
         try:
             checkpoint.verify_checkpoint(explicit)
@@ -65,21 +65,28 @@ def resume_point(training_args, run_args: RunArguments) -> str | None:
     last = checkpoint.get_last_checkpoint(out)
     step = int(last.rsplit("-", 1)[1]) if last else -1
     if jax.process_count() > 1 and distributed.agree_max(step) != -distributed.agree_max(-step):
-        raise BadInput(f"the processes find different last checkpoints in {out!r}: output_dir "
-                       "must be storage that every host shares.")
+        raise BadInput(
+            f"the processes find different last checkpoints in {out!r}: output_dir "
+            "must be storage that every host shares."
+        )
     if last:
-        say(f"jtrainer: resuming from {last}, the last committed checkpoint in {out} (--overwrite_output_dir "
-            "starts afresh)")
+        say(
+            f"jtrainer: resuming from {last}, the last committed checkpoint in {out} (--overwrite_output_dir "
+            "starts afresh)"
+        )
         return last
     others = sorted(
-        name for name in storage.listdir(out)
+        name
+        for name in storage.listdir(out)
         if not (name.startswith(LOCK_NAME) or name.endswith(checkpoint.TMP_SUFFIX) or name == "runs")
     )
     if others:
         shown = ", ".join(others[:4]) + (", ..." if len(others) > 4 else "")
-        raise BadInput(f"output_dir {out!r} is not empty ({shown}) and has no committed checkpoint "
-                       "to continue from: pass --overwrite_output_dir to start afresh there, or choose another "
-                       "--output_dir.")
+        raise BadInput(
+            f"output_dir {out!r} is not empty ({shown}) and has no committed checkpoint "
+            "to continue from: pass --overwrite_output_dir to start afresh there, or choose another "
+            "--output_dir."
+        )
     return None
 
 
@@ -120,8 +127,14 @@ def _train_job(model_args: ModelArguments, data_args: DataArguments, training_ar
         summary["perplexity"] = math.exp(metrics["eval_loss"])
         say(f"jtrainer: held-out perplexity {summary['perplexity']:.2f} (eval_loss {metrics['eval_loss']:.4f})")
     else:
-        say("jtrainer: held-out " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if "runtime" not in k
-                                              and "per_second" not in k and isinstance(v, float)))
+        say(
+            "jtrainer: held-out "
+            + ", ".join(
+                f"{k} {v:.4f}"
+                for k, v in metrics.items()
+                if "runtime" not in k and "per_second" not in k and isinstance(v, float)
+            )
+        )
     say(f"jtrainer: model and tokenizer saved in HF format to {training_args.output_dir}")
     if task == "causal_lm":
         from jtrainer.generation import generate

@@ -37,8 +37,9 @@ _MIN_BLOCK = 64
 _IMPLEMENTATIONS = ("auto", "xla", "cudnn")
 
 
-def causal_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, mask_Bx1xTxT=None, scale: float | None = None,
-                     sliding_window: int | None = None):
+def causal_attention(
+    q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, mask_Bx1xTxT=None, scale: float | None = None, sliding_window: int | None = None
+):
     """Causal multi-head (grouped-query when K < N) attention.
 
     `mask_Bx1xTxT`: what else a query may not see (padding, other documents of a packed row), booleans of shape
@@ -69,7 +70,7 @@ def _requested_implementation() -> str:
 
 
 def fused_implementation(q: jax.Array) -> str:
-    """"cudnn" for bf16/fp16 queries on a GPU, else "xla"; `JTRAINER_ATTENTION` overrides."""
+    """ "cudnn" for bf16/fp16 queries on a GPU, else "xla"; `JTRAINER_ATTENTION` overrides."""
     requested = _requested_implementation()
     if requested != "auto":
         return requested

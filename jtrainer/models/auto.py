@@ -9,8 +9,8 @@ from transformers import AutoConfig
 
 from jtrainer.models.bert import BertForMaskedLM, BertForSequenceClassification, BertForTokenClassification
 from jtrainer.models.gpt2 import GPT2LMHeadModel
-from jtrainer.models.t5 import T5ForConditionalGeneration
 from jtrainer.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from jtrainer.models.t5 import T5ForConditionalGeneration
 
 CAUSAL_LM_MODELS: dict[str, type] = {
     "gpt2": GPT2LMHeadModel,

@@ -146,8 +146,9 @@ class PretrainedMixin:
             return self.get_input_embeddings()
         return None
 
-    def resize_token_embeddings(self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None,
-                                mean_resizing: bool = True):
+    def resize_token_embeddings(
+        self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None, mean_resizing: bool = True
+    ):
         """HF's resize_token_embeddings: every vocabulary-sized parameter (input table, untied head, its bias)
         grows or shrinks to `new_num_tokens` (rounded up to `pad_to_multiple_of`); tied heads stay tied; the
         config's vocab_size follows. New rows are the mean of the old ones (HF's mean_resizing draws them from a
@@ -208,9 +209,19 @@ class PretrainedMixin:
         hf_io.save_pretrained(self, save_directory, **kwargs)
 
     @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path: str, *model_args, config=None, dtype=None,
-                        torch_dtype=None, mesh=None, logical_axis_rules=None, ignore_mismatched_sizes: bool = False,
-                        seed: int = 0, **kwargs):
+    def from_pretrained(
+        cls,
+        pretrained_model_name_or_path: str,
+        *model_args,
+        config=None,
+        dtype=None,
+        torch_dtype=None,
+        mesh=None,
+        logical_axis_rules=None,
+        ignore_mismatched_sizes: bool = False,
+        seed: int = 0,
+        **kwargs,
+    ):
         """transformers' from_pretrained: a folder of config.json + safetensors as PyTorch transformers writes
         it, a gs:// / s3:// URL, or a Hub id (through huggingface_hub's cache; `cache_dir`, `revision`, `token`,
         `local_files_only`, `subfolder` as HF's). `config=` replaces config.json; keywords naming config
@@ -237,9 +248,17 @@ class PretrainedMixin:
         model = nnx.eval_shape(build)
         rules = sharding.merged_rules(logical_axis_rules) if mesh is not None else None
         target = loading.weight_dtype(dtype if dtype is not None else torch_dtype, config)
-        report = hf_io.load_weights(model, directory, mesh=mesh, rules=rules, dtype=target, strict=False,
-                                    fresh=build, ignore_mismatched_sizes=ignore_mismatched_sizes,
-                                    source=pretrained_model_name_or_path)
+        report = hf_io.load_weights(
+            model,
+            directory,
+            mesh=mesh,
+            rules=rules,
+            dtype=target,
+            strict=False,
+            fresh=build,
+            ignore_mismatched_sizes=ignore_mismatched_sizes,
+            source=pretrained_model_name_or_path,
+        )
         config._name_or_path = pretrained_model_name_or_path
         return (model, report.to_dict()) if output_loading_info else model
 

@@ -17,8 +17,12 @@ from jtrainer.models.outputs import ModelOutput
 from jtrainer.sharding import TENSOR, constrain
 
 ACTIVATION_AXES = ("batch", "length", "act_embed")
-_ACTIVATIONS = {"gelu": lambda x: jax.nn.gelu(x, approximate=False), "relu": jax.nn.relu,
-                "gelu_new": lambda x: jax.nn.gelu(x, approximate=True), "silu": jax.nn.silu}
+_ACTIVATIONS = {
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "relu": jax.nn.relu,
+    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
+    "silu": jax.nn.silu,
+}
 
 
 def _dense(din: int, dout: int, std: float, axes, rngs: nnx.Rngs) -> nnx.Linear:
@@ -82,8 +86,9 @@ class BertAttention(nnx.Module):
 
 class BertIntermediate(nnx.Module):
     def __init__(self, config: BertConfig, rngs: nnx.Rngs):
-        self.dense = _dense(config.hidden_size, config.intermediate_size, config.initializer_range, ("embed", "mlp"),
-                            rngs)
+        self.dense = _dense(
+            config.hidden_size, config.intermediate_size, config.initializer_range, ("embed", "mlp"), rngs
+        )
         self.act = config.hidden_act
 
     def __call__(self, x):
@@ -164,8 +169,16 @@ class BertForMaskedLM(_BertHead):
         self.bert = BertModel(config, rngs, add_pooling_layer=False)
         self.cls = _MLMHead(config, rngs)
 
-    def __call__(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, labels=None,
-                 num_items_in_batch=None, **kwargs) -> ModelOutput:
+    def __call__(
+        self,
+        input_ids,
+        attention_mask=None,
+        token_type_ids=None,
+        position_ids=None,
+        labels=None,
+        num_items_in_batch=None,
+        **kwargs,
+    ) -> ModelOutput:
         hidden = self.bert(input_ids, attention_mask, token_type_ids, position_ids)
         logits = self.cls(hidden, self.bert.embeddings.word_embeddings).astype(jnp.float32)
         loss = None
@@ -233,8 +246,9 @@ class BertForSequenceClassification(_BertHead):
         self.bert = BertModel(config, rngs, add_pooling_layer=True)
         self.classifier = _classifier(config, rngs)
 
-    def __call__(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, labels=None,
-                 **kwargs) -> ModelOutput:
+    def __call__(
+        self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, labels=None, **kwargs
+    ) -> ModelOutput:
         hidden = self.bert(input_ids, attention_mask, token_type_ids, position_ids)
         logits = self.classifier(self.bert.pooler(hidden)).astype(jnp.float32)
         loss = None
@@ -253,11 +267,17 @@ class BertForTokenClassification(_BertHead):
         self.bert = BertModel(config, rngs, add_pooling_layer=False)
         self.classifier = _classifier(config, rngs)
 
-    def __call__(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, labels=None,
-                 num_items_in_batch=None, **kwargs) -> ModelOutput:
-        logits = self.classifier(self.bert(input_ids, attention_mask, token_type_ids, position_ids)).astype(
-            jnp.float32
-        )
+    def __call__(
+        self,
+        input_ids,
+        attention_mask=None,
+        token_type_ids=None,
+        position_ids=None,
+        labels=None,
+        num_items_in_batch=None,
+        **kwargs,
+    ) -> ModelOutput:
+        logits = self.classifier(self.bert(input_ids, attention_mask, token_type_ids, position_ids)).astype(jnp.float32)
         loss = None
         if labels is not None:
             loss = token_loss(logits, labels, num_items_in_batch)

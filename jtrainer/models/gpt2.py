@@ -140,8 +140,9 @@ class GPT2LMHeadModel(PretrainedMixin, nnx.Module):
         if heads % n:
             raise ValueError(f"Tensor parallel size {n} does not divide n_head={heads}: change mesh_shape.")
 
-    def __call__(self, input_ids, attention_mask=None, position_ids=None, labels=None, num_items_in_batch=None,
-                 **kwargs) -> ModelOutput:
+    def __call__(
+        self, input_ids, attention_mask=None, position_ids=None, labels=None, num_items_in_batch=None, **kwargs
+    ) -> ModelOutput:
         hidden = self.transformer(input_ids, attention_mask, position_ids)
         logits = self.transformer.wte.attend(hidden).astype(jnp.float32)
         loss = None

@@ -123,8 +123,10 @@ def _named(model: nnx.Module, path: tuple, value: np.ndarray) -> dict[str, np.nd
     """One parameter's value as its HF tensors (one per layer for a stacked parameter), in HF's layout."""
     names = _hf_names(model, path)
     layers = [value] if _layer_count(model, path) is None else list(value)
-    return {name: np.ascontiguousarray(part.T if transposed else part)
-            for (name, transposed), part in zip(names, layers, strict=True)}
+    return {
+        name: np.ascontiguousarray(part.T if transposed else part)
+        for (name, transposed), part in zip(names, layers, strict=True)
+    }
 
 
 def hf_tensors_from_params(model: nnx.Module, params: dict) -> dict[str, np.ndarray]:
@@ -216,8 +218,10 @@ class TensorFiles:
             try:
                 part = f.get_slice(name)[stored] if stored else f.get_tensor(name)
             except Exception as e:  # safetensors' own errors do not say which file
-                raise BadInput(f"{self.files[name]}: tensor {name!r} cannot be read ({e}); the file is damaged or "
-                               "truncated: copy it again.") from None
+                raise BadInput(
+                    f"{self.files[name]}: tensor {name!r} cannot be read ({e}); the file is damaged or "
+                    "truncated: copy it again."
+                ) from None
         return part.T if transposed else part
 
 
@@ -227,8 +231,9 @@ def _open(path: str):
     try:
         handle = safe_open(path, framework="np")
     except Exception as e:
-        raise BadInput(f"{path} is not a readable safetensors file ({e}); it is damaged or truncated: copy it "
-                       "again.") from None
+        raise BadInput(
+            f"{path} is not a readable safetensors file ({e}); it is damaged or truncated: copy it again."
+        ) from None
     with handle as f:
         yield f
 
@@ -244,32 +249,56 @@ class LoadReport:
 
     def to_dict(self) -> dict:
         """As transformers' `output_loading_info=True` gives it."""
-        return {"missing_keys": set(self.missing_keys), "unexpected_keys": set(self.unexpected_keys),
-                "mismatched_keys": set(self.mismatched_keys), "error_msgs": []}
+        return {
+            "missing_keys": set(self.missing_keys),
+            "unexpected_keys": set(self.unexpected_keys),
+            "mismatched_keys": set(self.mismatched_keys),
+            "error_msgs": [],
+        }
 
     def text(self, model_name: str, source: str) -> str | None:
         """HF's load report: one line per key and status, then what each status means (None: nothing to say)."""
         rows = [f"{k}  UNEXPECTED" for k in self.unexpected_keys] + [f"{k}  MISSING" for k in self.missing_keys]
-        rows += [f"{k}  MISMATCH  Reinit due to size mismatch - ckpt: {a} vs model:{b}"
-                 for k, a, b in self.mismatched_keys]
+        rows += [
+            f"{k}  MISMATCH  Reinit due to size mismatch - ckpt: {a} vs model:{b}" for k, a, b in self.mismatched_keys
+        ]
         if not rows:
             return None
         notes = []
         if self.unexpected_keys:
-            notes.append("- UNEXPECTED:\tcan be ignored when loading from different task/architecture; not ok if you "
-                         "expect identical arch.")
+            notes.append(
+                "- UNEXPECTED:\tcan be ignored when loading from different task/architecture; not ok if you "
+                "expect identical arch."
+            )
         if self.missing_keys:
-            notes.append("- MISSING:\tthose params were newly initialized because missing from the checkpoint. "
-                         "Consider training on your downstream task.")
+            notes.append(
+                "- MISSING:\tthose params were newly initialized because missing from the checkpoint. "
+                "Consider training on your downstream task."
+            )
         if self.mismatched_keys:
-            notes.append("- MISMATCH:\tckpt weights were loaded, but they did not match the original empty weight "
-                         "shapes.")
-        return (f"{model_name} LOAD REPORT from: {source}\nKey  Status\n" + "\n".join(rows) + "\n\nNotes:\n"
-                + "\n".join(notes))
+            notes.append(
+                "- MISMATCH:\tckpt weights were loaded, but they did not match the original empty weight shapes."
+            )
+        return (
+            f"{model_name} LOAD REPORT from: {source}\nKey  Status\n"
+            + "\n".join(rows)
+            + "\n\nNotes:\n"
+            + "\n".join(notes)
+        )
 
 
-def load_weights(model: nnx.Module, directory: str, *, mesh=None, rules=None, dtype=None, strict: bool = True,
-                 fresh=None, ignore_mismatched_sizes: bool = False, source: str | None = None) -> LoadReport:
+def load_weights(
+    model: nnx.Module,
+    directory: str,
+    *,
+    mesh=None,
+    rules=None,
+    dtype=None,
+    strict: bool = True,
+    fresh=None,
+    ignore_mismatched_sizes: bool = False,
+    source: str | None = None,
+) -> LoadReport:
     """Fill a model's parameters from HF weight files, checking names and shapes.
 
     With a mesh, each parameter is created directly on its sharding (logical rules as in training) from the
@@ -312,14 +341,17 @@ def load_weights(model: nnx.Module, directory: str, *, mesh=None, rules=None, dt
                         f"Weight {name!r} has shape {shape} in {directory}, but the model's parameter {label} has "
                         f"shape {layer_shape}" + (" per layer." if stacked else ".")
                     )
-                report.mismatched_keys.append((name, tuple(stored), tuple(reversed(layer_shape)) if transposed
-                                               else layer_shape))
+                report.mismatched_keys.append(
+                    (name, tuple(stored), tuple(reversed(layer_shape)) if transposed else layer_shape)
+                )
                 usable = False
                 continue
             if np.issubdtype(target, np.floating) and not stored_dtype.startswith(("F", "BF")):
-                raise BadInput(f"Weight {name!r} in {directory} is stored as integers, but the model's parameter "
-                               f"{label} is floating point: the folder is not a checkpoint of this model (or is "
-                               "quantized).")
+                raise BadInput(
+                    f"Weight {name!r} in {directory} is stored as integers, but the model's parameter "
+                    f"{label} is floating point: the folder is not a checkpoint of this model (or is "
+                    "quantized)."
+                )
         if not usable:
             afresh.append((path, var, target))
             continue
@@ -349,11 +381,16 @@ def load_weights(model: nnx.Module, directory: str, *, mesh=None, rules=None, dt
         if text:  # where transformers logs its load report, so a script sees it where it would
             logging.getLogger("transformers.modeling_utils").warning(text)
         if report.mismatched_keys and not ignore_mismatched_sizes:
-            details = "\n\t".join(f"size mismatch for {k}: copying a param with shape {a} from checkpoint, the shape "
-                                   f"in current model is {b}." for k, a, b in report.mismatched_keys)
-            raise RuntimeError(f"Error(s) in loading state_dict for {type(model).__name__}:\n\t{details}\n\tYou may "
-                               "consider adding `ignore_mismatched_sizes=True` to `from_pretrained(...)` if "
-                               "appropriate.")
+            details = "\n\t".join(
+                f"size mismatch for {k}: copying a param with shape {a} from checkpoint, the shape "
+                f"in current model is {b}."
+                for k, a, b in report.mismatched_keys
+            )
+            raise RuntimeError(
+                f"Error(s) in loading state_dict for {type(model).__name__}:\n\t{details}\n\tYou may "
+                "consider adding `ignore_mismatched_sizes=True` to `from_pretrained(...)` if "
+                "appropriate."
+            )
     if afresh:
         initial = dict(nnx.to_flat_state(nnx.state(fresh(), nnx.Param)))
         for path, var, target in afresh:

@@ -69,12 +69,22 @@ def dense_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_ele
     (last input dimension with the kernel's first), `lax.dot_general` for anything else."""
     (lhs_contract, rhs_contract), batch = dimension_numbers
     if (
-        tuple(lhs_contract) == (lhs.ndim - 1,) and tuple(rhs_contract) == (0,) and batch == ((), ())
-        and rhs.ndim == 2 and preferred_element_type is None and out_sharding is None
+        tuple(lhs_contract) == (lhs.ndim - 1,)
+        and tuple(rhs_contract) == (0,)
+        and batch == ((), ())
+        and rhs.ndim == 2
+        and preferred_element_type is None
+        and out_sharding is None
     ):
         return dense(lhs, rhs, precision)
-    return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
-                               preferred_element_type=preferred_element_type, out_sharding=out_sharding)
+    return jax.lax.dot_general(
+        lhs,
+        rhs,
+        dimension_numbers,
+        precision=precision,
+        preferred_element_type=preferred_element_type,
+        out_sharding=out_sharding,
+    )
 
 
 def project(x: jax.Array, *layers) -> list[jax.Array]:

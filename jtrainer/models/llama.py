@@ -237,7 +237,9 @@ class LlamaModel(nnx.Module):
             mask = _both(mask, attention_mask_BxS.astype(bool)[:, None, None, :])
         if segment_ids_BxL is not None:
             if cache is not None:
-                raise ValueError("segment_ids (packed sequences) are for training; generation takes one sequence per row.")
+                raise ValueError(
+                    "segment_ids (packed sequences) are for training; generation takes one sequence per row."
+                )
             same = segment_ids_BxL[:, None, :, None] == segment_ids_BxL[:, None, None, :]
             mask = _both(mask, same & (segment_ids_BxL != 0)[:, None, None, :])
         x = constrain(x, ACTIVATION_AXES)
@@ -260,6 +262,7 @@ class LlamaModel(nnx.Module):
         """The layers as one scan; a cache's keys and values are then stacked too, [layers, batch, ...]."""
         owner = _RematSettings(self.gradient_checkpointing, self.remat_policy)
         if cache is None:
+
             def body(layer, x):
                 return constrain(call_block(owner, layer, x, cos, sin, mask, offsets_LxS), ACTIVATION_AXES)
 
@@ -343,8 +346,15 @@ class LlamaForCausalLM(PretrainedMixin, nnx.Module):
     def logits_use_input_embeddings(self) -> bool:
         return bool(self.config.tie_word_embeddings)
 
-    def __init__(self, config: LlamaConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs,
-                 scan_layers: bool = False):
+    def __init__(
+        self,
+        config: LlamaConfig,
+        *,
+        dtype=jnp.float32,
+        param_dtype=jnp.float32,
+        rngs: nnx.Rngs,
+        scan_layers: bool = False,
+    ):
         self._config = StaticConfig(config)
         # Positions per chunk of the training loss computed without whole logits (the Trainer's use_liger_kernel
         # sets it; None: whole logits). `deterministic` is nnx's train()/eval() flag: evaluation and prediction
@@ -400,8 +410,14 @@ class LlamaForCausalLM(PretrainedMixin, nnx.Module):
             hidden_BxLxD, cache = hidden_BxLxD
         if skip_logits:
             # use_liger_kernel, as Liger's fused linear cross-entropy: the loss in chunks, no whole logits.
-            loss = chunked_token_loss(hidden_BxLxD, self._logits, labels, num_items_in_batch,
-                                      chunk_positions=self.loss_chunk_positions or 1024, causal=True)
+            loss = chunked_token_loss(
+                hidden_BxLxD,
+                self._logits,
+                labels,
+                num_items_in_batch,
+                chunk_positions=self.loss_chunk_positions or 1024,
+                causal=True,
+            )
             return ModelOutput(loss=loss, logits=None, cache=cache)
         logits = self._logits(hidden_BxLxD)
         loss = None
@@ -424,8 +440,11 @@ class LlamaForCausalLM(PretrainedMixin, nnx.Module):
         n = config.num_hidden_layers
         if self.model.scan_layers:
             return KVCache(jnp.zeros((n, *shape), dtype), jnp.zeros((n, *shape), dtype), jnp.zeros((), jnp.int32))
-        return KVCache([jnp.zeros(shape, dtype) for _ in range(n)], [jnp.zeros(shape, dtype) for _ in range(n)],
-                       jnp.zeros((), jnp.int32))
+        return KVCache(
+            [jnp.zeros(shape, dtype) for _ in range(n)],
+            [jnp.zeros(shape, dtype) for _ in range(n)],
+            jnp.zeros((), jnp.int32),
+        )
 
 
 class MistralForCausalLM(LlamaForCausalLM):

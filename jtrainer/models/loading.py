@@ -24,11 +24,27 @@ from jtrainer.errors import BadInput
 logger = logging.getLogger(__name__)
 
 # Keywords of transformers' from_pretrained that only locate files.
-HUB_KEYWORDS = ("cache_dir", "revision", "token", "local_files_only", "force_download", "subfolder", "proxies",
-                "use_auth_token")
+HUB_KEYWORDS = (
+    "cache_dir",
+    "revision",
+    "token",
+    "local_files_only",
+    "force_download",
+    "subfolder",
+    "proxies",
+    "use_auth_token",
+)
 # Accepted and without effect here (see the module doc).
-HARMLESS_KEYWORDS = ("low_cpu_mem_usage", "attn_implementation", "device_map", "use_safetensors", "_fast_init",
-                     "key_mapping", "tp_plan", "weights_only")
+HARMLESS_KEYWORDS = (
+    "low_cpu_mem_usage",
+    "attn_implementation",
+    "device_map",
+    "use_safetensors",
+    "_fast_init",
+    "key_mapping",
+    "tp_plan",
+    "weights_only",
+)
 _FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "tokenizer*", "*.py"]
 
 
@@ -49,9 +65,13 @@ def resolve_folder(name: str, hub: dict[str, Any]) -> str:
     offline = hub.get("local_files_only") or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
     try:
         folder = snapshot_download(
-            name, revision=hub.get("revision"), cache_dir=hub.get("cache_dir"),
-            token=hub.get("token", hub.get("use_auth_token")), local_files_only=bool(offline),
-            force_download=bool(hub.get("force_download")), proxies=hub.get("proxies"),
+            name,
+            revision=hub.get("revision"),
+            cache_dir=hub.get("cache_dir"),
+            token=hub.get("token", hub.get("use_auth_token")),
+            local_files_only=bool(offline),
+            force_download=bool(hub.get("force_download")),
+            proxies=hub.get("proxies"),
             allow_patterns=[f"{subfolder}/{p}" if subfolder else p for p in _FILES],
         )
     except (HFValidationError, RepositoryNotFoundError, LocalEntryNotFoundError) as error:
@@ -66,16 +86,22 @@ def resolve_folder(name: str, hub: dict[str, Any]) -> str:
 def refuse_inapplicable(kwargs: dict[str, Any], config=None) -> None:
     """Options that would change what is loaded and that jtrainer cannot honour: one clear error each."""
     if kwargs.get("from_tf"):
-        raise BadInput("from_tf=True: jtrainer reads safetensors weights only; convert the TensorFlow checkpoint "
-                       "with transformers (from_pretrained(..., from_tf=True).save_pretrained(folder)) first.")
+        raise BadInput(
+            "from_tf=True: jtrainer reads safetensors weights only; convert the TensorFlow checkpoint "
+            "with transformers (from_pretrained(..., from_tf=True).save_pretrained(folder)) first."
+        )
     if kwargs.get("from_flax"):
-        raise BadInput("from_flax=True: jtrainer reads safetensors weights only; save the checkpoint with "
-                       "save_pretrained (safetensors) first.")
+        raise BadInput(
+            "from_flax=True: jtrainer reads safetensors weights only; save the checkpoint with "
+            "save_pretrained (safetensors) first."
+        )
     if kwargs.get("use_safetensors") is False:
         raise BadInput("use_safetensors=False: jtrainer reads safetensors weights only (no pytorch_model.bin).")
     if kwargs.get("trust_remote_code") and config is not None and getattr(config, "auto_map", None):
-        raise BadInput(f"trust_remote_code=True: this checkpoint's own modelling code ({config.auto_map}) is PyTorch "
-                       "and cannot run in jtrainer; use a model of a family jtrainer implements.")
+        raise BadInput(
+            f"trust_remote_code=True: this checkpoint's own modelling code ({config.auto_map}) is PyTorch "
+            "and cannot run in jtrainer; use a model of a family jtrainer implements."
+        )
 
 
 def split_keywords(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -77,8 +77,9 @@ class T5Attention(nnx.Module):
         b, length, _ = x_BxLxD.shape
         q = self.q(x_BxLxD).reshape(b, length, self.num_heads, self.head_dim)
         bias = jnp.broadcast_to(bias_1xNxLxS, (b, self.num_heads, length, k_BxSxNxH.shape[1])).astype(q.dtype)
-        out = jax.nn.dot_product_attention(q, k_BxSxNxH.astype(q.dtype), v_BxSxNxH.astype(q.dtype), bias=bias,
-                                           mask=mask_Bx1xLxS, scale=1.0)
+        out = jax.nn.dot_product_attention(
+            q, k_BxSxNxH.astype(q.dtype), v_BxSxNxH.astype(q.dtype), bias=bias, mask=mask_Bx1xLxS, scale=1.0
+        )
         return self.o(out.reshape(b, length, self.num_heads * self.head_dim))
 
 
@@ -232,8 +233,9 @@ class T5ForConditionalGeneration(PretrainedMixin, nnx.Module):
         self.encoder = T5Stack(config, False, rngs)
         self.decoder = T5Stack(config, True, rngs)
         if not config.tie_word_embeddings:
-            self.lm_head = _linear(config.d_model, config.vocab_size, config.initializer_factor, ("embed", "vocab"),
-                                   rngs)
+            self.lm_head = _linear(
+                config.d_model, config.vocab_size, config.initializer_factor, ("embed", "vocab"), rngs
+            )
 
     def check_mesh(self, mesh) -> None:
         n, heads = mesh.shape[TENSOR], self.config.num_heads
@@ -270,14 +272,23 @@ class T5ForConditionalGeneration(PretrainedMixin, nnx.Module):
         hidden, cache = self.decoder.decode_step(self.shared(decoder_input_ids), cache, index, attention_mask)
         return self._logits(hidden), cache
 
-    def __call__(self, input_ids, attention_mask=None, decoder_input_ids=None, decoder_attention_mask=None,
-                 labels=None, num_items_in_batch=None, **kwargs) -> ModelOutput:
+    def __call__(
+        self,
+        input_ids,
+        attention_mask=None,
+        decoder_input_ids=None,
+        decoder_attention_mask=None,
+        labels=None,
+        num_items_in_batch=None,
+        **kwargs,
+    ) -> ModelOutput:
         config = self.config
         if decoder_input_ids is None:
             if labels is None:
                 raise ValueError("T5 needs decoder_input_ids or labels.")
             decoder_input_ids = shift_right(labels, config.decoder_start_token_id, config.pad_token_id)
-        logits = self.decode(decoder_input_ids, self.encode(input_ids, attention_mask), attention_mask,
-                             decoder_attention_mask)
+        logits = self.decode(
+            decoder_input_ids, self.encode(input_ids, attention_mask), attention_mask, decoder_attention_mask
+        )
         loss = None if labels is None else token_loss(logits, labels, num_items_in_batch)
         return ModelOutput(loss=loss, logits=logits)
