@@ -15,7 +15,7 @@ from transformers.trainer_utils import SchedulerType
 
 from jtrainer import optim
 from jtrainer.models.base import count_parameters
-from jtrainer.models.gpt2 import LayerNorm
+from jtrainer.models.layers import LayerNorm
 
 # The modules HF excludes from weight decay by type (its ALL_LAYERNORM_LAYERS is [torch.nn.LayerNorm]): flax's
 # LayerNorm and jtrainer's port of torch's. RMSNorms are matched by name only, as in HF.

@@ -104,3 +104,11 @@ def test_every_module_imports_on_its_own():
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"imported {len(names)}" in done.stdout
+
+
+def test_model_families_share_layers_not_each_other():
+    """What the families share lives in jtrainer.models.layers; no family imports another."""
+    families = {f"jtrainer.models.{name}" for name in ("bert", "gpt2", "llama", "t5")}
+    graph = _graph()
+    assert {name: sorted(graph[name] & families) for name in families} == {name: [] for name in families}
+    assert all("jtrainer.models.layers" in graph[name] for name in families)

@@ -11,39 +11,17 @@ from transformers import BertConfig
 
 from jtrainer.losses import IGNORE_INDEX, token_cross_entropy_sum, token_loss
 from jtrainer.models.base import Embed, PretrainedMixin, StaticConfig, call_block
-from jtrainer.models.gpt2 import LayerNorm
-from jtrainer.models.linear import dense_dot_general
+from jtrainer.models.layers import ACTIVATION_AXES, ACTIVATIONS, LayerNorm, embedding, linear
 from jtrainer.models.outputs import ModelOutput
 from jtrainer.sharding import TENSOR, constrain
-
-ACTIVATION_AXES = ("batch", "length", "act_embed")
-_ACTIVATIONS = {
-    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
-    "relu": jax.nn.relu,
-    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
-    "silu": jax.nn.silu,
-}
-
-
-def _dense(din: int, dout: int, std: float, axes, rngs: nnx.Rngs) -> nnx.Linear:
-    layer = nnx.Linear(din, dout, kernel_init=nnx.initializers.normal(std), dot_general=dense_dot_general, rngs=rngs)
-    layer.kernel.set_metadata(logical_axes=axes)
-    layer.bias.set_metadata(logical_axes=axes[1:])
-    return layer
-
-
-def _embed(n: int, d: int, std: float, axes, rngs: nnx.Rngs) -> nnx.Embed:
-    embed = Embed(n, d, embedding_init=nnx.initializers.normal(std), rngs=rngs)
-    embed.embedding.set_metadata(logical_axes=axes)
-    return embed
 
 
 class BertEmbeddings(nnx.Module):
     def __init__(self, config: BertConfig, rngs: nnx.Rngs):
         d, std = config.hidden_size, config.initializer_range
-        self.word_embeddings = _embed(config.vocab_size, d, std, ("vocab", "embed"), rngs)
-        self.position_embeddings = _embed(config.max_position_embeddings, d, std, (None, "embed"), rngs)
-        self.token_type_embeddings = _embed(config.type_vocab_size, d, std, (None, "embed"), rngs)
+        self.word_embeddings = embedding(config.vocab_size, d, std, ("vocab", "embed"), rngs)
+        self.position_embeddings = embedding(config.max_position_embeddings, d, std, (None, "embed"), rngs)
+        self.token_type_embeddings = embedding(config.type_vocab_size, d, std, (None, "embed"), rngs)
         self.LayerNorm = LayerNorm(d, config.layer_norm_eps)
 
     def __call__(self, input_ids_BxL, token_type_ids_BxL, position_ids_BxL):
@@ -55,9 +33,9 @@ class BertSelfAttention(nnx.Module):
     def __init__(self, config: BertConfig, rngs: nnx.Rngs):
         d, std = config.hidden_size, config.initializer_range
         self.num_heads, self.head_dim = config.num_attention_heads, d // config.num_attention_heads
-        self.query = _dense(d, d, std, ("embed", "heads"), rngs)
-        self.key = _dense(d, d, std, ("embed", "heads"), rngs)
-        self.value = _dense(d, d, std, ("embed", "heads"), rngs)
+        self.query = linear(d, d, std, ("embed", "heads"), rngs)
+        self.key = linear(d, d, std, ("embed", "heads"), rngs)
+        self.value = linear(d, d, std, ("embed", "heads"), rngs)
 
     def __call__(self, x_BxLxD, mask_Bx1x1xL):
         b, length, d = x_BxLxD.shape
@@ -68,7 +46,7 @@ class BertSelfAttention(nnx.Module):
 
 class BertSelfOutput(nnx.Module):
     def __init__(self, config: BertConfig, din: int, axes, rngs: nnx.Rngs):
-        self.dense = _dense(din, config.hidden_size, config.initializer_range, axes, rngs)
+        self.dense = linear(din, config.hidden_size, config.initializer_range, axes, rngs)
         self.LayerNorm = LayerNorm(config.hidden_size, config.layer_norm_eps)
 
     def __call__(self, hidden, residual):
@@ -86,13 +64,13 @@ class BertAttention(nnx.Module):
 
 class BertIntermediate(nnx.Module):
     def __init__(self, config: BertConfig, rngs: nnx.Rngs):
-        self.dense = _dense(
+        self.dense = linear(
             config.hidden_size, config.intermediate_size, config.initializer_range, ("embed", "mlp"), rngs
         )
         self.act = config.hidden_act
 
     def __call__(self, x):
-        return _ACTIVATIONS[self.act](self.dense(x))
+        return ACTIVATIONS[self.act](self.dense(x))
 
 
 class BertLayer(nnx.Module):
@@ -119,7 +97,7 @@ class BertEncoder(nnx.Module):
 
 class BertPooler(nnx.Module):
     def __init__(self, config: BertConfig, rngs: nnx.Rngs):
-        self.dense = _dense(config.hidden_size, config.hidden_size, config.initializer_range, ("embed", None), rngs)
+        self.dense = linear(config.hidden_size, config.hidden_size, config.initializer_range, ("embed", None), rngs)
 
     def __call__(self, hidden_BxLxD):
         return jnp.tanh(self.dense(hidden_BxLxD[:, 0]))
@@ -127,7 +105,7 @@ class BertPooler(nnx.Module):
 
 class BertModel(nnx.Module):
     def __init__(self, config: BertConfig, rngs: nnx.Rngs, add_pooling_layer: bool = True):
-        if config.hidden_act not in _ACTIVATIONS:
+        if config.hidden_act not in ACTIVATIONS:
             raise ValueError(f"BertConfig.hidden_act={config.hidden_act!r} is not supported.")
         self.embeddings = BertEmbeddings(config, rngs)
         self.encoder = BertEncoder(config, rngs)
@@ -197,12 +175,12 @@ class _MLMHead(nnx.Module):
 
 class _MLMTransform(nnx.Module):
     def __init__(self, config: BertConfig, rngs: nnx.Rngs):
-        self.dense = _dense(config.hidden_size, config.hidden_size, config.initializer_range, ("embed", None), rngs)
+        self.dense = linear(config.hidden_size, config.hidden_size, config.initializer_range, ("embed", None), rngs)
         self.LayerNorm = LayerNorm(config.hidden_size, config.layer_norm_eps)
         self.act = config.hidden_act
 
     def __call__(self, x):
-        return self.LayerNorm(_ACTIVATIONS[self.act](self.dense(x)))
+        return self.LayerNorm(ACTIVATIONS[self.act](self.dense(x)))
 
 
 class _MLMPredictions(nnx.Module):
@@ -215,7 +193,7 @@ class _MLMPredictions(nnx.Module):
 
 
 def _classifier(config: BertConfig, rngs: nnx.Rngs) -> nnx.Linear:
-    return _dense(config.hidden_size, config.num_labels, config.initializer_range, ("embed", None), rngs)
+    return linear(config.hidden_size, config.num_labels, config.initializer_range, ("embed", None), rngs)
 
 
 def classification_loss(logits, labels, problem_type: str | None, num_labels: int):

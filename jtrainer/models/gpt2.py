@@ -10,18 +10,10 @@ from transformers import GPT2Config
 from jtrainer.losses import token_loss
 from jtrainer.models.attention import causal_attention
 from jtrainer.models.base import Embed, PretrainedMixin, StaticConfig, call_block
+from jtrainer.models.layers import ACTIVATION_AXES, ACTIVATIONS, LayerNorm
 from jtrainer.models.linear import dense
 from jtrainer.models.outputs import ModelOutput
 from jtrainer.sharding import TENSOR, constrain
-
-ACTIVATION_AXES = ("batch", "length", "act_embed")
-_ACTIVATIONS = {
-    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
-    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
-    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
-    "relu": jax.nn.relu,
-    "silu": jax.nn.silu,
-}
 
 
 class Conv1D(nnx.Module):
@@ -33,20 +25,6 @@ class Conv1D(nnx.Module):
 
     def __call__(self, x):
         return dense(x, self.weight[...]) + self.bias[...]
-
-
-class LayerNorm(nnx.Module):
-    """torch LayerNorm with HF's parameter names (`weight`, `bias`)."""
-
-    def __init__(self, dim: int, eps: float):
-        self.weight = nnx.Param(jnp.ones((dim,)), logical_axes=("norm",))
-        self.bias = nnx.Param(jnp.zeros((dim,)), logical_axes=("norm",))
-        self.eps = eps
-
-    def __call__(self, x):
-        mean = jnp.mean(x, axis=-1, keepdims=True)
-        var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
-        return (x - mean) * jax.lax.rsqrt(var + self.eps) * self.weight[...] + self.bias[...]
 
 
 class GPT2Attention(nnx.Module):
@@ -71,14 +49,14 @@ class GPT2Attention(nnx.Module):
 class GPT2MLP(nnx.Module):
     def __init__(self, config: GPT2Config, rngs: nnx.Rngs):
         inner = config.n_inner or 4 * config.n_embd
-        if config.activation_function not in _ACTIVATIONS:
+        if config.activation_function not in ACTIVATIONS:
             raise ValueError(f"GPT2Config.activation_function={config.activation_function!r} is not supported.")
         self.act = config.activation_function
         self.c_fc = Conv1D(config.n_embd, inner, config.initializer_range, ("embed", "mlp"), rngs)
         self.c_proj = Conv1D(inner, config.n_embd, config.initializer_range, ("mlp", "embed"), rngs)
 
     def __call__(self, x):
-        return self.c_proj(_ACTIVATIONS[self.act](self.c_fc(x)))
+        return self.c_proj(ACTIVATIONS[self.act](self.c_fc(x)))
 
 
 class GPT2Block(nnx.Module):

@@ -19,25 +19,12 @@ from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 from jtrainer.losses import chunked_token_loss, token_loss
 from jtrainer.models.attention import causal_attention
 from jtrainer.models.base import Embed, PretrainedMixin, StaticConfig, call_block
-from jtrainer.models.linear import dense_dot_general, project
+from jtrainer.models.layers import ACTIVATION_AXES, RMSNorm, linear
+from jtrainer.models.linear import project
 from jtrainer.models.outputs import ModelOutput
 from jtrainer.sharding import TENSOR, constrain
 
 # Activations between layers: rows over (data, fsdp), positions over `sequence`, features whole.
-ACTIVATION_AXES = ("batch", "length", "act_embed")
-
-
-class RMSNorm(nnx.Module):
-    """HF's LlamaRMSNorm: normalise in fp32, then scale by `weight` in the input dtype."""
-
-    def __init__(self, dim: int, eps: float, *, param_dtype=jnp.float32):
-        self.weight = nnx.Param(jnp.ones((dim,), param_dtype), logical_axes=("norm",))
-        self.eps = eps
-
-    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
-        x = x_BxLxD.astype(jnp.float32)
-        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
-        return self.weight[...].astype(x_BxLxD.dtype) * x.astype(x_BxLxD.dtype)
 
 
 def rope_inverse_frequencies(config, head_dim: int) -> tuple[float, ...]:
@@ -90,24 +77,6 @@ def apply_rope(x_BxLxNxH: jax.Array, cos_BxLxH: jax.Array, sin_BxLxH: jax.Array)
     return x_BxLxNxH * cos_BxLxH[:, :, None, :] + rotated * sin_BxLxH[:, :, None, :]
 
 
-def _linear(din: int, dout: int, bias: bool, dtype, param_dtype, rngs: nnx.Rngs, std: float, axes) -> nnx.Linear:
-    """nnx.Linear whose kernel (and bias) carry logical axis names for sharding (see jtrainer.sharding)."""
-    layer = nnx.Linear(
-        din,
-        dout,
-        use_bias=bias,
-        dtype=dtype,
-        param_dtype=param_dtype,
-        kernel_init=nnx.initializers.normal(std),
-        dot_general=dense_dot_general,
-        rngs=rngs,
-    )
-    layer.kernel.set_metadata(logical_axes=axes)
-    if bias:
-        layer.bias.set_metadata(logical_axes=axes[1:])
-    return layer
-
-
 class LlamaAttention(nnx.Module):
     def __init__(self, config: LlamaConfig, layer_idx: int, *, dtype, param_dtype, rngs: nnx.Rngs):
         variant = attention_variant(config)
@@ -117,10 +86,18 @@ class LlamaAttention(nnx.Module):
         self.sliding_window = variant["windows"][layer_idx]
         d, h, std = config.hidden_size, self.head_dim, config.initializer_range
         qkv, o = variant["qkv_bias"], variant["o_bias"]
-        self.q_proj = _linear(d, self.num_heads * h, qkv, dtype, param_dtype, rngs, std, ("embed", "heads"))
-        self.k_proj = _linear(d, self.num_kv_heads * h, qkv, dtype, param_dtype, rngs, std, ("embed", "kv"))
-        self.v_proj = _linear(d, self.num_kv_heads * h, qkv, dtype, param_dtype, rngs, std, ("embed", "kv"))
-        self.o_proj = _linear(self.num_heads * h, d, o, dtype, param_dtype, rngs, std, ("heads", "embed"))
+        self.q_proj = linear(
+            d, self.num_heads * h, std, ("embed", "heads"), rngs, bias=qkv, dtype=dtype, param_dtype=param_dtype
+        )
+        self.k_proj = linear(
+            d, self.num_kv_heads * h, std, ("embed", "kv"), rngs, bias=qkv, dtype=dtype, param_dtype=param_dtype
+        )
+        self.v_proj = linear(
+            d, self.num_kv_heads * h, std, ("embed", "kv"), rngs, bias=qkv, dtype=dtype, param_dtype=param_dtype
+        )
+        self.o_proj = linear(
+            self.num_heads * h, d, std, ("heads", "embed"), rngs, bias=o, dtype=dtype, param_dtype=param_dtype
+        )
         if variant["qk_norm"]:  # Qwen3: RMSNorm of each head's queries and keys, before RoPE
             self.q_norm = RMSNorm(h, config.rms_norm_eps, param_dtype=param_dtype)
             self.k_norm = RMSNorm(h, config.rms_norm_eps, param_dtype=param_dtype)
@@ -160,9 +137,9 @@ class LlamaMLP(nnx.Module):
         bias = bool(getattr(config, "mlp_bias", False))
         if config.hidden_act != "silu":
             raise ValueError(f"LlamaConfig.hidden_act={config.hidden_act!r} is not supported; use 'silu'.")
-        self.gate_proj = _linear(d, f, bias, dtype, param_dtype, rngs, std, ("embed", "mlp"))
-        self.up_proj = _linear(d, f, bias, dtype, param_dtype, rngs, std, ("embed", "mlp"))
-        self.down_proj = _linear(f, d, bias, dtype, param_dtype, rngs, std, ("mlp", "embed"))
+        self.gate_proj = linear(d, f, std, ("embed", "mlp"), rngs, bias=bias, dtype=dtype, param_dtype=param_dtype)
+        self.up_proj = linear(d, f, std, ("embed", "mlp"), rngs, bias=bias, dtype=dtype, param_dtype=param_dtype)
+        self.down_proj = linear(f, d, std, ("mlp", "embed"), rngs, bias=bias, dtype=dtype, param_dtype=param_dtype)
 
     def __call__(self, x_BxLxD):
         gate, up = project(x_BxLxD, self.gate_proj, self.up_proj)
@@ -363,15 +340,15 @@ class LlamaForCausalLM(PretrainedMixin, nnx.Module):
         self.deterministic = False
         self.model = LlamaModel(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs, scan_layers=scan_layers)
         if not config.tie_word_embeddings:
-            self.lm_head = _linear(
+            self.lm_head = linear(
                 config.hidden_size,
                 config.vocab_size,
-                False,
-                dtype,
-                param_dtype,
-                rngs,
                 config.initializer_range,
                 ("embed", "vocab"),
+                rngs,
+                bias=False,
+                dtype=dtype,
+                param_dtype=param_dtype,
             )
 
     @property

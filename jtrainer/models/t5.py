@@ -13,21 +13,9 @@ from transformers import T5Config
 
 from jtrainer.losses import IGNORE_INDEX, token_loss
 from jtrainer.models.base import PretrainedMixin, StaticConfig, call_block
-from jtrainer.models.bert import _ACTIVATIONS, _embed
-from jtrainer.models.linear import dense_dot_general
-from jtrainer.models.llama import RMSNorm
+from jtrainer.models.layers import ACTIVATION_AXES, ACTIVATIONS, RMSNorm, embedding, linear
 from jtrainer.models.outputs import ModelOutput
 from jtrainer.sharding import TENSOR, constrain
-
-ACTIVATION_AXES = ("batch", "length", "act_embed")
-
-
-def _linear(din: int, dout: int, std: float, axes, rngs: nnx.Rngs) -> nnx.Linear:
-    layer = nnx.Linear(
-        din, dout, use_bias=False, kernel_init=nnx.initializers.normal(std), dot_general=dense_dot_general, rngs=rngs
-    )
-    layer.kernel.set_metadata(logical_axes=axes)
-    return layer
 
 
 def relative_position_bucket(relative_position, bidirectional: bool, num_buckets: int, max_distance: int):
@@ -54,13 +42,13 @@ class T5Attention(nnx.Module):
     def __init__(self, config: T5Config, has_relative_bias: bool, is_decoder: bool, rngs: nnx.Rngs):
         d, inner, std = config.d_model, config.num_heads * config.d_kv, config.initializer_factor
         self.num_heads, self.head_dim, self.is_decoder = config.num_heads, config.d_kv, is_decoder
-        self.q = _linear(d, inner, std * (d * config.d_kv) ** -0.5, ("embed", "heads"), rngs)
-        self.k = _linear(d, inner, std * d**-0.5, ("embed", "heads"), rngs)
-        self.v = _linear(d, inner, std * d**-0.5, ("embed", "heads"), rngs)
-        self.o = _linear(inner, d, std * inner**-0.5, ("heads", "embed"), rngs)
+        self.q = linear(d, inner, std * (d * config.d_kv) ** -0.5, ("embed", "heads"), rngs, bias=False)
+        self.k = linear(d, inner, std * d**-0.5, ("embed", "heads"), rngs, bias=False)
+        self.v = linear(d, inner, std * d**-0.5, ("embed", "heads"), rngs, bias=False)
+        self.o = linear(inner, d, std * inner**-0.5, ("heads", "embed"), rngs, bias=False)
         self.buckets, self.max_distance = config.relative_attention_num_buckets, config.relative_attention_max_distance
         if has_relative_bias:
-            self.relative_attention_bias = _embed(self.buckets, self.num_heads, std * d**-0.5, (None, "heads"), rngs)
+            self.relative_attention_bias = embedding(self.buckets, self.num_heads, std * d**-0.5, (None, "heads"), rngs)
 
     def position_bias(self, query_length: int, key_length: int, query_start=0) -> jax.Array:
         """[1, N, Lq, Lk] biases of queries at positions query_start + [0, Lq) over keys at [0, Lk)."""
@@ -87,17 +75,17 @@ class T5DenseActDense(nnx.Module):
     def __init__(self, config: T5Config, rngs: nnx.Rngs):
         d, f, std = config.d_model, config.d_ff, config.initializer_factor
         if config.is_gated_act:
-            self.wi_0 = _linear(d, f, std * d**-0.5, ("embed", "mlp"), rngs)
-            self.wi_1 = _linear(d, f, std * d**-0.5, ("embed", "mlp"), rngs)
+            self.wi_0 = linear(d, f, std * d**-0.5, ("embed", "mlp"), rngs, bias=False)
+            self.wi_1 = linear(d, f, std * d**-0.5, ("embed", "mlp"), rngs, bias=False)
         else:
-            self.wi = _linear(d, f, std * d**-0.5, ("embed", "mlp"), rngs)
-        self.wo = _linear(f, d, std * f**-0.5, ("mlp", "embed"), rngs)
-        if config.dense_act_fn not in _ACTIVATIONS:
+            self.wi = linear(d, f, std * d**-0.5, ("embed", "mlp"), rngs, bias=False)
+        self.wo = linear(f, d, std * f**-0.5, ("mlp", "embed"), rngs, bias=False)
+        if config.dense_act_fn not in ACTIVATIONS:
             raise ValueError(f"T5Config.feed_forward_proj={config.feed_forward_proj!r} is not supported.")
         self.act = config.dense_act_fn
 
     def __call__(self, x):
-        act = _ACTIVATIONS[self.act]
+        act = ACTIVATIONS[self.act]
         hidden = act(self.wi_0(x)) * self.wi_1(x) if hasattr(self, "wi_0") else act(self.wi(x))
         return self.wo(hidden)
 
@@ -229,12 +217,12 @@ class T5ForConditionalGeneration(PretrainedMixin, nnx.Module):
         if getattr(config, "decoder_start_token_id", None) is None:
             raise ValueError("T5Config.decoder_start_token_id must be set (T5 uses the pad token id, 0).")
         self._config = StaticConfig(config)
-        self.shared = _embed(config.vocab_size, config.d_model, config.initializer_factor, ("vocab", "embed"), rngs)
+        self.shared = embedding(config.vocab_size, config.d_model, config.initializer_factor, ("vocab", "embed"), rngs)
         self.encoder = T5Stack(config, False, rngs)
         self.decoder = T5Stack(config, True, rngs)
         if not config.tie_word_embeddings:
-            self.lm_head = _linear(
-                config.d_model, config.vocab_size, config.initializer_factor, ("embed", "vocab"), rngs
+            self.lm_head = linear(
+                config.d_model, config.vocab_size, config.initializer_factor, ("embed", "vocab"), rngs, bias=False
             )
 
     def check_mesh(self, mesh) -> None:
