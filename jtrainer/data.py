@@ -101,9 +101,12 @@ def default_collator(processing_class: Any = None) -> Callable[[list[dict]], Bat
 
 
 def to_numpy_batch(batch: Any) -> Batch:
-    """A collator's output (numpy, torch, jax or lists) as a dict of numpy arrays."""
+    """A collator's output (numpy, torch, jax or lists) as a dict of numpy arrays. A column the collator left
+    None (DataCollatorForSeq2Seq's `labels` of rows without labels) is absent, as HF's `inputs.get(...) is None`."""
     out = {}
     for key, value in dict(batch).items():
+        if value is None:
+            continue
         if hasattr(value, "detach"):
             value = value.detach().cpu().numpy()
         out[key] = np.asarray(value)

@@ -284,8 +284,11 @@ class EvaluationMixin:
             padded = shapes.pad(batch, length, pad_rows=not ragged_rows)
             global_rows = dataloader.batch_size if not ragged_rows else rows
             inputs = sharding.put_global(padded, self.mesh, row_dim=0, global_rows=global_rows)
-            with self._mesh_context():
-                out: EvalOutputs = step(params, model_state, inputs)
+            if generating and not any(name in padded for name in self.label_names):
+                out = EvalOutputs(None, None)  # HF's Seq2SeqTrainer: generation alone, no forward without labels
+            else:
+                with self._mesh_context():
+                    out: EvalOutputs = step(params, model_state, inputs)
             collated_len = distributed.agree_max(max((v.shape[1] for v in batch.values() if v.ndim >= 2), default=0))
 
             # HF's gather_for_metrics drops the rows completing a short last batch; Seq2SeqTrainer's plain gather

@@ -484,6 +484,9 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
             )
         if has_labels and not _takes_labels(self.model, self.label_names):
             return LossSpec(LossMode.TRAINER, padding_neutral=True, **common)
+        if not has_labels and not training and getattr(getattr(self.model, "config", None), "is_encoder_decoder", 0):
+            # An encoder-decoder cannot run without labels (no decoder inputs): prediction only generates.
+            return LossSpec(LossMode.TRAINER, padding_neutral=True, **common)
         graphdef, params, rest = nnx.split(self.model, nnx.Param, ...)
         probe = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in sample.items()}
         with self._mesh_context():

@@ -4,6 +4,7 @@ block that cannot run on this machine is preceded by `<!-- not run: why -->`, an
 
 import os
 import re
+import textwrap
 
 import numpy as np
 import pytest
@@ -11,13 +12,15 @@ from conftest import tiny_llama_config, token_rows
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGES = ["README.md", *sorted(os.path.join("docs", p) for p in os.listdir(os.path.join(ROOT, "docs")))]
-BLOCK = re.compile(r"(?:<!-- not run: (?P<why>[^>]*) -->\n)?```python\n(?P<code>.*?)```", re.S)
+BLOCK = re.compile(
+    r"(?:^[ ]*<!-- not run: (?P<why>[^>]*) -->\n)?^(?P<indent>[ ]*)```python\n(?P<code>.*?)^(?P=indent)```", re.S | re.M
+)
 
 
 def blocks(page: str) -> list[tuple[str, str | None]]:
     """(code, reason it is not run or None) of each python block of `page`."""
     text = open(os.path.join(ROOT, page)).read()
-    return [(m["code"], m["why"]) for m in BLOCK.finditer(text)]
+    return [(textwrap.dedent(m["code"]), m["why"]) for m in BLOCK.finditer(text)]
 
 
 def _tokenizer(vocab=300):
@@ -78,7 +81,12 @@ def _namespace(page: str) -> dict:
         tokenizer = _tokenizer()
         t5 = build_model(
             ModelArguments(
-                model_type="t5", hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4
+                task="seq2seq",
+                model_type="t5",
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=1,
+                num_attention_heads=4,
             ),
             len(tokenizer),
             {"pad_token_id": 0, "eos_token_id": 1},
@@ -96,6 +104,8 @@ def _namespace(page: str) -> dict:
             class_weights=jnp.ones(64),
         )
         ns.update(train=token_rows(8))
+    elif page == "docs/performance.md":
+        ns.update(tokenizer=_tokenizer(), texts=[f"def f{i}(): return {i}" for i in range(20)])
     elif page == "docs/integrations.md":
         ns["trainer"] = Trainer(
             model_init=lambda: jtrainer.models.LlamaForCausalLM.from_config(tiny_llama_config()),

@@ -170,3 +170,39 @@ def test_causal_lm_predict_with_generate_returns_prompt_and_new_tokens(tmp_path)
         np.testing.assert_array_equal(out.predictions[i][6 - length : 6], prompt)
         np.testing.assert_array_equal(out.predictions[i][6:9], alone[-3:])
         assert (out.predictions[i][9:] == 0).all()
+
+
+def test_predict_with_generate_without_labels_equals_transformers(tmp_path):
+    """Rows without labels (DataCollatorForSeq2Seq leaves `labels` None): HF generates and computes no loss."""
+    torch = pytest.importorskip("torch")
+    import transformers
+
+    torch.manual_seed(0)
+    reference = transformers.T5ForConditionalGeneration(_t5_config()).eval()
+    reference.save_pretrained(tmp_path / "t5")
+    rows = [{k: v for k, v in row.items() if k != "labels"} for row in _rows(6)]
+
+    class Rows(torch.utils.data.Dataset):
+        def __len__(self):
+            return len(rows)
+
+        def __getitem__(self, i):
+            return {k: torch.tensor(v) for k, v in rows[i].items()}
+
+    hf_args = transformers.Seq2SeqTrainingArguments(
+        str(tmp_path / "hf"),
+        per_device_eval_batch_size=4,
+        report_to="none",
+        predict_with_generate=True,
+        generation_max_length=8,
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    expected = transformers.Seq2SeqTrainer(model=reference, args=hf_args).predict(Rows())
+    ours = Seq2SeqTrainer(
+        model=AutoModelForSeq2SeqLM.from_pretrained(str(tmp_path / "t5")), args=_args(tmp_path / "ours")
+    )
+    got = ours.predict(rows)
+    np.testing.assert_array_equal(got.predictions, expected.predictions)
+    assert got.label_ids is None and expected.label_ids is None
+    assert "test_loss" not in got.metrics and "test_loss" not in expected.metrics
