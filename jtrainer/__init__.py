@@ -39,6 +39,7 @@ from jtrainer.callbacks import (  # noqa: E402
     TrainerState,
 )
 from jtrainer.checkpoint import get_last_checkpoint  # noqa: E402  (the verified one)
+from jtrainer.compiled_steps import clear_compiled_steps  # noqa: E402
 from jtrainer.seq2seq import Seq2SeqTrainer, Seq2SeqTrainingArguments  # noqa: E402
 from jtrainer.trainer import Trainer  # noqa: E402
 
@@ -60,6 +61,7 @@ __all__ = [
     "TrainerControl",
     "TrainerState",
     "TrainingArguments",
+    "clear_compiled_steps",
     "get_last_checkpoint",
 ]
 

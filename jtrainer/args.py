@@ -24,7 +24,7 @@ from packaging import version
 from transformers.trainer_utils import HubStrategy, IntervalStrategy, SaveStrategy, SchedulerType
 from transformers.training_args import OptimizerNames, _convert_str_dict
 
-from jtrainer import storage
+from jtrainer import env, storage
 
 logger = logging.getLogger(__name__)
 
@@ -350,7 +350,7 @@ class TrainingArguments(transformers.TrainingArguments):
     @property
     def local_process_index(self) -> int:
         """This process's index on its machine (`jtrainer launch` sets it; one process per host elsewhere)."""
-        return int(os.environ.get("JTRAINER_LOCAL_PROCESS_ID", "0"))
+        return env.LOCAL_PROCESS_ID.get_int() or 0
 
     @property
     def parallel_mode(self):

@@ -11,11 +11,9 @@ before the first step runs, the compiled step's memory analysis exceeding the de
 
 from __future__ import annotations
 
-import os
-
 import jax
 
-MEMORY_ENV = "JTRAINER_DEVICE_MEMORY_BYTES"  # overrides the per-device budget (e.g. to leave headroom)
+from jtrainer import env
 
 
 class StepOutOfMemory(RuntimeError):
@@ -29,8 +27,9 @@ def is_out_of_memory(error: BaseException) -> bool:
 
 def device_memory_bytes() -> int | None:
     """The per-device memory budget: $JTRAINER_DEVICE_MEMORY_BYTES, else the device's bytes_limit (None on CPU)."""
-    if os.environ.get(MEMORY_ENV):
-        return int(os.environ[MEMORY_ENV])
+    budget = env.DEVICE_MEMORY_BYTES.get_int()
+    if budget is not None:
+        return budget
     stats = jax.local_devices()[0].memory_stats()
     return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
 

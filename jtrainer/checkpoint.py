@@ -51,8 +51,9 @@ COMMIT_NAME = "commit_success.json"
 LOOP_STATE_NAME = "loop_state_{}.json"  # per process: host generators, padded length (HF: rng_state_{i}.pth)
 TMP_SUFFIX = ".tmp"
 WRITING_NAME = "writing.json"  # object stores: written first, removed after the commit marker
-# Test seam: seconds to wait between writing everything and the commit (to kill a process mid-save).
-PAUSE_ENV = "JTRAINER_TEST_PAUSE_BEFORE_COMMIT"
+# Called on the writing process with (the checkpoint's folder as written, its step) once everything is written,
+# just before the commit marker; None: nothing. A seam for tests that kill a process in the middle of a save.
+before_commit: Callable[[str, int], None] | None = None
 
 __all__ = [
     "CheckpointIntegrityError",
@@ -290,10 +291,8 @@ class PendingCheckpoint:
     def _rename_into_place(self, tmp: str) -> None:
         if self.is_main:
             write_manifest(tmp)
-            pause = _test_pause(self.step)
-            if pause:
-                storage.write_text(storage.join(tmp, "paused"), "")
-                time.sleep(pause)
+            if before_commit is not None:
+                before_commit(tmp, self.step)
             storage.write_text(
                 storage.join(tmp, COMMIT_NAME), json.dumps({"global_step": self.step, "time": time.time()})
             )
@@ -351,15 +350,6 @@ def save_checkpoint(
         return pending
     pending.commit()
     return None
-
-
-def _test_pause(step: int) -> float:
-    """`JTRAINER_TEST_PAUSE_BEFORE_COMMIT` = "SECONDS" (every save) or "STEP:SECONDS" (that step's save)."""
-    value = os.environ.get(PAUSE_ENV, "")
-    if not value:
-        return 0.0
-    at, _, seconds = value.rpartition(":")
-    return float(seconds) if (not at or int(at) == step) else 0.0
 
 
 def read_params(folder: str) -> dict:

@@ -14,11 +14,7 @@ import os
 import jax
 import numpy as np
 
-ENV_COORDINATOR = "JTRAINER_COORDINATOR"
-ENV_NUM_PROCESSES = "JTRAINER_NUM_PROCESSES"
-ENV_PROCESS_ID = "JTRAINER_PROCESS_ID"
-# A peer that stops answering for this long makes the others fail instead of waiting forever.
-HEARTBEAT_TIMEOUT_S = int(os.environ.get("JTRAINER_HEARTBEAT_TIMEOUT", "20"))
+from jtrainer import env
 
 
 def _cluster_detected() -> bool:
@@ -32,15 +28,16 @@ def maybe_initialize() -> bool:
     """Initialise jax.distributed from the environment when this is one process of many; True if it did."""
     if jax.distributed.is_initialized():
         return False
-    if os.environ.get(ENV_COORDINATOR):
+    if env.COORDINATOR.get():
         if os.environ.get("JAX_PLATFORMS", "").startswith("cpu"):
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(
-            coordinator_address=os.environ[ENV_COORDINATOR],
-            num_processes=int(os.environ[ENV_NUM_PROCESSES]),
-            process_id=int(os.environ[ENV_PROCESS_ID]),
-            heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S,
-            shutdown_timeout_seconds=HEARTBEAT_TIMEOUT_S,
+            coordinator_address=env.COORDINATOR.get(),
+            num_processes=env.NUM_PROCESSES.get_int(),
+            process_id=env.PROCESS_ID.get_int(),
+            # A peer that stops answering for this long makes the others fail instead of waiting forever.
+            heartbeat_timeout_seconds=env.HEARTBEAT_TIMEOUT.get_int(),
+            shutdown_timeout_seconds=env.HEARTBEAT_TIMEOUT.get_int(),
             initialization_timeout=120,
         )
         return True

@@ -23,7 +23,7 @@ from transformers.trainer_utils import (
     speed_metrics,
 )
 
-from jtrainer import data, distributed, optim, sharding
+from jtrainer import compiled_steps, data, distributed, optim, sharding
 from jtrainer.losses import IGNORE_INDEX
 from jtrainer.overrides import check_loader
 from jtrainer.step import (
@@ -94,9 +94,7 @@ def _mean_loss(losses: np.ndarray, drop_non_finite: bool) -> float:
     return float(np.mean(losses))
 
 
-# Eval steps shared by every Trainer of this process, keyed by structure.
 hf_logger = logging.getLogger("transformers.trainer")  # HF's banners, as transformers.Trainer logs them
-_SHARED_EVAL_STEPS: dict[Any, Any] = {}
 
 
 class EvaluationMixin:
@@ -181,13 +179,13 @@ class EvaluationMixin:
         """The jitted eval step, shared by structure like the train step (trials of a search reuse it)."""
         graphdef = graphdef_in_mode(self.model, training=False)
         key = (graphdef, spec, want_logits, self.preprocess_logits_for_metrics, ignore_keys)
-        if key not in _SHARED_EVAL_STEPS:
+        if key not in compiled_steps.EVAL_STEPS:
             placement = PreprocessPlacement()
             step = jax.jit(
                 make_eval_step(graphdef, spec, want_logits, self.preprocess_logits_for_metrics, ignore_keys, placement)
             )
-            _SHARED_EVAL_STEPS[key] = (step, placement)
-        step, self._preprocess_placement = _SHARED_EVAL_STEPS[key]
+            compiled_steps.EVAL_STEPS[key] = (step, placement)
+        step, self._preprocess_placement = compiled_steps.EVAL_STEPS[key]
         return step
 
     def _preprocess_on_host(self, predictions, labels):
@@ -228,12 +226,14 @@ class EvaluationMixin:
         shards = sharding.data_parallel_size(self.mesh)
         graphdef = graphdef_in_mode(self.model, training=False)
         key = ("shard_losses", graphdef, spec, shards)
-        if key not in _SHARED_EVAL_STEPS:
-            _SHARED_EVAL_STEPS[key] = jax.jit(
+        if key not in compiled_steps.EVAL_STEPS:
+            compiled_steps.EVAL_STEPS[key] = jax.jit(
                 make_shard_loss_step(graphdef, spec, shards), out_shardings=sharding.replicated(self.mesh)
             )  # every process reads it
         with self._mesh_context():
-            per_shard = np.asarray(jax.device_get(_SHARED_EVAL_STEPS[key](params, model_state, inputs)), np.float64)
+            per_shard = np.asarray(
+                jax.device_get(compiled_steps.EVAL_STEPS[key](params, model_state, inputs)), np.float64
+            )
         return np.repeat(per_shard, global_rows // shards)[:rows]
 
     def _ignore_keys(self, ignore_keys) -> tuple[str, ...]:

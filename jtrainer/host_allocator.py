@@ -25,7 +25,7 @@ import platform
 
 import jax
 
-ENV = "JTRAINER_TUNE_MALLOC"
+from jtrainer import env
 
 # mallopt parameters from glibc's malloc.h
 _M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
@@ -55,7 +55,7 @@ def cpu_is_the_backend() -> bool:
 
 
 def should_tune() -> bool:
-    setting = os.environ.get(ENV, "auto").strip().lower()
+    setting = env.TUNE_MALLOC.get().strip().lower()
     if setting in ("0", "false", "off", "no"):
         return False
     return setting in ("1", "true", "on", "yes") or cpu_is_the_backend()

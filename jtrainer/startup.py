@@ -9,17 +9,15 @@ when it starts training.
 
 from __future__ import annotations
 
-import os
-
 import jax
 
-ENV = "JTRAINER_COMPILATION_CACHE_DIR"
-DEFAULT = os.path.join(os.path.expanduser("~"), ".cache", "jtrainer", "jax_compilation_cache")
+from jtrainer import env
+
 OFF = ("none", "off", "")
 
 
 def default_cache_dir() -> str | None:
-    value = os.environ.get(ENV, DEFAULT)
+    value = env.COMPILATION_CACHE_DIR.get()
     return None if value.lower() in OFF else value
 
 

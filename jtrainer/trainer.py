@@ -43,6 +43,7 @@ from transformers.trainer_utils import IntervalStrategy, SaveStrategy, TrainOutp
 from jtrainer import (
     batch_size,
     checkpoint,
+    compiled_steps,
     data,
     distributed,
     host_rng,
@@ -158,10 +159,6 @@ class PreparedWindow(NamedTuple):
     batches: list[data.Batch]  # this process's micro-batches, as collated
     step_batch: StepBatch  # the same, padded and placed on the mesh
     loop_state: LoopState
-
-
-# Train steps shared by every Trainer of this process, keyed by structure (see `_compiled_train_step`).
-_SHARED_TRAIN_STEPS: dict[Any, Callable] = {}
 
 
 def _tile_rows(example: data.Batch, rows: int) -> dict[str, np.ndarray]:
@@ -583,8 +580,8 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
                 tuple(leaves),
                 treedef,
             )
-            if key in _SHARED_TRAIN_STEPS:
-                return _SHARED_TRAIN_STEPS[key]
+            if key in compiled_steps.TRAIN_STEPS:
+                return compiled_steps.TRAIN_STEPS[key]
         max_grad_norm = self.args.max_grad_norm if clip else 0.0
         train_step = jax.jit(
             make_train_step(graphdef, tx, spec, max_grad_norm, grad_shardings=state_shardings.params),
@@ -592,7 +589,7 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
             donate_argnums=(0,),
         )
         if key is not None:
-            _SHARED_TRAIN_STEPS[key] = train_step
+            compiled_steps.TRAIN_STEPS[key] = train_step
         return train_step
 
     def compile_train_step(self, example: data.Batch, num_training_steps: int) -> jax.stages.Compiled:

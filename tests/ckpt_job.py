@@ -79,6 +79,21 @@ class Marker(TrainerCallback):
             open(os.path.join(self.out, "evaluating"), "w").close()
 
 
+PAUSE_ENV = "CKPT_JOB_PAUSE_BEFORE_COMMIT"  # "SECONDS" (every save) or "STEP:SECONDS" (that step's save)
+
+
+def pause_before_commit(folder: str, step: int) -> None:
+    """checkpoint.before_commit for PAUSE_ENV: mark the folder `paused` and wait, so a test can kill us there."""
+    import time
+
+    from jtrainer import storage
+
+    at, _, seconds = os.environ.get(PAUSE_ENV, "").rpartition(":")
+    if seconds and (not at or int(at) == step):
+        storage.write_text(storage.join(folder, "paused"), "")
+        time.sleep(float(seconds))
+
+
 def make_trainer(out, max_steps, save_steps, evaluate, mesh_shape=None, global_batch=4):
     if "://" not in out:
         os.makedirs(out, exist_ok=True)
@@ -118,6 +133,9 @@ if __name__ == "__main__":
     import signal
 
     signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, even when started in background
+    from jtrainer import checkpoint
+
+    checkpoint.before_commit = pause_before_commit
 
     out, max_steps, save_steps, evaluate = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
     mesh = json.loads(sys.argv[5]) if len(sys.argv) > 5 else None

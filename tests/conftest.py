@@ -19,6 +19,16 @@ import pytest  # noqa: E402
 jax.config.update("jax_disable_most_optimizations", True)
 
 
+@pytest.fixture(autouse=True)
+def _fresh_compiled_steps():
+    """Each test compiles its own steps: a step cached by another test holds that test's closures."""
+    import jtrainer
+
+    jtrainer.clear_compiled_steps()
+    yield
+    jtrainer.clear_compiled_steps()
+
+
 @contextlib.contextmanager
 def count_compiles(name: str = "train_step"):
     """Counts XLA compilations of jitted functions called `name` in the block (JAX's own compile log)."""

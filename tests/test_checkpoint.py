@@ -10,7 +10,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from ckpt_job import make_trainer
+from ckpt_job import PAUSE_ENV, make_trainer
 from flax import nnx
 
 from jtrainer import Trainer, TrainingArguments, checkpoint
@@ -62,7 +62,7 @@ def _wait_for(path, proc, timeout=180):
 
 def test_kill_during_save_loses_nothing(tmp_path):
     out = tmp_path / "run"
-    proc = _spawn(out, 6, 2, 0, env={checkpoint.PAUSE_ENV: "4:120"})
+    proc = _spawn(out, 6, 2, 0, env={PAUSE_ENV: "4:120"})
     _wait_for(out / "checkpoint-4.tmp" / "paused", proc)
     proc.kill()
     proc.wait()

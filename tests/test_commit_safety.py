@@ -11,7 +11,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from ckpt_job import make_trainer
+from ckpt_job import PAUSE_ENV, make_trainer
 
 from jtrainer import TrainerCallback, checkpoint
 
@@ -75,7 +75,7 @@ def test_an_interrupt_or_error_commits_the_save_in_flight(tmp_path, failure):
     """Ctrl-C, or an exception in a callback, while checkpoint-2 is being committed (held open for 4 s): the
     commit finishes, then the error ends the run with its own exit code."""
     out = tmp_path / "run"
-    env = {checkpoint.PAUSE_ENV: "2:4"}
+    env = {PAUSE_ENV: "2:4"}
     if failure == "callback":
         env["CKPT_JOB_RAISE_AT_STEP"] = "3"
     proc = _spawn(out, 10_000, 2, 0, env=env)

@@ -5,7 +5,6 @@ import pytest
 from conftest import count_compiles, tiny_llama_config, token_rows
 from flax import nnx
 
-import jtrainer.trainer
 from jtrainer import EarlyStoppingCallback, EvalPrediction, Trainer, TrainingArguments
 from jtrainer.models.llama import LlamaForCausalLM
 
@@ -223,7 +222,6 @@ def test_tokenizer_collators_with_varied_lengths(tmp_path):
         data_collator=collator,
         processing_class=tokenizer,
     )
-    jtrainer.trainer._SHARED_TRAIN_STEPS.clear()  # another test may have compiled this structure already
     with count_compiles() as compiles:
         trainer.train()
     # Lengths vary batch to batch; the padded length only grows by powers of two: few compilations.

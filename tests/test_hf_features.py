@@ -7,7 +7,7 @@ import pytest
 from conftest import short_run_args, tiny_llama_config, token_rows
 from flax import nnx
 
-from jtrainer import Trainer, batch_size
+from jtrainer import Trainer, batch_size, env
 from jtrainer.models import AutoModelForSequenceClassification, AutoModelForTokenClassification
 from jtrainer.models.base import Embed
 from jtrainer.models.llama import LlamaForCausalLM
@@ -63,7 +63,7 @@ def test_auto_find_batch_size_keeps_the_effective_batch(monkeypatch):
             reference._train_step.lower(reference._train_state, reference._last_step_batch).compile()
         )
     # A device with just enough memory for batches of 4: 16 and 8 do not fit, 4 does.
-    monkeypatch.setenv(batch_size.MEMORY_ENV, str(fits + 1024))
+    monkeypatch.setenv(env.DEVICE_MEMORY_BYTES.name, str(fits + 1024))
     searched = Trainer(
         LlamaForCausalLM.from_config(tiny_llama_config()),
         _args(per_device_train_batch_size=16, auto_find_batch_size=True),
@@ -73,7 +73,7 @@ def test_auto_find_batch_size_keeps_the_effective_batch(monkeypatch):
     assert (searched.args.per_device_train_batch_size, searched.args.gradient_accumulation_steps) == (4, 4)
     assert _losses(searched) == pytest.approx(_losses(reference), rel=1e-5)
 
-    monkeypatch.setenv(batch_size.MEMORY_ENV, "1000")
+    monkeypatch.setenv(env.DEVICE_MEMORY_BYTES.name, "1000")
     with pytest.raises(RuntimeError, match="No executable batch size found"):
         Trainer(
             LlamaForCausalLM.from_config(tiny_llama_config()),
@@ -146,7 +146,7 @@ def test_auto_find_batch_size_resumes_with_the_batch_it_found(monkeypatch, tmp_p
     probe.train()
     with jax.set_mesh(probe.mesh):
         fits = batch_size.step_bytes(probe._train_step.lower(probe._train_state, probe._last_step_batch).compile())
-    monkeypatch.setenv(batch_size.MEMORY_ENV, str(fits + 1024))  # batches of 16 and 8 do not fit, 4 does
+    monkeypatch.setenv(env.DEVICE_MEMORY_BYTES.name, str(fits + 1024))  # batches of 16 and 8 do not fit, 4 does
     whole = run(tmp_path / "whole")
     caplog.clear()
     with caplog.at_level("WARNING", logger="jtrainer.trainer"):

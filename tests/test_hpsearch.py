@@ -51,7 +51,7 @@ def test_optuna_search_compiles_the_train_step_once(tmp_path):
         train_dataset=train,
         eval_dataset=held_out,
     )
-    jtrainer.trainer._SHARED_TRAIN_STEPS.clear()
+    jtrainer.clear_compiled_steps()
     with count_compiles("train_step") as compiles:
         best = trainer.hyperparameter_search(
             hp_space=_space, n_trials=4, direction="minimize", sampler=optuna.samplers.RandomSampler(seed=0)
@@ -63,7 +63,7 @@ def test_optuna_search_compiles_the_train_step_once(tmp_path):
 
     # The shared step used each trial's own numbers: rerunning the best trial alone, with a fresh compile,
     # gives the same objective.
-    jtrainer.trainer._SHARED_TRAIN_STEPS.clear()
+    jtrainer.clear_compiled_steps()
     alone = Trainer(
         model=_model_init(),
         args=_args(tmp_path / "alone", **best.hyperparameters),

@@ -87,7 +87,7 @@ def test_group_by_length_pads_to_bounded_buckets():
         train_dataset=rows,
         data_collator=pad,
     )
-    jtrainer.trainer._SHARED_TRAIN_STEPS.clear()
+    jtrainer.clear_compiled_steps()
     with count_compiles() as compiles:
         trainer.train()
     assert 2 <= len(compiles) <= 4  # one per bucket used: 16, 32, 64, 128

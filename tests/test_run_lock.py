@@ -10,7 +10,7 @@ import sys
 import time
 
 import pytest
-from ckpt_job import make_trainer
+from ckpt_job import PAUSE_ENV, make_trainer
 from test_commit_safety import _spawn, _wait
 
 from jtrainer import checkpoint, run_lock
@@ -84,7 +84,7 @@ def test_a_second_training_run_is_refused_and_the_first_unharmed(tmp_path):
     """Run A writes checkpoint-2 (its commit held open for 6 s); run B on the same output_dir fails within
     seconds naming A; A's checkpoint-2.tmp is still there and is committed. After A is killed, B takes over."""
     out = tmp_path / "run"
-    proc = _spawn(out, 10_000, 2, 0, env={checkpoint.PAUSE_ENV: "2:6"})
+    proc = _spawn(out, 10_000, 2, 0, env={PAUSE_ENV: "2:6"})
     try:
         _wait(lambda: (out / "checkpoint-2.tmp" / "paused").exists(), proc, "the pause before the commit")
         second = make_trainer(str(out), 2, 0, False)

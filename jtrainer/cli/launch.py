@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 
-from jtrainer.distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
+from jtrainer import env as settings
 
 GRACE_S = 10.0
 
@@ -38,10 +38,10 @@ def process_env(process_id: int, num_processes: int, port: int, devices_per_proc
     env = dict(os.environ)
     env.update(
         {
-            ENV_COORDINATOR: f"127.0.0.1:{port}",
-            ENV_NUM_PROCESSES: str(num_processes),
-            ENV_PROCESS_ID: str(process_id),
-            "JTRAINER_LOCAL_PROCESS_ID": str(process_id),
+            settings.COORDINATOR.name: f"127.0.0.1:{port}",
+            settings.NUM_PROCESSES.name: str(num_processes),
+            settings.PROCESS_ID.name: str(process_id),
+            settings.LOCAL_PROCESS_ID.name: str(process_id),
         }
     )
     if devices_per_process:

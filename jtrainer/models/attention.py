@@ -24,11 +24,11 @@ included: there the reference gives the mean of all values, and so does this.
 from __future__ import annotations
 
 import logging
-import os
 
 import jax
 import jax.numpy as jnp
 
+from jtrainer import env
 from jtrainer.models.linear import cpu_backend
 
 logger = logging.getLogger(__name__)
@@ -63,9 +63,9 @@ def causal_mask(length: int, sliding_window: int | None = None) -> jax.Array:
 
 
 def _requested_implementation() -> str:
-    requested = os.environ.get("JTRAINER_ATTENTION", "auto").lower()
+    requested = env.ATTENTION.get().lower()
     if requested not in _IMPLEMENTATIONS:
-        raise ValueError(f"JTRAINER_ATTENTION={requested!r} is not one of {_IMPLEMENTATIONS}; unset it for 'auto'.")
+        raise ValueError(f"{env.ATTENTION.name}={requested!r} is not one of {_IMPLEMENTATIONS}; unset it for 'auto'.")
     return requested
 
 
