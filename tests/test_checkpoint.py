@@ -10,8 +10,8 @@ import time
 import jax
 import numpy as np
 import pytest
-from ckpt_job import PAUSE_ENV, make_trainer
 from flax import nnx
+from jobs.ckpt_job import PAUSE_ENV, make_trainer
 
 from jtrainer import Trainer, TrainingArguments, checkpoint
 
@@ -45,7 +45,7 @@ def test_resume_mid_epoch_is_bit_identical(tmp_path):
 
 def _spawn(out, *args, env=None):
     return subprocess.Popen(
-        [sys.executable, os.path.join(HERE, "ckpt_job.py"), str(out), *map(str, args)],
+        [sys.executable, os.path.join(HERE, "jobs", "ckpt_job.py"), str(out), *map(str, args)],
         env=dict(os.environ, JAX_PLATFORMS="cpu", **(env or {})),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -214,7 +214,7 @@ def _jobs(*jobs):
         env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
         running.append(
             subprocess.Popen(
-                [sys.executable, os.path.join(HERE, "ckpt_job.py"), str(out), *map(str, args)],
+                [sys.executable, os.path.join(HERE, "jobs", "ckpt_job.py"), str(out), *map(str, args)],
                 env=env,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.PIPE,

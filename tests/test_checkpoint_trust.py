@@ -7,7 +7,7 @@ import shutil
 
 import numpy as np
 import pytest
-from ckpt_job import make_trainer
+from jobs.ckpt_job import make_trainer
 
 from jtrainer import checkpoint, storage
 

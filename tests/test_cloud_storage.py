@@ -12,7 +12,7 @@ import gcs_emulator
 import jax
 import numpy as np
 import pytest
-from ckpt_job import make_trainer
+from jobs.ckpt_job import make_trainer
 
 from jtrainer import TrainingArguments, checkpoint, storage
 from jtrainer.errors import BadInput
@@ -162,7 +162,7 @@ def _pair(url, args, port):
         )
         procs.append(
             subprocess.Popen(
-                [sys.executable, os.path.join(HERE, "ckpt_job.py"), *args],
+                [sys.executable, os.path.join(HERE, "jobs", "ckpt_job.py"), *args],
                 env=env,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.PIPE,

@@ -11,7 +11,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from ckpt_job import PAUSE_ENV, make_trainer
+from jobs.ckpt_job import PAUSE_ENV, make_trainer
 
 from jtrainer import TrainerCallback, checkpoint
 
@@ -20,7 +20,7 @@ HERE = os.path.dirname(__file__)
 
 def _spawn(out, *args, env=None):
     return subprocess.Popen(
-        [sys.executable, os.path.join(HERE, "ckpt_job.py"), str(out), *map(str, args)],
+        [sys.executable, os.path.join(HERE, "jobs", "ckpt_job.py"), str(out), *map(str, args)],
         env=dict(os.environ, JAX_PLATFORMS="cpu", **(env or {})),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,

@@ -11,7 +11,7 @@ import pytest
 
 from jtrainer import host_allocator
 
-JOB = os.path.join(os.path.dirname(__file__), "page_fault_job.py")
+JOB = os.path.join(os.path.dirname(__file__), "jobs", "page_fault_job.py")
 
 
 @pytest.mark.parametrize(

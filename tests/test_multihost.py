@@ -11,7 +11,7 @@ import time
 import numpy as np
 
 HERE = os.path.dirname(__file__)
-JOB = os.path.join(HERE, "multihost_job.py")
+JOB = os.path.join(HERE, "jobs", "multihost_job.py")
 MESH = '{"data": 2, "fsdp": 4}'
 
 
@@ -97,7 +97,7 @@ def test_sigterm_to_one_process_makes_both_save_the_same_step(tmp_path):
     from jtrainer import checkpoint
 
     out = tmp_path / "run"
-    cmd = [sys.executable, os.path.join(HERE, "ckpt_job.py"), str(out), "100000", "0", "0", MESH, "8"]
+    cmd = [sys.executable, os.path.join(HERE, "jobs", "ckpt_job.py"), str(out), "100000", "0", "0", MESH, "8"]
     procs = _spawn_pair(cmd, port=20000 + (os.getpid() + 7) % 20000)
     deadline = time.monotonic() + 300
     while not (out / "step").exists():
@@ -126,7 +126,7 @@ def test_hyperparameter_search_on_two_processes(tmp_path):
             "2",
             "--devices_per_process",
             "2",
-            os.path.join(HERE, "hpsearch_job.py"),
+            os.path.join(HERE, "jobs", "hpsearch_job.py"),
             str(out),
         ],
         env=_env(),

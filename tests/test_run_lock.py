@@ -10,7 +10,7 @@ import sys
 import time
 
 import pytest
-from ckpt_job import PAUSE_ENV, make_trainer
+from jobs.ckpt_job import PAUSE_ENV, make_trainer
 from test_commit_safety import _spawn, _wait
 
 from jtrainer import checkpoint, run_lock

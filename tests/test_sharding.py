@@ -29,7 +29,7 @@ def _run_layouts(tmp_path, *runs):
     for i, (devices, layouts) in enumerate(runs):
         out = tmp_path / f"layouts_{i}.json"
         env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
-        cmd = [sys.executable, os.path.join(HERE, "layout_job.py"), str(out)] + [json.dumps(x) for x in layouts]
+        cmd = [sys.executable, os.path.join(HERE, "jobs", "layout_job.py"), str(out)] + [json.dumps(x) for x in layouts]
         running.append(
             (out, subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
         )

@@ -1,7 +1,7 @@
 """A 10-step training run under given mesh layouts; writes losses, bytes per device and compile counts as JSON.
 
 Run as a script in a fresh process (the device count is fixed when JAX starts):
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/layout_job.py OUT.json LAYOUT_JSON...
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/jobs/layout_job.py OUT.json LAYOUT_JSON...
 """
 
 import json
@@ -11,7 +11,7 @@ import sys
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if __name__ == "__main__":  # jtrainer runs without torch, as on a TPU VM (transformers would import it: slower)
     sys.modules["torch"] = None
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: conftest
 
 import jax  # noqa: E402
 

@@ -1,4 +1,5 @@
-"""Issue 7's mechanisms: packing, length buckets, no device reads between logs, throughput logs, the cache."""
+"""What the loop does for speed, checked for correctness (speed itself is measured by benchmarks/): packing,
+length buckets, no device reads between logs, throughput logs, the persistent compilation cache."""
 
 import os
 import subprocess

@@ -1,6 +1,6 @@
 """A 3-trial optuna search run by `jtrainer launch` on 2 processes; process 0 writes the trials to OUT.json.
 
-jtrainer launch --num_processes 2 --devices_per_process 2 tests/hpsearch_job.py OUT.json
+jtrainer launch --num_processes 2 --devices_per_process 2 tests/jobs/hpsearch_job.py OUT.json
 """
 
 import json
@@ -10,7 +10,7 @@ import sys
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if __name__ == "__main__":  # jtrainer runs without torch, as on a TPU VM (transformers would import it: slower)
     sys.modules["torch"] = None
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: conftest
 
 import jax  # noqa: E402
 

@@ -1,7 +1,7 @@
 """A 10-step run for the multi-process tests, then predict_with_generate; process 0 writes losses, final
 parameters and the generated ids to OUT.npz.
 
-    jtrainer launch --num_processes 2 --devices_per_process 4 tests/multihost_job.py OUT.npz [MESH_JSON] [STEPS]
+    jtrainer launch --num_processes 2 --devices_per_process 4 tests/jobs/multihost_job.py OUT.npz [MESH_JSON] [STEPS]
 """
 
 import json
@@ -11,7 +11,7 @@ import sys
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if __name__ == "__main__":  # jtrainer runs without torch, as on a TPU VM (transformers would import it: slower)
     sys.modules["torch"] = None
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: conftest
 
 import jax  # noqa: E402
 

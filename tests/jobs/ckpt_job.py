@@ -1,6 +1,6 @@
 """A training run for the checkpoint/preemption tests, in its own process (to be killed or sent SIGTERM).
 
-    python tests/ckpt_job.py OUT_DIR MAX_STEPS SAVE_STEPS EVAL(0|1) [MESH_JSON GLOBAL_BATCH [RESUME_FROM]]
+    python tests/jobs/ckpt_job.py OUT_DIR MAX_STEPS SAVE_STEPS EVAL(0|1) [MESH_JSON GLOBAL_BATCH [RESUME_FROM]]
 Touches OUT_DIR/step (the global step) after every step, and OUT_DIR/evaluating during evaluations;
 with CKPT_JOB_RAISE_AT_STEP=N a callback raises after step N; with CKPT_JOB_SAVE_MODEL=1 save_model() writes
 OUT_DIR/final at the end; with CKPT_JOB_DISK_AT_STEP=N the disk fails after
@@ -41,7 +41,7 @@ if __name__ == "__main__" and os.environ.get("CKPT_JOB_DISK") == "readonly" and 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if __name__ == "__main__":  # jtrainer runs without torch, as on a TPU VM (transformers would import it: slower)
     sys.modules["torch"] = None
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: conftest
 
 import jax  # noqa: E402
 
