@@ -757,6 +757,27 @@ def current_learning_rate(opt_state) -> jax.Array | None:
     return hyperparameter(opt_state, "learning_rate")
 
 
+def clip_by_global_norm(grads, max_norm):
+    """torch's clip_grad_norm_: scale by max_norm / (norm + 1e-6) when that is below 1. `max_norm` may be traced;
+    a Python number <= 0 leaves the gradients as they are."""
+    if isinstance(max_norm, (int, float)) and max_norm <= 0:
+        return grads
+    coef = jnp.minimum(1.0, max_norm / (optax.tree.norm(grads) + 1e-6))
+    return jax.tree.map(lambda g: g * coef.astype(g.dtype), grads)
+
+
+def clip_grad_norm(tx: optax.GradientTransformation, max_norm: float) -> optax.GradientTransformation:
+    """HF's max_grad_norm in front of `tx`: the gradients clipped by torch's rule before `tx` sees them. The bound
+    is `tx`'s injected `max_grad_norm` hyperparameter when it has one (data: a resumed run's new value needs no
+    recompile), else `max_norm`. The state is `tx`'s own, so checkpoints do not depend on clipping."""
+
+    def update(updates, state, params=None):
+        injected = hyperparameter(state, "max_grad_norm")
+        return tx.update(clip_by_global_norm(updates, max_norm if injected is None else injected), state, params)
+
+    return optax.GradientTransformation(tx.init, update)
+
+
 def skip_non_finite(tx: optax.GradientTransformation) -> optax.GradientTransformation:
     """Updates with a NaN or Inf are skipped (parameters and moments unchanged) and counted."""
     return optax.apply_if_finite(tx, max_consecutive_errors=2**31 - 1)

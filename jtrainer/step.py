@@ -22,7 +22,7 @@ from flax import nnx
 
 from jtrainer.losses import IGNORE_INDEX, count_label_tokens, shift_labels, token_cross_entropy_sum
 from jtrainer.mixed_precision import loss_scale
-from jtrainer.optim import current_learning_rate, hyperparameter, schedule_count
+from jtrainer.optim import current_learning_rate, schedule_count
 from jtrainer.state import TrainState
 
 
@@ -223,29 +223,16 @@ def window_label_count(inputs: dict[str, jax.Array], spec: LossSpec, tail: dict[
     return count if tail is None else count + count_label_tokens(tail[name], spec.count_shifted)
 
 
-def clip_by_global_norm(grads, max_norm):
-    """torch's clip_grad_norm_: scale by max_norm / (norm + 1e-6) when that is below 1; returns (grads, norm).
-
-    `max_norm` may be traced; a Python number <= 0 turns clipping off (the norm is still returned)."""
-    norm = optax.tree.norm(grads)
-    if isinstance(max_norm, (int, float)) and max_norm <= 0:
-        return grads, norm
-    coef = jnp.minimum(1.0, max_norm / (norm + 1e-6))
-    return jax.tree.map(lambda g: g * coef.astype(g.dtype), grads), norm
-
-
-def make_train_step(
-    graphdef, tx: optax.GradientTransformation, spec: LossSpec, max_grad_norm: float, grad_shardings: Any = None
-):
-    """A pure train step: scan over micro-batches summing loss shares and gradients, clip, update.
+def make_train_step(graphdef, tx: optax.GradientTransformation, spec: LossSpec, grad_shardings: Any = None):
+    """A pure train step: scan over micro-batches summing loss shares and gradients, then `tx`'s update.
 
     `grad_shardings` (the parameters' shardings) lay out the summed gradients in the scan's carry as the
     parameters are: left to propagation, XLA may keep a whole copy of the gradients on every device.
 
-    `max_grad_norm` > 0 turns clipping on; the norm used is the optimizer state's `max_grad_norm`
-    hyperparameter when it has one (data, so it can change without a recompile), else this number.
-    With fp16's loss scaling (a `mixed_precision.LossScaleState` in the optimizer state), the gradients are those
-    of the scaled loss, divided by the scale before clipping; the logged loss is unscaled.
+    Clipping (HF's max_grad_norm) is part of `tx` (`optim.clip_grad_norm` in front of the optimizer); the step
+    logs the norm of the gradients it hands to `tx`. With fp16's loss scaling (a `mixed_precision.LossScaleState`
+    in the optimizer state), the gradients are those of the scaled loss, divided by the scale before `tx`; the
+    logged loss is unscaled.
     """
 
     def train_step(state: TrainState, batch: StepBatch) -> tuple[TrainState, dict[str, jax.Array]]:
@@ -305,11 +292,7 @@ def make_train_step(
             grads, loss = jax.tree.map(jnp.add, grads, tail_grads), loss + tail_loss
         if scale is not None:
             grads = jax.tree.map(lambda g: g / scale, grads)
-        if max_grad_norm > 0:
-            injected = hyperparameter(state.opt_state, "max_grad_norm")
-            grads, grad_norm = clip_by_global_norm(grads, max_grad_norm if injected is None else injected)
-        else:
-            grads, grad_norm = clip_by_global_norm(grads, 0.0)
+        grad_norm = optax.tree.norm(grads)  # HF logs the norm before clipping
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = {"loss": loss, "grad_norm": grad_norm}

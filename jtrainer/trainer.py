@@ -582,9 +582,8 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
             )
             if key in compiled_steps.TRAIN_STEPS:
                 return compiled_steps.TRAIN_STEPS[key]
-        max_grad_norm = self.args.max_grad_norm if clip else 0.0
         train_step = jax.jit(
-            make_train_step(graphdef, tx, spec, max_grad_norm, grad_shardings=state_shardings.params),
+            make_train_step(graphdef, tx, spec, grad_shardings=state_shardings.params),
             out_shardings=(state_shardings, sharding.replicated(self.mesh)),
             donate_argnums=(0,),
         )
@@ -642,13 +641,17 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         return shardings, state
 
     def _step_optimizer(self) -> optax.GradientTransformation:
-        """The optimizer as the step applies it: under fp16's dynamic loss scaling (which skips non-finite
-        updates itself), or skipping non-finite updates when nan_inf_policy='skip'."""
+        """The optimizer as the step applies it: HF's gradient clipping in front (max_grad_norm > 0), under fp16's
+        dynamic loss scaling (which skips non-finite updates itself), or skipping non-finite updates when
+        nan_inf_policy='skip'."""
+        tx = self.optimizer
+        if self.args.max_grad_norm and self.args.max_grad_norm > 0:
+            tx = optim.clip_grad_norm(tx, float(self.args.max_grad_norm))
         if self.args.fp16:
-            return mixed_precision.dynamic_loss_scaling(self.optimizer)
+            return mixed_precision.dynamic_loss_scaling(tx)
         if self.args.nan_inf_policy == "skip":
-            return optim.skip_non_finite(self.optimizer)
-        return self.optimizer
+            return optim.skip_non_finite(tx)
+        return tx
 
     def _model_params(self):
         """The parameters HF's model holds now: the trained ones, or, for a schedule-free optimizer after an
