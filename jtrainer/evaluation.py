@@ -23,7 +23,7 @@ from transformers.trainer_utils import (
     speed_metrics,
 )
 
-from jtrainer import compiled_steps, data, distributed, optim, sharding
+from jtrainer import compiled_steps, data, distributed, sharding
 from jtrainer.losses import IGNORE_INDEX
 from jtrainer.overrides import check_loader
 from jtrainer.step import (
@@ -35,6 +35,7 @@ from jtrainer.step import (
     make_eval_step,
     make_shard_loss_step,
 )
+from jtrainer.trainer_parts import TrainerParts
 
 
 def concat_padded(arrays: list[np.ndarray], pad: int = IGNORE_INDEX) -> np.ndarray:
@@ -97,7 +98,7 @@ def _mean_loss(losses: np.ndarray, drop_non_finite: bool) -> float:
 hf_logger = logging.getLogger("transformers.trainer")  # HF's banners, as transformers.Trainer logs them
 
 
-class EvaluationMixin:
+class EvaluationMixin(TrainerParts):
     """The Trainer's evaluate / predict methods (they use the Trainer's mesh, model, callbacks and state)."""
 
     def _evaluate(self, trial, ignore_keys_for_eval, skip_scheduler: bool = False) -> dict[str, float]:
@@ -114,20 +115,13 @@ class EvaluationMixin:
         self._report_to_hp_search(trial, self.state.global_step, metrics)
         return metrics
 
-    def _step_plateau(self, metric: float) -> None:
-        lr = self._plateau.last_lr  # the host's float64 rate, as torch's scheduler keeps it
-        new_lr = self._plateau.last_lr = self._plateau.step(metric, lr)
-        if new_lr != lr:
-            opt_state = optim.set_hyperparam(self._train_state.opt_state, "learning_rate", new_lr)
-            self._train_state = self._train_state.replace(opt_state=opt_state)
-
     def _generates(self) -> bool:
         """Whether predictions are generated ids rather than logits (overridden by Seq2SeqTrainer)."""
         return False
 
     def _current_params(self):
         if self._train_state is not None:
-            self._optimizer_eval_mode = True  # HF's evaluation_loop: optimizer.eval()
+            self._optimizer_eval()  # HF's evaluation_loop: optimizer.eval()
             return self._model_params(), self._train_state.model_state
         _, params, rest = nnx.split(self.model, nnx.Param, ...)
         return (

@@ -20,6 +20,8 @@ import jax
 import numpy as np
 from transformers.trainer_utils import BestRun, HPSearchBackend, default_compute_objective, default_hp_space_optuna
 
+from jtrainer.trainer_parts import TrainerParts
+
 logger = logging.getLogger(__name__)
 
 _MESSAGE_BYTES = 1 << 16  # one trial's parameters as JSON, sent from process 0 to the others
@@ -39,7 +41,7 @@ def _broadcast_json(value: Any) -> Any:
     return json.loads(bytes(received[received != 0]).decode())
 
 
-class HyperparameterSearchMixin:
+class HyperparameterSearchMixin(TrainerParts):
     """HF's `hyperparameter_search`, `_hp_search_setup` and `_report_to_hp_search` for the Trainer."""
 
     def hyperparameter_search(

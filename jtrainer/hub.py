@@ -17,6 +17,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, HubStrategy, SaveS
 
 from jtrainer import checkpoint
 from jtrainer.run_lock import LOCK_NAME
+from jtrainer.trainer_parts import TrainerParts
 
 MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json")
 
@@ -39,7 +40,7 @@ def model_files(folder: str) -> list[str]:
     return names
 
 
-class HubMixin:
+class HubMixin(TrainerParts):
     """HF's `init_hf_repo`, `create_model_card`, `push_to_hub` and checkpoint pushes for the Trainer."""
 
     hub_model_id: str | None = None
@@ -152,11 +153,11 @@ class HubMixin:
                     folder_path=folder, path_in_repo=in_repo, commit_message=message + ", checkpoint", **common
                 )
             )
-        self._push_jobs = [*getattr(self, "_push_jobs", []), *jobs]
+        self._push_jobs = [*self._push_jobs, *jobs]
 
     def _finish_current_push(self) -> None:
         """Wait for the background uploads of checkpoints."""
-        for job in getattr(self, "_push_jobs", []):
+        for job in self._push_jobs:
             if hasattr(job, "result"):
                 job.result()
         self._push_jobs = []

@@ -7,9 +7,10 @@ import json
 from typing import Any
 
 from jtrainer import storage
+from jtrainer.trainer_parts import TrainerParts
 
 
-class MetricsMixin:
+class MetricsMixin(TrainerParts):
     """HF's formatting and saving of a split's metrics (process 0 prints and writes)."""
 
     def metrics_format(self, metrics: dict[str, float]) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from transformers.trainer_utils import SchedulerType
 from jtrainer import optim
 from jtrainer.models.base import count_parameters
 from jtrainer.models.layers import LayerNorm
+from jtrainer.trainer_parts import TrainerParts
 
 # The modules HF excludes from weight decay by type (its ALL_LAYERNORM_LAYERS is [torch.nn.LayerNorm]): flax's
 # LayerNorm and jtrainer's port of torch's. RMSNorms are matched by name only, as in HF.
@@ -39,8 +40,34 @@ class ResumedSchedule:
     total_steps: int
 
 
-class OptimizerMixin:
+class OptimizerMixin(TrainerParts):
     """create_optimizer / create_scheduler and friends; uses the Trainer's args, model and train state."""
+
+    def _forget_optimizer(self) -> None:
+        """A new model (model_init): the next train() builds its optimizer and schedule afresh."""
+        self.optimizer = self.lr_scheduler = None
+        self._created_lr_scheduler, self._optimizer_recipe = False, None
+
+    def _start_schedule(self) -> None:
+        """The schedule's base rate and shape as a run starts (a resume may keep the checkpoint's base rate)."""
+        self._schedule_base = float(self.args.learning_rate)
+        self._resumed_schedule, self._schedule_switch_pending = None, False
+
+    def _optimizer_eval(self) -> None:
+        """HF's optimizer.eval(): a schedule-free optimizer's x parameters are the model's until the next step."""
+        self._optimizer_eval_mode = True
+
+    def _optimizer_train(self) -> None:
+        """HF's optimizer.train(), at each training step."""
+        self._optimizer_eval_mode = False
+
+    def _step_plateau(self, metric: float) -> None:
+        """A per-evaluation scheduler's step on the evaluated metric: the new rate goes into the train state."""
+        lr = self._plateau.last_lr  # the host's float64 rate, as torch's scheduler keeps it
+        new_lr = self._plateau.last_lr = self._plateau.step(metric, lr)
+        if new_lr != lr:
+            opt_state = optim.set_hyperparam(self._train_state.opt_state, "learning_rate", new_lr)
+            self._train_state = self._train_state.replace(opt_state=opt_state)
 
     def get_decay_parameter_names(self, model=None) -> list[str]:
         """HF's rule: every parameter but those of LayerNorm modules (torch.nn.LayerNorm's counterparts, by type)
@@ -194,7 +221,7 @@ class OptimizerMixin:
 
     def _num_non_embedding_parameters(self) -> int:
         """Counted once per model: `floating_point_ops` asks for it every micro-batch."""
-        cached = getattr(self, "_non_embedding_count", None)
+        cached = self._non_embedding_count
         if cached is None or cached[0] is not self.model:
             cached = self._non_embedding_count = (self.model, count_parameters(self.model, exclude_embeddings=True))
         return cached[1]

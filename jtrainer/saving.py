@@ -20,6 +20,7 @@ from transformers.trainer_utils import SaveStrategy
 
 from jtrainer import checkpoint, host_rng, optim, storage, torch_checkpoint
 from jtrainer.state import LoopState, TrainState
+from jtrainer.trainer_parts import TrainerParts
 
 logger = logging.getLogger(__name__)
 hf_logger = logging.getLogger("transformers.trainer")  # HF's own messages, through transformers' logger
@@ -31,7 +32,7 @@ def _all_finite(leaves) -> jax.Array:
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
 
 
-class SavingMixin:
+class SavingMixin(TrainerParts):
     """The Trainer's checkpoint, resume and save_model methods (they use the Trainer's state and arguments)."""
 
     def _get_output_dir(self, trial) -> str:
@@ -86,7 +87,7 @@ class SavingMixin:
             self._deliver_on_save()
 
     def _deliver_on_save(self) -> None:
-        saved_state, self._on_save_state = getattr(self, "_on_save_state", None), None
+        saved_state, self._on_save_state = self._on_save_state, None
         if saved_state is not None:
             state = self.state if saved_state.global_step == self.state.global_step else saved_state
             self.control = self.callback_handler.on_save(self.args, state, self.control)
@@ -136,7 +137,7 @@ class SavingMixin:
                 self.state.stateful_callbacks[name] = cb_state
 
         scheduler_state = None if self._plateau is None else self._plateau.state_dict()  # as of this step
-        process_rng, loop_state = host_rng.capture(), getattr(self, "_loop_state", None)
+        process_rng, loop_state = host_rng.capture(), self._loop_state
 
         def write_files(tmp: str) -> None:
             self._write_model(tmp, tensors, weights=not in_commit)
@@ -202,7 +203,7 @@ class SavingMixin:
     def _resume(self, folder: str, like: TrainState, updates_per_epoch: int, fresh=None):
         """Restore `folder` into the state laid out like `like` (abstract or concrete; `fresh()` builds a real
         fresh state where part of the state must start afresh) and the loop's bookkeeping."""
-        self._torch_rng_state = None
+        self._torch_rng_state = self._resumed_loop_state = None
         if torch_checkpoint.written_by_torch_trainer(folder):
             train_state = self._restore_torch_checkpoint(folder, fresh)
         elif not storage.isdir(storage.join(folder, checkpoint.TRAIN_STATE_DIR)):
@@ -259,6 +260,11 @@ class SavingMixin:
             max_steps_saved=saved_state.max_steps,
         )
         return train_state
+
+    def _take_resumed_loop_state(self):
+        """The resumed checkpoint's loop state, once (None when not resuming or already taken)."""
+        resumed, self._resumed_loop_state = self._resumed_loop_state, None
+        return resumed
 
     def _restore_loop_state(self, folder: str) -> None:
         """HF's _load_rng_state: the host generators as at the save, and how the loop padded and drew."""

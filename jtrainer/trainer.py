@@ -249,23 +249,12 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         self._check_layout()
         self._apply_chunked_loss()
         self.neftune_noise_alpha = None
-        self.hp_search_backend = None
-        self.hp_name = None
-        self._trial = None
         self._train_state: TrainState | None = None
         self._last_step_batch: StepBatch | None = None
         # HF's optimizer.eval() / .train(): schedule-free optimizers put x in the model for evaluation (and saves
         # until the next step), y while training.
-        self._optimizer_eval_mode = False
-        self._pending_checkpoint: checkpoint.PendingCheckpoint | None = None
-        self._on_save_state: TrainerState | None = None  # a save whose on_save waits for its commit
         self._ragged_tail = False  # set per run by _prepare_for_training (see _keeps_ragged_rows)
         self._label_classes: int | None = None  # the class count labels are checked against, per run
-        self._plateau: optim.PlateauScheduler | optim.GreedyScheduler | None = None
-        self._created_lr_scheduler = False
-        self._optimizer_recipe: tuple | None = None  # what the built optimizer depends on besides numbers
-        self._resumed_schedule = None  # set by _resumed_optimizer_state when a resume changes the schedule
-        self._schedule_switch_pending = False
         self.current_flos = 0.0
 
         # HF's own integration callbacks (tensorboard, wandb, mlflow, ...): they only read logs, args and config.
@@ -286,7 +275,6 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
             ],
         )
         self.control = TrainerControl()
-        self.hub_model_id = None  # set by init_hf_repo()
         if args.push_to_hub:
             self.init_hf_repo()
         self.control = self.callback_handler.on_init_end(self.args, self.state, self.control)
@@ -681,8 +669,7 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
             self._apply_chunked_loss()
             self.callback_handler.model = self.model
             self.model_accepts_loss_kwargs = _accepts_loss_kwargs(self.model)
-            self.optimizer = self.lr_scheduler = None
-            self._created_lr_scheduler, self._optimizer_recipe = False, None
+            self._forget_optimizer()
             self._train_state = None
             self._check_layout()
         if args.activation_checkpointing and hasattr(self.model, "gradient_checkpointing_enable"):
@@ -884,7 +871,6 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         # far ahead the prefetch thread runs; each step remembers the stream's state after its batches.
         loader.rng_stream = host_rng.RngStream(host_rng.capture())
         self._loop_state: LoopState | None = None
-        self._resumed_loop_state: LoopState | None = None
         pad_id = getattr(self.processing_class, "pad_token_id", None) or 0
         bucketed = args.train_sampling_strategy == "group_by_length"
         shapes = data.ShapeKeeper(loader.local_rows, pad_id, agree=distributed.agree_max, buckets=bucketed)
@@ -899,9 +885,7 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         self.callback_handler.optimizer, self.callback_handler.lr_scheduler = self.optimizer, self.lr_scheduler
         tx = self._step_optimizer()
         epochs_trained, skip = 0, 0
-        # The schedule's base rate and shape as this run starts (a resume may keep the checkpoint's base rate).
-        self._schedule_base = float(args.learning_rate)
-        self._resumed_schedule, self._schedule_switch_pending = None, False
+        self._start_schedule()
         if resume_from_checkpoint is not None:
             # Restored straight onto the state's shardings: no fresh state is built only to be overwritten (at
             # 8B that would hold two train states at once), except when the optimizer's wrappers changed.
@@ -969,7 +953,7 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
                     if args.auto_find_batch_size and self.state.global_step == self._initial_global_step:
                         compiled = run.train_step.lower(self._train_state, step_batch).compile()
                         batch_size.check_fits(compiled, args.per_device_train_batch_size)
-                    self._optimizer_eval_mode = False  # HF's training_step: optimizer.train()
+                    self._optimizer_train()  # HF's training_step: optimizer.train()
                     self._train_state, metrics = run.train_step(self._train_state, step_batch)
                     self._train_state = self._follow_resumed_schedule(self._train_state)
                 self._last_step_batch = step_batch
@@ -1007,7 +991,7 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         iterator = iter(loader)
         for _ in range(skip):
             next(iterator, None)
-        resumed, self._resumed_loop_state = self._resumed_loop_state, None
+        resumed = self._take_resumed_loop_state()
         if resumed is not None:  # resumed: draw on from where the checkpoint's step left off
             if resumed.collator_rng is not None:
                 loader.rng_stream.state = resumed.collator_rng
@@ -1204,7 +1188,7 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         if self.args.include_num_input_tokens_seen not in ("no", False):
             logs["num_input_tokens_seen"] = self.state.num_input_tokens_seen
             if start_time is not None:
-                seen = self.state.num_input_tokens_seen - getattr(self, "_initial_num_input_tokens_seen", 0)
+                seen = self.state.num_input_tokens_seen - self._initial_num_input_tokens_seen
                 logs.update(speed_metrics("train", start_time, num_tokens=seen))
         output = {**logs, "step": self.state.global_step}
         self.state.log_history.append(output)

@@ -1,0 +1,173 @@
+"""The state the Trainer's parts share, declared in one place.
+
+`jtrainer.Trainer` is one class assembled from parts, each a module: the constructor and the loop
+(`trainer`), the optimizer and its schedule (`optimizer_setup`), evaluation and prediction (`evaluation`),
+checkpoints, resume and export (`saving`), hyperparameter search (`hpsearch`), the Hub (`hub`) and the metrics
+files (`metrics_io`). Every part derives from `TrainerParts`, which declares each attribute an instance holds,
+with its default where it has one. `OWNER` names the one part that assigns each attribute; the others only read
+it, except the few in `SHARED` (HF's own pattern: every part hands `control` to the callbacks and takes it back).
+`tests/test_trainer_parts.py` checks both against the code.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+OWNER: dict[str, str] = {
+    **dict.fromkeys(
+        (
+            "args",
+            "model",
+            "model_init",
+            "data_collator",
+            "train_dataset",
+            "eval_dataset",
+            "processing_class",
+            "compute_loss_func",
+            "compute_metrics",
+            "preprocess_logits_for_metrics",
+            "optimizer_cls_and_kwargs",
+            "label_names",
+            "model_accepts_loss_kwargs",
+            "label_smoother",
+            "loss_is_scaled_for_ga",
+            "mesh",
+            "axis_rules",
+            "neftune_noise_alpha",
+            "callback_handler",
+            "control",
+            "current_flos",
+            "_param_specs",
+            "_train_step",
+            "_train_state",
+            "_last_step_batch",
+            "_loop_state",
+            "_ragged_tail",
+            "_label_classes",
+            "_sequence_length",
+            "_sigterm",
+            "_flops_per_token",
+            "_globalstep_last_logged",
+            "_initial_global_step",
+            "_initial_num_input_tokens_seen",
+            "_last_log_time",
+            "_pending_losses",
+            "_tokens_since_log",
+            "_total_loss_scalar",
+        ),
+        "trainer",
+    ),
+    **dict.fromkeys(
+        (
+            "optimizer",
+            "lr_scheduler",
+            "_created_lr_scheduler",
+            "_optimizer_recipe",
+            "_plateau",
+            "_schedule_values",
+            "_schedule_base",
+            "_resumed_schedule",
+            "_schedule_switch_pending",
+            "_optimizer_eval_mode",
+            "_non_embedding_count",
+        ),
+        "optimizer_setup",
+    ),
+    "_preprocess_placement": "evaluation",
+    **dict.fromkeys(
+        ("state", "_pending_checkpoint", "_on_save_state", "_torch_rng_state", "_resumed_loop_state"), "saving"
+    ),
+    **dict.fromkeys(
+        ("hp_search_backend", "hp_name", "hp_space", "compute_objective", "objective", "_trial"), "hpsearch"
+    ),
+    **dict.fromkeys(("hub_model_id", "_push_jobs"), "hub"),
+}
+
+# Attributes more than one part assigns, and why.
+SHARED: dict[str, tuple[str, ...]] = {
+    # Each callback event returns the control the next step obeys (HF: self.control = callback_handler.on_...).
+    "control": ("trainer", "evaluation", "saving"),
+    # The loop builds the train state; loading the best model at the end restores one (HF: load_state_dict); a
+    # per-evaluation scheduler (reduce_lr_on_plateau) sets the rate in it.
+    "_train_state": ("trainer", "saving", "optimizer_setup"),
+    # The constructor takes HF's optimizers=(optimizer, lr_scheduler); create_optimizer builds them otherwise.
+    "optimizer": ("trainer", "optimizer_setup"),
+    "lr_scheduler": ("trainer", "optimizer_setup"),
+    # The constructor builds HF's TrainerState; a resume replaces it with the checkpoint's.
+    "state": ("trainer", "saving"),
+}
+
+
+class TrainerParts:
+    """What every part of the Trainer may read (see the module's docstring for who writes what)."""
+
+    # trainer: the constructor's arguments, as HF names them, and what it derives from them
+    args: Any  # TrainingArguments
+    model: Any  # the flax.nnx model
+    model_init: Any
+    data_collator: Any
+    train_dataset: Any
+    eval_dataset: Any
+    processing_class: Any
+    compute_loss_func: Any
+    compute_metrics: Any
+    preprocess_logits_for_metrics: Any
+    optimizer_cls_and_kwargs: Any
+    label_names: list[str]
+    model_accepts_loss_kwargs: bool
+    label_smoother: Any
+    loss_is_scaled_for_ga: bool | None
+    mesh: Any  # jax.sharding.Mesh
+    axis_rules: dict[str, Any]
+    neftune_noise_alpha: float | None
+    callback_handler: Any
+    control: Any  # HF's TrainerControl
+    current_flos: float
+    # trainer: the loop's
+    _param_specs: Any
+    _train_step: Any
+    _train_state: Any = None  # jtrainer.state.TrainState
+    _last_step_batch: Any = None
+    _loop_state: Any = None
+    _ragged_tail: bool = False
+    _label_classes: int | None = None
+    _sequence_length: int | None = None
+    _sigterm: Any = None
+    _flops_per_token: Any = None
+    _globalstep_last_logged: int = 0
+    _initial_global_step: int = 0
+    _initial_num_input_tokens_seen: int = 0
+    _last_log_time: float | None = None
+    _pending_losses: Any = None
+    _tokens_since_log: int = 0
+    _total_loss_scalar: float = 0.0
+    # optimizer_setup
+    optimizer: Any = None
+    lr_scheduler: Any = None
+    _created_lr_scheduler: bool = False
+    _optimizer_recipe: tuple | None = None  # what the built optimizer depends on besides numbers
+    _plateau: Any = None  # a per-evaluation scheduler (reduce_lr_on_plateau, greedy)
+    _schedule_values: tuple[int, int] | None = None  # HF's schedule: (warmup steps, total steps)
+    _schedule_base: float | None = None  # the schedule's base rate this run
+    _resumed_schedule: Any = None  # a resume that changes the schedule (ResumedSchedule)
+    _schedule_switch_pending: bool = False
+    _optimizer_eval_mode: bool = False  # HF's optimizer.eval() (schedule-free optimizers) until the next step
+    _non_embedding_count: Any = None
+    # evaluation
+    _preprocess_placement: Any = None
+    # saving
+    state: Any  # HF's TrainerState
+    _pending_checkpoint: Any = None  # the checkpoint being written in the background
+    _on_save_state: Any = None  # a save whose on_save waits for its commit
+    _torch_rng_state: Any = None  # the host generators of a transformers.Trainer checkpoint being resumed
+    _resumed_loop_state: Any = None  # the loop state of the checkpoint being resumed
+    # hpsearch
+    hp_search_backend: Any = None
+    hp_name: Any = None
+    hp_space: Any = None
+    compute_objective: Any = None
+    objective: float | None = None
+    _trial: Any = None
+    # hub
+    hub_model_id: str | None = None  # set by init_hf_repo()
+    _push_jobs: tuple | list = ()  # uploads in flight (hub_strategy checkpoints)
