@@ -205,8 +205,9 @@ def worker_bare(cfg, folder, steps, accelerator):
         batches = [trainer._step_batch([b], shapes, loader.batch_size) for b, _ in loader]
         spec = trainer._loss_spec(shapes.pad(batches and next(iter(loader))[0], cfg["seq"]))
         trainer.create_optimizer_and_scheduler(steps)
-        state, shardings = trainer._initial_train_state(trainer.optimizer)
-        step = trainer._compiled_train_step(trainer.optimizer, spec, shardings)
+        tx = trainer._step_optimizer()  # the optimizer as the step applies it: clipping in front
+        state, shardings = trainer._initial_train_state(tx)
+        step = trainer._compiled_train_step(tx, spec, shardings)
         stamps = []
         with jax.set_mesh(trainer.mesh), sharding.axis_rules(trainer.axis_rules):
             for i, batch in enumerate(batches):
