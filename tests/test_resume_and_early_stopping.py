@@ -4,49 +4,10 @@ import numpy as np
 import pytest
 from conftest import tiny_llama_config, token_rows
 from flax import nnx
+from test_eval_and_data import Classifier, _args, accuracy, class_rows
 
-from jtrainer import EarlyStoppingCallback, EvalPrediction, Trainer, TrainingArguments
+from jtrainer import EarlyStoppingCallback, Trainer
 from jtrainer.models.llama import LlamaForCausalLM
-
-
-def _args(out, **over):
-    kw = dict(
-        output_dir=str(out),
-        per_device_train_batch_size=4,
-        per_device_eval_batch_size=4,
-        learning_rate=1e-2,
-        report_to="none",
-        disable_tqdm=True,
-        save_strategy="no",
-        logging_steps=1,
-    )
-    kw.update(over)
-    return TrainingArguments(**kw)
-
-
-class Classifier(nnx.Module):
-    """A user model that returns logits only, as a dict: the Trainer computes the loss."""
-
-    def __init__(self, rngs):
-        self.embed = nnx.Embed(64, 16, rngs=rngs)
-        self.head = nnx.Linear(16, 3, rngs=rngs)
-
-    def __call__(self, input_ids, attention_mask=None):
-        return {"logits": self.head(self.embed(input_ids).mean(axis=1))}
-
-
-def class_rows(n, seed=0):
-    rng = np.random.RandomState(seed)
-    rows = []
-    for _ in range(n):
-        label = rng.randint(0, 3)
-        ids = rng.randint(label * 20, label * 20 + 20, 6)
-        rows.append({"input_ids": ids, "label": label, "unused_text": "x"})
-    return rows
-
-
-def accuracy(pred: EvalPrediction):
-    return {"accuracy": float(np.mean(np.argmax(pred.predictions, -1) == pred.label_ids))}
 
 
 def test_early_stopping_and_best_model(tmp_path):
