@@ -137,7 +137,8 @@ class SavingMixin(TrainerParts):
                 self.state.stateful_callbacks[name] = cb_state
 
         scheduler_state = None if self._plateau is None else self._plateau.state_dict()  # as of this step
-        process_rng, loop_state = host_rng.capture(), self._loop_state
+        process_rng = host_rng.capture()
+        loop_state = self._run.loop_state if self._run is not None else None
 
         def write_files(tmp: str) -> None:
             self._write_model(tmp, tensors, weights=not in_commit)

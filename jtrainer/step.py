@@ -280,22 +280,24 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, spec: LossSpec, 
             else:  # a user's loss may be NaN on a padding micro-batch (a mean over no labels): never run it
                 grads, loss, model_state = jax.lax.cond(xs[1] > 0, micro_batch, skipped, model_state, *xs)
             grads_sum = laid_out(jax.tree.map(jnp.add, grads_sum, grads))
-            return (grads_sum, loss_sum + loss, model_state), None
+            return (grads_sum, loss_sum + loss, model_state), loss
 
         carry = (zeros, jnp.zeros((), jnp.float32), state.model_state)
         xs = (batch.inputs, batch.micro_weight, micro_keys)
-        (grads, loss, model_state), _ = jax.lax.scan(accumulate, carry, xs)
+        (grads, loss, model_state), micro_losses = jax.lax.scan(accumulate, carry, xs)
         if batch.tail is not None:  # the ragged last micro-batch, at its own rows, keyed as the next one
             index = jnp.sum(batch.micro_weight).astype(jnp.int32)  # after the real micro-batches before it
             tail_key = jax.random.key_data(jax.random.fold_in(step_key, index))
             tail_grads, tail_loss, model_state = micro_batch(model_state, batch.tail, jnp.ones(()), tail_key)
             grads, loss = jax.tree.map(jnp.add, grads, tail_grads), loss + tail_loss
+            micro_losses = jnp.append(micro_losses, 0.0).at[index].set(tail_loss)  # the real ones come first
         if scale is not None:
             grads = jax.tree.map(lambda g: g / scale, grads)
         grad_norm = optax.tree.norm(grads)  # HF logs the norm before clipping
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": grad_norm}
+        # The micro-batches' shares in window order (HF's tr_loss_step each; its logging NaN filter reads them).
+        metrics = {"loss": loss, "micro_losses": micro_losses, "grad_norm": grad_norm}
         lr = current_learning_rate(opt_state)
         if lr is not None:
             metrics["learning_rate"] = jnp.asarray(lr, jnp.float32)

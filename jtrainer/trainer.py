@@ -16,9 +16,7 @@ import logging
 import math
 import os
 import re
-import signal
 import sys
-import threading
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -54,7 +52,6 @@ from jtrainer import (
     sharding,
     startup,
     storage,
-    throughput,
 )
 from jtrainer.args import TrainingArguments
 from jtrainer.evaluation import EvaluationMixin
@@ -79,6 +76,7 @@ from jtrainer.step import (
     split_outputs,
 )
 from jtrainer.step import compute_loss as step_compute_loss
+from jtrainer.training_run import LossLog, PreemptionNotice, Throughput, TrainingRun, sigterm_notice
 
 logger = logging.getLogger(__name__)
 # HF's own messages (banners, "Training completed"), through transformers' logger, so a script's
@@ -138,21 +136,6 @@ def _default_label_names(model: Any) -> list[str]:
     qa = "QuestionAnswering" in type(model).__name__
     found = [p for p in params if "label" in p or (qa and p in ("start_positions", "end_positions"))]
     return found or ["labels"]
-
-
-@dataclasses.dataclass
-class TrainingRun:
-    """What one train() call's epochs share (HF passes these to _run_epoch one by one)."""
-
-    loader: data.BatchLoader
-    shapes: data.ShapeKeeper
-    train_step: Callable
-    updates_per_epoch: int
-    epochs_trained: int = 0  # when resuming: whole epochs already done
-    skip: int = 0  # when resuming: micro-batches of the resumed epoch already trained
-    epochs: int = 0
-    steps_in_epoch: int = 0
-    start_time: float = 0.0
 
 
 class PreparedWindow(NamedTuple):
@@ -250,11 +233,7 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         self._apply_chunked_loss()
         self.neftune_noise_alpha = None
         self._train_state: TrainState | None = None
-        self._last_step_batch: StepBatch | None = None
-        # HF's optimizer.eval() / .train(): schedule-free optimizers put x in the model for evaluation (and saves
-        # until the next step), y while training.
-        self._ragged_tail = False  # set per run by _prepare_for_training (see _keeps_ragged_rows)
-        self._label_classes: int | None = None  # the class count labels are checked against, per run
+        self._run: TrainingRun | None = None  # the last train() loop's state (training_run.py)
         self.current_flos = 0.0
 
         # HF's own integration callbacks (tensorboard, wandb, mlflow, ...): they only read logs, args and config.
@@ -692,12 +671,14 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
             if self.neftune_noise_alpha is not None:
                 set_neftune(self.model, self.neftune_noise_alpha)
             try:
-                with self._preemption_handler():
+                with sigterm_notice() as preemption:
                     if args.auto_find_batch_size:
                         return self._train_with_batch_size_search(
-                            resume_from_checkpoint or None, trial, ignore_keys_for_eval
+                            resume_from_checkpoint or None, trial, ignore_keys_for_eval, preemption
                         )
-                    return self._inner_training_loop(resume_from_checkpoint or None, trial, ignore_keys_for_eval)
+                    return self._inner_training_loop(
+                        resume_from_checkpoint or None, trial, ignore_keys_for_eval, preemption
+                    )
             except BaseException:  # an exception in user code, Ctrl-C, a failed step: keep the finished checkpoint
                 self._finish_checkpoint_after_error()
                 raise
@@ -705,7 +686,9 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
                 if self.neftune_noise_alpha is not None:  # as HF, the noise is for training only
                     set_neftune(self.model, None)
 
-    def _train_with_batch_size_search(self, resume_from_checkpoint, trial, ignore_keys_for_eval) -> TrainOutput:
+    def _train_with_batch_size_search(
+        self, resume_from_checkpoint, trial, ignore_keys_for_eval, preemption: PreemptionNotice
+    ) -> TrainOutput:
         """auto_find_batch_size: on out of memory, retry with a smaller per-device batch and more accumulation
         (the effective batch stays the same; see batch_size.py)."""
         args = self.args
@@ -714,7 +697,7 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
             self._restore_found_batch_size(resume_from_checkpoint, effective)
         while True:
             try:
-                return self._inner_training_loop(resume_from_checkpoint, trial, ignore_keys_for_eval)
+                return self._inner_training_loop(resume_from_checkpoint, trial, ignore_keys_for_eval, preemption)
             except Exception as error:
                 if not batch_size.is_out_of_memory(error):
                     raise
@@ -759,27 +742,9 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
             self.args.per_device_train_batch_size = per_device
             self.args.gradient_accumulation_steps = effective // per_device
 
-    @contextlib.contextmanager
-    def _preemption_handler(self):
-        """SIGTERM (the preemption notice of TPU VMs and schedulers) asks for a checkpoint and a clean exit."""
-        self._sigterm = False
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-
-        def on_sigterm(signum, frame):
-            logger.warning("SIGTERM received: saving a checkpoint after the current step, then exiting.")
-            self._sigterm = True
-
-        previous = signal.signal(signal.SIGTERM, on_sigterm)
-        try:
-            yield
-        finally:
-            signal.signal(signal.SIGTERM, previous)
-
-    def _exit_if_preempted(self, trial) -> None:
+    def _exit_if_preempted(self, run: TrainingRun, trial) -> None:
         """After a step: if any process got SIGTERM, all save this step's checkpoint and exit with code 0."""
-        if not distributed.agree_max(int(self._sigterm)):
+        if not distributed.agree_max(int(run.preemption.received)):
             return
         folder = checkpoint.checkpoint_folder(self._get_output_dir(trial), self.state.global_step)
         pending = self._pending_checkpoint is not None and self._pending_checkpoint.folder == folder
@@ -816,9 +781,11 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         max_steps = args.max_steps
         return sys.maxsize, max_steps, max_steps * ga, max_steps, max_steps * total_batch
 
-    def _inner_training_loop(self, resume_from_checkpoint, trial, ignore_keys_for_eval) -> TrainOutput:
+    def _inner_training_loop(
+        self, resume_from_checkpoint, trial, ignore_keys_for_eval, preemption: PreemptionNotice | None = None
+    ) -> TrainOutput:
         """HF 5.x's loop, by the same named steps: set_initial_training_values, _init_training_state,
-        _prepare_for_training, _run_epoch per epoch, _finalize_training."""
+        _prepare_for_training, _run_epoch per epoch, _finalize_training. Its state is one TrainingRun."""
         args = self.args
         loader = check_loader(self, self.get_train_dataloader(), "get_train_dataloader")
         epochs, updates_per_epoch, steps_in_epoch, max_steps, num_train_samples = self.set_initial_training_values(
@@ -827,18 +794,15 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         self._init_training_state(max_steps, loader, trial)
         run = self._prepare_for_training(max_steps, loader, resume_from_checkpoint, updates_per_epoch)
         run.epochs, run.steps_in_epoch = epochs, steps_in_epoch
+        run.preemption = preemption or PreemptionNotice()
 
         self.callback_handler.train_dataloader = loader
         self.state.init_training_references(self, max_steps, epochs, trial)
         self._log_training_banner(run, resume_from_checkpoint)
         run.start_time = time.time()
-        self._initial_num_input_tokens_seen = self.state.num_input_tokens_seen
-        self._initial_global_step = self.state.global_step
-        self._pending_losses: list[jax.Array] = []
-        self._total_loss_scalar = 0.0
-        self._globalstep_last_logged = self.state.global_step
-        self._tokens_since_log, self._last_log_time, self._sequence_length = 0, time.perf_counter(), 0
-        self._flops_per_token: dict[int, float | None] = {}
+        run.initial_num_input_tokens_seen = self.state.num_input_tokens_seen
+        run.initial_global_step = self.state.global_step
+        run.losses, run.throughput = LossLog(self.state.global_step), Throughput()
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
         if args.eval_on_start:
             self._evaluate(trial, ignore_keys_for_eval, skip_scheduler=True)
@@ -848,7 +812,7 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
             self._run_epoch(run, epoch, trial, ignore_keys_for_eval)
             if self.control.should_training_stop:
                 break
-        return self._finalize_training(trial, num_train_samples, run.start_time)
+        return self._finalize_training(run, trial, num_train_samples)
 
     def _init_training_state(self, max_steps: int, loader: data.BatchLoader, trial) -> None:
         """A fresh TrainerState for this run (a resume replaces it in _prepare_for_training)."""
@@ -863,21 +827,19 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         self.state.is_local_process_zero = self.is_local_process_zero()
         self.state.is_world_process_zero = self.is_world_process_zero()
 
-    def _prepare_for_training(self, max_steps, loader, resume_from_checkpoint, updates_per_epoch) -> "TrainingRun":
+    def _prepare_for_training(self, max_steps, loader, resume_from_checkpoint, updates_per_epoch) -> TrainingRun:
         """Probe the first batch for the loss rules, build the optimizer and the train state (restored when
         resuming) and the compiled step."""
         args = self.args
         # The training collator draws from its own stream of host randomness, so its draws do not depend on how
         # far ahead the prefetch thread runs; each step remembers the stream's state after its batches.
         loader.rng_stream = host_rng.RngStream(host_rng.capture())
-        self._loop_state: LoopState | None = None
+        self._run = None  # a checkpoint saved before this run's first step keeps no loop state
         pad_id = getattr(self.processing_class, "pad_token_id", None) or 0
         bucketed = args.train_sampling_strategy == "group_by_length"
         shapes = data.ShapeKeeper(loader.local_rows, pad_id, agree=distributed.agree_max, buckets=bucketed)
         first = loader.peek()  # the next iteration yields it: no batch is lost to the probe
         spec = self._loss_spec(shapes.pad(first, shapes.sequence_length([first])))
-        self._ragged_tail = self._keeps_ragged_rows(spec)
-        self._label_classes = self._num_classes()
         shapes.length = None  # the probe must not fix the sequence length
 
         self.create_optimizer_and_scheduler(max_steps)
@@ -897,10 +859,19 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         else:
             train_state, state_shardings = self._initial_train_state(tx)
         self._train_state = train_state
-        self._train_step = self._compiled_train_step(tx, spec, state_shardings)
-        return TrainingRun(loader, shapes, self._train_step, updates_per_epoch, epochs_trained, skip)
+        self._run = TrainingRun(
+            loader,
+            shapes,
+            self._compiled_train_step(tx, spec, state_shardings),
+            updates_per_epoch,
+            ragged_tail=self._keeps_ragged_rows(spec),
+            label_classes=self._num_classes(),
+            epochs_trained=epochs_trained,
+            skip=skip,
+        )
+        return self._run
 
-    def _log_training_banner(self, run: "TrainingRun", resume_from_checkpoint) -> None:
+    def _log_training_banner(self, run: TrainingRun, resume_from_checkpoint) -> None:
         """HF's "***** Running training *****" summary."""
         args, loader = self.args, run.loader
         hf_logger.info("***** Running training *****")
@@ -921,7 +892,7 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
                 f"{self.state.global_step}"
             )
 
-    def _run_epoch(self, run: "TrainingRun", epoch: int, trial, ignore_keys_for_eval) -> None:
+    def _run_epoch(self, run: TrainingRun, epoch: int, trial, ignore_keys_for_eval) -> None:
         """One pass over the train dataloader (HF's _run_epoch): a compiled step per accumulation window."""
         args, loader, shapes = self.args, run.loader, run.shapes
         loader.set_epoch(epoch)
@@ -931,41 +902,42 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         # order with the train steps. On one process the background thread also pads and places batches.
         in_background = jax.process_count() == 1
         if in_background:
-            windows = (self._prepare_window(b, rng, shapes, loader.batch_size) for b, rng in windows)
+            windows = (self._prepare_window(run, b, rng) for b, rng in windows)
         step = skip - 1
         metrics = None
+        main_input = getattr(self.model, "main_input_name", "input_ids")
         prefetch = data.Prefetcher(windows, args.prefetch_batches)
         try:
             for item in prefetch:
-                window = item if in_background else self._prepare_window(*item, shapes, loader.batch_size)
+                window = item if in_background else self._prepare_window(run, *item)
                 batches, step_batch = window.batches, window.step_batch
-                self._loop_state = window.loop_state  # as of this step: what its checkpoint saves
+                run.loop_state = window.loop_state  # as of this step: what its checkpoint saves
                 for i, batch in enumerate(batches):
                     step += 1
                     if i == 0:
                         self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
                     self.current_flos += float(self.floating_point_ops(batch))
                     self._track_num_input_tokens(batch)
-                    self._count_throughput_tokens(batch)
+                    run.throughput.count(batch, main_input, jax.process_count())
                     if i < len(batches) - 1:
                         self.control = self.callback_handler.on_substep_end(args, self.state, self.control)
                 with self._mesh_context():
-                    if args.auto_find_batch_size and self.state.global_step == self._initial_global_step:
+                    if args.auto_find_batch_size and self.state.global_step == run.initial_global_step:
                         compiled = run.train_step.lower(self._train_state, step_batch).compile()
                         batch_size.check_fits(compiled, args.per_device_train_batch_size)
                     self._optimizer_train()  # HF's training_step: optimizer.train()
                     self._train_state, metrics = run.train_step(self._train_state, step_batch)
                     self._train_state = self._follow_resumed_schedule(self._train_state)
-                self._last_step_batch = step_batch
-                self._pending_losses.append(metrics["loss"])
+                run.last_step_batch = step_batch
+                run.losses.add(metrics["micro_losses"], len(batches))
                 self.control = self.callback_handler.on_pre_optimizer_step(args, self.state, self.control)
                 self.control = self.callback_handler.on_optimizer_step(args, self.state, self.control)
                 self.state.global_step += 1
                 self.state.epoch = epoch + (step + 1) / run.steps_in_epoch
                 self.control = self.callback_handler.on_step_end(args, self.state, self.control)
-                self._maybe_log_save_evaluate(metrics, trial, epoch, ignore_keys_for_eval, run.start_time)
+                self._maybe_log_save_evaluate(run, metrics, trial, epoch, ignore_keys_for_eval)
                 self._poll_pending_checkpoint()
-                self._exit_if_preempted(trial)
+                self._exit_if_preempted(run, trial)
                 if self.control.should_epoch_stop or self.control.should_training_stop:
                     break
         finally:
@@ -978,11 +950,11 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
             )
             self.control.should_training_stop = True
         self.control = self.callback_handler.on_epoch_end(args, self.state, self.control)
-        self._maybe_log_save_evaluate(metrics, trial, epoch, ignore_keys_for_eval, run.start_time)
+        self._maybe_log_save_evaluate(run, metrics, trial, epoch, ignore_keys_for_eval)
 
-    def _prepare_window(self, batches, collator_rng, shapes: data.ShapeKeeper, global_rows: int) -> "PreparedWindow":
-        step_batch = self._step_batch(batches, shapes, global_rows)
-        return PreparedWindow(batches, step_batch, LoopState(collator_rng, shapes.length))
+    def _prepare_window(self, run: TrainingRun, batches, collator_rng) -> "PreparedWindow":
+        step_batch = self._step_batch(run, batches)
+        return PreparedWindow(batches, step_batch, LoopState(collator_rng, run.shapes.length))
 
     def _windows(self, loader, shapes, updates_per_epoch, steps_in_epoch, skip):
         """Yield each optimizer step's micro-batches (this process's rows) for one epoch, HF's get_batch_samples,
@@ -1034,11 +1006,12 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         HF's distributed sampler does (`BatchLoader.complete_last`)."""
         return not spec.padding_neutral and sharding.data_parallel_size(self.mesh) == 1
 
-    def _step_batch(self, batches, shapes: data.ShapeKeeper, global_rows: int) -> StepBatch:
+    def _step_batch(self, run: TrainingRun, batches) -> StepBatch:
         """Pad and stack one window, then place it on the mesh as global arrays."""
+        shapes, global_rows = run.shapes, run.loader.batch_size
         for batch in batches:
-            self._check_labels(batch, self._label_classes)
-        window = data.assemble_window(batches, self.args.gradient_accumulation_steps, shapes, self._ragged_tail)
+            self._check_labels(batch, run.label_classes)
+        window = data.assemble_window(batches, self.args.gradient_accumulation_steps, shapes, run.ragged_tail)
         sharding.check_length_divisible(shapes.length, self.mesh)
         replicated = sharding.replicated(self.mesh)
         tail = None
@@ -1061,65 +1034,37 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         elif main in batch:
             self.state.num_input_tokens_seen += int(np.asarray(batch[main]).size)
 
-    def _count_throughput_tokens(self, batch: data.Batch) -> None:
-        main = batch.get(getattr(self.model, "main_input_name", "input_ids"))
-        if main is not None and np.ndim(main) >= 2:
-            self._tokens_since_log += int(np.size(main)) * jax.process_count()
-            self._sequence_length = int(np.shape(main)[1])
+    def _take_losses(self, losses: LossLog) -> float:
+        """The summed losses since the last log (HF's NaN/Inf filter, training_run.summed_step_losses)."""
+        seen = losses.non_finite
+        summed = losses.take(self.args.logging_nan_inf_filter, self.args.nan_inf_policy)
+        shards = sharding.data_parallel_size(self.mesh)
+        if self.args.logging_nan_inf_filter and not seen and losses.non_finite and shards > 1:
+            logger.warning(
+                "A NaN/Inf loss was left out of the logged loss for the whole global micro-batch: HF, with one "
+                "process per shard, leaves out only the shards whose own loss is non-finite, so on %d data shards "
+                "the logged loss can differ from HF's after such a step (the update and the parameters do not).",
+                shards,
+            )
+        return summed
 
-    def _throughput_logs(self) -> dict[str, float]:
-        """Tokens per second since the last log (its losses were just read, so the device has caught up) and,
-        where the device's peak is known, model FLOPs utilisation."""
-        now = time.perf_counter()
-        elapsed, tokens = now - self._last_log_time, self._tokens_since_log
-        self._tokens_since_log, self._last_log_time = 0, now
-        if not tokens or elapsed <= 0:
-            return {}
-        rate = tokens / elapsed
-        logs = {"train_tokens_per_second": round(rate, 3)}
-        length = self._sequence_length
-        if length not in self._flops_per_token:
-            self._flops_per_token[length] = throughput.flops_per_token(self.model, length)
-        utilisation = throughput.mfu(rate, self._flops_per_token[length])
-        if utilisation is not None:
-            logs["train_mfu"] = round(utilisation, 4)
-        return logs
-
-    def _logged_loss(self) -> float:
-        """Sum of the step losses since the last log, with HF's NaN/Inf filter (reads the device once)."""
-        total = 0.0
-        steps_before = self._globalstep_last_logged
-        losses = np.asarray(jnp.stack(self._pending_losses)) if self._pending_losses else []  # one transfer
-        for i, value in enumerate(losses):
-            value = float(value)
-            if self.args.nan_inf_policy == "error" and not math.isfinite(value):
-                raise FloatingPointError(
-                    f"The loss of step {steps_before + i + 1} is {value} (nan_inf_policy='error'). Lower the "
-                    "learning rate, clip gradients (max_grad_norm) or use nan_inf_policy='skip'."
-                )
-            if self.args.logging_nan_inf_filter and not math.isfinite(value):
-                total += total / (1 + (steps_before + i) - self._globalstep_last_logged)
-            else:
-                total += value
-        self._pending_losses = []
-        return total
-
-    def _maybe_log_save_evaluate(self, metrics, trial, epoch, ignore_keys_for_eval, start_time) -> None:
-        if self.control.should_log and self.state.global_step > self._globalstep_last_logged:
+    def _maybe_log_save_evaluate(self, run: TrainingRun, metrics, trial, epoch, ignore_keys_for_eval) -> None:
+        losses = run.losses
+        if self.control.should_log and self.state.global_step > losses.last_logged_step:
             host = jax.device_get(metrics)
-            tr_loss = self._logged_loss()
-            logs = {"loss": tr_loss / (self.state.global_step - self._globalstep_last_logged)}
+            tr_loss = self._take_losses(losses)
+            logs = {"loss": tr_loss / (self.state.global_step - losses.last_logged_step)}
             logs["grad_norm"] = float(host["grad_norm"])
             if "learning_rate" in host:
                 logs["learning_rate"] = self._host_learning_rate(host["learning_rate"], host["schedule_count"])
             if "skipped_updates" in host:
                 logs["skipped_updates"] = int(host["skipped_updates"])
             if self.args.log_throughput:
-                logs.update(self._throughput_logs())
-            self._total_loss_scalar += tr_loss
-            self._globalstep_last_logged = self.state.global_step
+                logs.update(run.throughput.take(self.model))
+            losses.total += tr_loss
+            losses.last_logged_step = self.state.global_step
             self.store_flos()
-            self.log(logs, start_time)
+            self.log(logs, run.start_time)
         if self.control.should_evaluate:
             eval_metrics = self._evaluate(trial, ignore_keys_for_eval)
             is_new_best = self._determine_best_metric(eval_metrics)
@@ -1129,14 +1074,14 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
             self._save_checkpoint(trial)
             self._announce_save()
 
-    def _finalize_training(self, trial, num_train_samples, start_time) -> TrainOutput:
-        self._total_loss_scalar += self._logged_loss()
+    def _finalize_training(self, run: TrainingRun, trial, num_train_samples) -> TrainOutput:
+        run.losses.total += self._take_losses(run.losses)
         hf_logger.info("\n\nTraining completed. Do not forget to share your model on huggingface.co/models =)\n\n")
-        steps_trained = self.state.global_step - self._initial_global_step
-        train_loss = self._total_loss_scalar / max(steps_trained, 0.001)
+        steps_trained = self.state.global_step - run.initial_global_step
+        train_loss = run.losses.total / max(steps_trained, 0.001)
         metrics = speed_metrics(
             "train",
-            start_time,
+            run.start_time,
             num_samples=num_train_samples * steps_trained / max(self.state.max_steps, 1),
             num_steps=steps_trained,
         )
@@ -1170,9 +1115,10 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
                 sharding.per_device_bytes(state.opt_state).values(), default=0
             ),
         }
-        if self._last_step_batch is not None:
+        run = self._run
+        if run is not None and run.last_step_batch is not None:
             with self._mesh_context():
-                analysis = self._train_step.lower(state, self._last_step_batch).compile().memory_analysis()
+                analysis = run.train_step.lower(state, run.last_step_batch).compile().memory_analysis()
             if analysis is not None:
                 report[f"{prefix}_mem_activations_bytes_per_device"] = int(analysis.temp_size_in_bytes)
         report[f"{prefix}_mem_host_peak_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -1188,7 +1134,8 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         if self.args.include_num_input_tokens_seen not in ("no", False):
             logs["num_input_tokens_seen"] = self.state.num_input_tokens_seen
             if start_time is not None:
-                seen = self.state.num_input_tokens_seen - self._initial_num_input_tokens_seen
+                initial = self._run.initial_num_input_tokens_seen if self._run is not None else 0
+                seen = self.state.num_input_tokens_seen - initial
                 logs.update(speed_metrics("train", start_time, num_tokens=seen))
         output = {**logs, "step": self.state.global_step}
         self.state.log_history.append(output)

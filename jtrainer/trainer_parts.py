@@ -38,22 +38,8 @@ OWNER: dict[str, str] = {
             "control",
             "current_flos",
             "_param_specs",
-            "_train_step",
             "_train_state",
-            "_last_step_batch",
-            "_loop_state",
-            "_ragged_tail",
-            "_label_classes",
-            "_sequence_length",
-            "_sigterm",
-            "_flops_per_token",
-            "_globalstep_last_logged",
-            "_initial_global_step",
-            "_initial_num_input_tokens_seen",
-            "_last_log_time",
-            "_pending_losses",
-            "_tokens_since_log",
-            "_total_loss_scalar",
+            "_run",
         ),
         "trainer",
     ),
@@ -123,24 +109,10 @@ class TrainerParts:
     callback_handler: Any
     control: Any  # HF's TrainerControl
     current_flos: float
-    # trainer: the loop's
+    # trainer: what outlives one train() loop, and the loop itself
     _param_specs: Any
-    _train_step: Any
     _train_state: Any = None  # jtrainer.state.TrainState
-    _last_step_batch: Any = None
-    _loop_state: Any = None
-    _ragged_tail: bool = False
-    _label_classes: int | None = None
-    _sequence_length: int | None = None
-    _sigterm: Any = None
-    _flops_per_token: Any = None
-    _globalstep_last_logged: int = 0
-    _initial_global_step: int = 0
-    _initial_num_input_tokens_seen: int = 0
-    _last_log_time: float | None = None
-    _pending_losses: Any = None
-    _tokens_since_log: int = 0
-    _total_loss_scalar: float = 0.0
+    _run: Any = None  # jtrainer.training_run.TrainingRun: the last loop's state (log accumulators, last step, ...)
     # optimizer_setup
     optimizer: Any = None
     lr_scheduler: Any = None

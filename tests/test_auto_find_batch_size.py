@@ -28,7 +28,7 @@ def test_auto_find_batch_size_keeps_the_effective_batch(monkeypatch):
     reference.train()
     with jax.set_mesh(reference.mesh):
         fits = batch_size.step_bytes(
-            reference._train_step.lower(reference._train_state, reference._last_step_batch).compile()
+            reference._run.train_step.lower(reference._train_state, reference._run.last_step_batch).compile()
         )
     # A device with just enough memory for batches of 4: 16 and 8 do not fit, 4 does.
     monkeypatch.setenv(env.DEVICE_MEMORY_BYTES.name, str(fits + 1024))
@@ -71,7 +71,8 @@ def test_auto_find_batch_size_resumes_with_the_batch_it_found(monkeypatch, tmp_p
     )
     probe.train()
     with jax.set_mesh(probe.mesh):
-        fits = batch_size.step_bytes(probe._train_step.lower(probe._train_state, probe._last_step_batch).compile())
+        loop = probe._run
+        fits = batch_size.step_bytes(loop.train_step.lower(probe._train_state, loop.last_step_batch).compile())
     monkeypatch.setenv(env.DEVICE_MEMORY_BYTES.name, str(fits + 1024))  # batches of 16 and 8 do not fit, 4 does
     whole = run(tmp_path / "whole")
     caplog.clear()

@@ -24,7 +24,7 @@ def test_a_trainer_step_is_shared_until_cleared():
         model = LlamaForCausalLM.from_config(tiny_llama_config())
         trainer = Trainer(model=model, args=short_run_args(max_steps=1), train_dataset=token_rows(4))
         trainer.train()
-        return trainer._train_step
+        return trainer._run.train_step
 
     first = run()
     assert len(compiled_steps.TRAIN_STEPS) == 1 and run() is first  # the same structure reuses the jitted step

@@ -51,7 +51,7 @@ def run(layout: dict, out_dir: str) -> dict:
     return {
         "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
         "max_bytes_per_device": max(bytes_by_device.values()),
-        "compiles": trainer._train_step._cache_size(),
+        "compiles": trainer._run.train_step._cache_size(),
         "batch": trainer.get_train_dataloader().batch_size,
     }
 

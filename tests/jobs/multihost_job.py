@@ -96,7 +96,7 @@ def main(out, mesh="{}", steps="10"):
             losses=np.asarray(losses),
             eval_loss=metrics["eval_loss"],
             processes=jax.process_count(),
-            compiles=trainer._train_step._cache_size(),
+            compiles=trainer._run.train_step._cache_size(),
             generated=generated,
             **{f"param:{k}": v for k, v in params.items()},
             **{f"blocked:{k}": v for k, v in blocked.items()},
