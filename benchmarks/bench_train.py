@@ -194,6 +194,7 @@ def worker_bare(cfg, folder, steps, accelerator):
 
     from jtrainer import Trainer, TrainingArguments, data, sharding
     from jtrainer.models import LlamaForCausalLM
+    from jtrainer.training_run import TrainingRun
 
     start = time.perf_counter()
     model = LlamaForCausalLM.from_pretrained(folder)
@@ -202,12 +203,13 @@ def worker_bare(cfg, folder, steps, accelerator):
         trainer = Trainer(model, _train_args(TrainingArguments, out, cfg, steps, accelerator), train_dataset=rows)
         loader = trainer.get_train_dataloader()
         shapes = data.ShapeKeeper(loader.local_rows, 0)
-        batches = [trainer._step_batch([b], shapes, loader.batch_size) for b, _ in loader]
-        spec = trainer._loss_spec(shapes.pad(batches and next(iter(loader))[0], cfg["seq"]))
+        spec = trainer._loss_spec(shapes.pad(next(iter(loader))[0], cfg["seq"]))
         trainer.create_optimizer_and_scheduler(steps)
         tx = trainer._step_optimizer()  # the optimizer as the step applies it: clipping in front
         state, shardings = trainer._initial_train_state(tx)
         step = trainer._compiled_train_step(tx, spec, shardings)
+        run = TrainingRun(loader, shapes, step, steps, ragged_tail=False, label_classes=None)
+        batches = [trainer._step_batch(run, [b]) for b, _ in loader]  # padded and placed as the loop does
         stamps = []
         with jax.set_mesh(trainer.mesh), sharding.axis_rules(trainer.axis_rules):
             for i, batch in enumerate(batches):
