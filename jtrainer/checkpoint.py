@@ -451,8 +451,7 @@ def get_last_checkpoint(folder: str) -> str | None:
 def _shapes_by_path(tree) -> dict[str, tuple]:
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
     return {
-        ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path): tuple(getattr(leaf, "shape", ()))
-        for path, leaf in flat
+        jax.tree_util.keystr(path, simple=True, separator="."): tuple(getattr(leaf, "shape", ())) for path, leaf in flat
     }
 
 

@@ -25,7 +25,7 @@ LAYER_NORM_TYPES = (nnx.LayerNorm, LayerNorm)
 
 def dotted(path: tuple) -> str:
     """A pytree path as HF's dotted parameter name."""
-    return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+    return jax.tree_util.keystr(path, simple=True, separator=".")
 
 
 @dataclass(frozen=True)

@@ -200,20 +200,19 @@ def _moment_tree(model, params_like, moments: dict[str, np.ndarray], kind: str, 
     from jtrainer.models import hf_io
 
     def one(tree_path, fresh):
-        path = tuple(getattr(k, "key", getattr(k, "idx", k)) for k in tree_path)
-        parts = []
-        for name, transposed in hf_io._hf_names(model, path):
+        path = hf_io.param_path(tree_path)
+        label = ".".join(map(str, path))
+        for name, _ in hf_io.hf_names(model, path):
             if name not in moments:
                 raise TorchCheckpointError(
-                    f"{folder}/{OPTIMIZER_NAME} has no {kind} for {name} (parameter {'.'.join(map(str, path))}): "
-                    "the checkpoint is not of this model."
+                    f"{folder}/{OPTIMIZER_NAME} has no {kind} for {name} (parameter {label}): the checkpoint is "
+                    "not of this model."
                 )
-            parts.append(moments[name].T if transposed else moments[name])
-        value = parts[0] if hf_io._layer_count(model, path) is None else np.stack(parts)
+        value = hf_io.param_from_hf(model, path, moments)
         if value.shape != fresh.shape:
             raise TorchCheckpointError(
-                f"{folder}/{OPTIMIZER_NAME}: the {kind} of {name} has shape {value.shape} "
-                f"here, the parameter {fresh.shape}."
+                f"{folder}/{OPTIMIZER_NAME}: the {kind} of parameter {label} has shape {value.shape} here, the "
+                f"parameter {fresh.shape}."
             )
         value = np.ascontiguousarray(value, dtype=fresh.dtype)
         return jax.make_array_from_callback(fresh.shape, fresh.sharding, lambda index: value[index])
@@ -250,8 +249,7 @@ def _hf_decayed(model, decay_mask) -> frozenset[str]:
     names = set()
     for tree_path, decays in jax.tree_util.tree_flatten_with_path(decay_mask)[0]:
         if decays:
-            path = tuple(getattr(k, "key", getattr(k, "idx", k)) for k in tree_path)
-            names.update(name for name, _ in hf_io._hf_names(model, path))
+            names.update(name for name, _ in hf_io.hf_names(model, hf_io.param_path(tree_path)))
     return frozenset(names)
 
 

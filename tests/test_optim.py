@@ -232,8 +232,8 @@ def test_decay_groups_equal_hf_on_every_family(family):
     hf_decayed = set(transformers.Trainer.get_decay_parameter_names(None, torch_model))
     model = getattr(models, auto_name).from_config(config)
     ours = Trainer.get_decay_parameter_names(Trainer.__new__(Trainer), model)
-    ours_hf = {hf_io._hf_name(tuple(p.split(".")))[0] for p in ours}
-    every = {hf_io._hf_name(path)[0] for path, _ in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    ours_hf = {hf_io.hf_names(model, tuple(p.split(".")))[0][0] for p in ours}
+    every = {hf_io.hf_names(model, path)[0][0] for path, _ in nnx.to_flat_state(nnx.state(model, nnx.Param))}
     assert ours_hf == hf_decayed & every
     assert any(not n.endswith("bias") for n in every - ours_hf)  # the test sees excluded norm weights
 

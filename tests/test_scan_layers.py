@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import safetensors.numpy
 import torch
 import transformers
 from conftest import count_compiles, scratch_dir, tiny_llama_config, token_rows
@@ -82,6 +83,17 @@ def test_scanned_export_is_transformers_folder_and_loads_sharded(tmp_path):
     assert kernel.shape == (3, 64, 32) and kernel.sharding.spec[0] is None
     ours, theirs = hf_io.to_hf_state_dict(placed), hf_io.to_hf_state_dict(scanned)
     assert all(np.array_equal(ours[k], theirs[k]) for k in theirs)
+
+
+def test_param_from_hf_inverts_the_export_layout(tmp_path):
+    """hf_io.param_from_hf (what a torch checkpoint's optimizer moments are read with) takes a parameter back
+    from its HF tensors: transposed kernels and per-layer tensors of a stacked parameter."""
+    _reference(tmp_path)
+    tensors = dict(safetensors.numpy.load_file(str(tmp_path / "model.safetensors")))
+    for scan_layers in (False, True):
+        model = AutoModelForCausalLM.from_pretrained(str(tmp_path), scan_layers=scan_layers)
+        for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+            np.testing.assert_array_equal(hf_io.param_from_hf(model, path, tensors), np.asarray(var[...]))
 
 
 def test_scanned_layers_generate_as_unrolled(tmp_path):

@@ -37,7 +37,7 @@ def _hf_name(path: tuple) -> tuple[str, bool]:
     return ".".join([*module, leaf]), False
 
 
-def _layer_count(model: nnx.Module, path: tuple) -> int | None:
+def layer_count(model: nnx.Module, path: tuple) -> int | None:
     """How many layers parameter `path` stacks along its leading axis (a scan_layers model), else None."""
     stacked = getattr(model, "stacked_layers", None)
     if stacked is None:
@@ -46,14 +46,27 @@ def _layer_count(model: nnx.Module, path: tuple) -> int | None:
     return count if tuple(str(p) for p in path[: len(prefix)]) == prefix else None
 
 
-def _hf_names(model: nnx.Module, path: tuple) -> list[tuple[str, bool]]:
-    """The HF tensors of one nnx parameter: one, or one per layer for a stacked parameter (layer i's name has
-    the index after the prefix, as `model.layers.{i}.self_attn...`)."""
-    count = _layer_count(model, path)
+def hf_names(model: nnx.Module, path: tuple) -> list[tuple[str, bool]]:
+    """The HF tensors of one nnx parameter, as (name, whether transposed): one, or one per layer for a stacked
+    parameter (layer i's name has the index after the prefix, as `model.layers.{i}.self_attn...`)."""
+    count = layer_count(model, path)
     if count is None:
         return [_hf_name(path)]
     at = len(model.stacked_layers[0])
     return [_hf_name((*path[:at], i, *path[at:])) for i in range(count)]
+
+
+def param_path(tree_path: tuple) -> tuple:
+    """A jax key path (from `tree_flatten_with_path` over a parameter tree) as the plain keys of an nnx path."""
+    return tuple(getattr(k, "key", getattr(k, "idx", k)) for k in tree_path)
+
+
+def param_from_hf(model: nnx.Module, path: tuple, tensors) -> np.ndarray:
+    """One parameter's value in jtrainer's layout from HF-named tensors in torch's layout (a mapping holding
+    each of `hf_names`): kernels transposed back, a stacked parameter's layers stacked. The inverse of the
+    export's layout."""
+    parts = [tensors[name].T if transposed else tensors[name] for name, transposed in hf_names(model, path)]
+    return parts[0] if layer_count(model, path) is None else np.stack(parts)
 
 
 # The most bytes one gather replicates on every device at once: a larger parameter (a 128k-vocabulary embedding
@@ -121,8 +134,8 @@ def to_hf_state_dict(model: nnx.Module, keep: bool = True) -> dict[str, np.ndarr
 
 def _named(model: nnx.Module, path: tuple, value: np.ndarray) -> dict[str, np.ndarray]:
     """One parameter's value as its HF tensors (one per layer for a stacked parameter), in HF's layout."""
-    names = _hf_names(model, path)
-    layers = [value] if _layer_count(model, path) is None else list(value)
+    names = hf_names(model, path)
+    layers = [value] if layer_count(model, path) is None else list(value)
     return {
         name: np.ascontiguousarray(part.T if transposed else part)
         for (name, transposed), part in zip(names, layers, strict=True)
@@ -319,8 +332,8 @@ def load_weights(
         specs = sharding.flatten_specs(sharding.param_specs(model, mesh, rules or sharding.merged_rules()))
     report, expected, afresh = LoadReport(), set(), []
     for path, var in flat.items():
-        names = _hf_names(model, path)
-        stacked = _layer_count(model, path) is not None
+        names = hf_names(model, path)
+        stacked = layer_count(model, path) is not None
         label = ".".join(map(str, path))
         layer_shape = tuple(var.shape[1:]) if stacked else tuple(var.shape)
         target = np.dtype(dtype or var.dtype)
