@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from conftest import tiny_llama_config, token_rows
+from conftest import tiny_llama_config, token_rows, torch_rows
 
 from jtrainer import Seq2SeqTrainer, Seq2SeqTrainingArguments
 from jtrainer.models.auto import AutoModelForSeq2SeqLM
@@ -60,25 +60,18 @@ def test_seq2seq_arguments_are_hf_fields():
     assert args.to_dict()["generation_num_beams"] == 2 and args.predict_with_generate is False
 
 
-def test_predict_with_generate_equals_transformers(tmp_path):
+def _predict_both(tmp_path, rows, perturb=False):
+    """transformers.Seq2SeqTrainer's predict_with_generate on a random tiny T5 (saved to tmp_path/t5) and the
+    jtrainer Seq2SeqTrainer loading that folder: (HF's PredictionOutput, our trainer)."""
     torch = pytest.importorskip("torch")
     import transformers
 
     torch.manual_seed(0)
     reference = transformers.T5ForConditionalGeneration(_t5_config()).eval()
-    for p in reference.parameters():
-        p.data.add_(torch.randn_like(p) * 0.1)
+    if perturb:
+        for p in reference.parameters():
+            p.data.add_(torch.randn_like(p) * 0.1)
     reference.save_pretrained(tmp_path / "t5")
-    # A short last batch (6 rows, batches of 4): Seq2SeqTrainer's plain gather counts its loss as a full batch's.
-    rows = _rows(6)
-
-    class Rows(torch.utils.data.Dataset):
-        def __len__(self):
-            return len(rows)
-
-        def __getitem__(self, i):
-            return {k: torch.tensor(v) for k, v in rows[i].items()}
-
     hf_args = transformers.Seq2SeqTrainingArguments(
         str(tmp_path / "hf"),
         per_device_eval_batch_size=4,
@@ -88,11 +81,17 @@ def test_predict_with_generate_equals_transformers(tmp_path):
         use_cpu=True,
         disable_tqdm=True,
     )
-    expected = transformers.Seq2SeqTrainer(model=reference, args=hf_args).predict(Rows())
-
+    expected = transformers.Seq2SeqTrainer(model=reference, args=hf_args).predict(torch_rows(rows))
     ours = Seq2SeqTrainer(
         model=AutoModelForSeq2SeqLM.from_pretrained(str(tmp_path / "t5")), args=_args(tmp_path / "ours")
     )
+    return expected, ours
+
+
+def test_predict_with_generate_equals_transformers(tmp_path):
+    # A short last batch (6 rows, batches of 4): Seq2SeqTrainer's plain gather counts its loss as a full batch's.
+    rows = _rows(6)
+    expected, ours = _predict_both(tmp_path, rows, perturb=True)
     got = ours.predict(rows)
     assert got.predictions.shape == expected.predictions.shape == (6, 20)  # padded to max_length 20, as HF
     np.testing.assert_array_equal(got.predictions, expected.predictions)
@@ -174,34 +173,8 @@ def test_causal_lm_predict_with_generate_returns_prompt_and_new_tokens(tmp_path)
 
 def test_predict_with_generate_without_labels_equals_transformers(tmp_path):
     """Rows without labels (DataCollatorForSeq2Seq leaves `labels` None): HF generates and computes no loss."""
-    torch = pytest.importorskip("torch")
-    import transformers
-
-    torch.manual_seed(0)
-    reference = transformers.T5ForConditionalGeneration(_t5_config()).eval()
-    reference.save_pretrained(tmp_path / "t5")
     rows = [{k: v for k, v in row.items() if k != "labels"} for row in _rows(6)]
-
-    class Rows(torch.utils.data.Dataset):
-        def __len__(self):
-            return len(rows)
-
-        def __getitem__(self, i):
-            return {k: torch.tensor(v) for k, v in rows[i].items()}
-
-    hf_args = transformers.Seq2SeqTrainingArguments(
-        str(tmp_path / "hf"),
-        per_device_eval_batch_size=4,
-        report_to="none",
-        predict_with_generate=True,
-        generation_max_length=8,
-        use_cpu=True,
-        disable_tqdm=True,
-    )
-    expected = transformers.Seq2SeqTrainer(model=reference, args=hf_args).predict(Rows())
-    ours = Seq2SeqTrainer(
-        model=AutoModelForSeq2SeqLM.from_pretrained(str(tmp_path / "t5")), args=_args(tmp_path / "ours")
-    )
+    expected, ours = _predict_both(tmp_path, rows)
     got = ours.predict(rows)
     np.testing.assert_array_equal(got.predictions, expected.predictions)
     assert got.label_ids is None and expected.label_ids is None
