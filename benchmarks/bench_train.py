@@ -203,7 +203,7 @@ def worker_bare(cfg, folder, steps, accelerator):
         trainer = Trainer(model, _train_args(TrainingArguments, out, cfg, steps, accelerator), train_dataset=rows)
         loader = trainer.get_train_dataloader()
         shapes = data.ShapeKeeper(loader.local_rows, 0)
-        spec = trainer._loss_spec(shapes.pad(next(iter(loader))[0], cfg["seq"]))
+        spec = trainer._loss_spec(shapes.pad(loader.peek(), cfg["seq"]))  # the loop's probe: kept for iteration
         trainer.create_optimizer_and_scheduler(steps)
         tx = trainer._step_optimizer()  # the optimizer as the step applies it: clipping in front
         state, shardings = trainer._initial_train_state(tx)
