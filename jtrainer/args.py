@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -266,6 +267,7 @@ class TrainingArguments(transformers.TrainingArguments):
                 f"push_to_hub uploads output_dir from this machine, which {self.output_dir!r} is not: "
                 "train into a local output_dir to push to the Hub."
             )
+        self._check_numbers()
         if self.learning_rate < 0:  # torch's optimizers refuse it when HF builds them; here before anything runs
             raise ValueError(f"Invalid learning rate: {self.learning_rate} (learning_rate must be >= 0).")
         if self.logging_strategy == IntervalStrategy.STEPS and self.logging_steps == 0:
@@ -316,6 +318,24 @@ class TrainingArguments(transformers.TrainingArguments):
             )
         if self.prefetch_batches < 0:
             raise ValueError(f"--prefetch_batches must be >= 0, got {self.prefetch_batches}.")
+
+    def _check_numbers(self) -> None:
+        """Every float field finite (a NaN learning rate or weight decay, which torch's optimizers refuse, or an
+        infinite one, would train to NaN weights), max_grad_norm excepted (inf: no clipping, as torch), and the
+        seeds within numpy's range (HF's set_seed seeds numpy with them)."""
+        for item in dataclasses.fields(self):
+            value = getattr(self, item.name, None)
+            if not isinstance(value, float) or math.isfinite(value):
+                continue
+            if item.name == "max_grad_norm" and value == math.inf:
+                continue
+            raise ValueError(f"--{item.name} must be a finite number, got {value}.")
+        for name in ("seed", "data_seed"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, int) and 0 <= value < 2**32):
+                raise ValueError(
+                    f"--{name} must be a whole number in [0, 2**32 - 1] (numpy's seed range), got {value}."
+                )
 
     # --- Properties that HF answers from torch/accelerate; here from JAX. ---
     @property

@@ -312,9 +312,9 @@ class EvaluationMixin(TrainerParts):
             if batch_losses is not None:
                 losses.append(batch_losses)
             if keep_all:
-                for kept, value in ((preds, batch_preds), (labels, batch_labels), (inputs_seen, batch_inputs)):
+                for store, value in ((preds, batch_preds), (labels, batch_labels), (inputs_seen, batch_inputs)):
                     if value is not None:
-                        kept.append(value)
+                        store.append(value)
             num_samples += rows
             self.control = self.callback_handler.on_prediction_step(args, self.state, self.control)
             if args.batch_eval_metrics and self.compute_metrics is not None:

@@ -52,10 +52,23 @@ def _model_dir(root, damage):
     from jtrainer.models.llama import LlamaForCausalLM
 
     folder = root / "model"
+    if damage == "empty":
+        folder.mkdir()
+        return str(folder)
     LlamaForCausalLM.from_config(tiny_llama_config()).save_pretrained(str(folder))
     train_tokenizer(["some words to learn from"], 300).save_pretrained(str(folder))
     weights = folder / "model.safetensors"
-    if damage == "truncated":
+    config = folder / "config.json"
+    if damage == "not_json":
+        config.write_text(config.read_text()[:40])
+    elif damage == "custom_code":
+        config.write_text(json.dumps({**json.loads(config.read_text()), "auto_map": {"AutoModel": "x.X"}}))
+    elif damage == "no_weights":
+        weights.unlink()
+    elif damage == "no_tokenizer":
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            (folder / name).unlink()
+    elif damage == "truncated":
         with open(weights, "r+b") as f:
             f.truncate(weights.stat().st_size // 2)
     else:
@@ -114,6 +127,32 @@ CASES = {
         "split has None, not a class id",
     ),
     "weights_truncated": (None, ["--model_name_or_path", "MODEL:truncated"], "model.safetensors is not a readable"),
+    "model_folder_empty": (None, ["--model_name_or_path", "MODEL:empty"], "has no config.json"),
+    "model_config_not_json": (None, ["--model_name_or_path", "MODEL:not_json"], "config.json is not valid JSON"),
+    "model_custom_code": (None, ["--model_name_or_path", "MODEL:custom_code"], "names custom code (auto_map)"),
+    "model_without_weights": (None, ["--model_name_or_path", "MODEL:no_weights"], "has no model.safetensors"),
+    "model_without_tokenizer": (None, ["--model_name_or_path", "MODEL:no_tokenizer"], "holds no tokenizer"),
+    "learning_rate_nan": ("learning_rate: .nan\n", [], "--learning_rate must be a finite number, got nan"),
+    "learning_rate_inf": ("learning_rate: .inf\n", [], "--learning_rate must be a finite number, got inf"),
+    "weight_decay_nan": ("weight_decay: .nan\n", [], "--weight_decay must be a finite number, got nan"),
+    "epochs_inf": (None, ["--max_steps", "-1", "--num_train_epochs", "inf"], "--num_train_epochs must be a finite"),
+    "seed_too_large": (None, ["--seed", str(10**23)], "--seed must be a whole number in [0, 2**32 - 1]"),
+    "heads_zero": (None, ["--num_attention_heads", "0"], "num_attention_heads=0: it must be at least 1"),
+    "width_zero": (None, ["--hidden_size", "0"], "hidden_size=0: it must be at least 1"),
+    "layers_zero": (None, ["--num_hidden_layers", "0"], "num_hidden_layers=0: it must be at least 1"),
+    "positions_zero": (None, ["--max_position_embeddings", "0"], "max_position_embeddings=0: it must be at least 1"),
+    "kv_heads_not_dividing": (
+        None,
+        ["--num_attention_heads", "4", "--num_key_value_heads", "3"],
+        "num_key_value_heads=3 does not divide num_attention_heads=4",
+    ),
+    "sample_tokens_negative": (None, ["--sample_tokens", "-5"], "sample_tokens=-5: it must be at least 0"),
+    "mesh_over_devices": ("mesh_shape: '{\"data\": 64}'\n", [], "needs 64 devices but there are"),
+    "keys_of_mixed_types": ("1: 2\nfoo: 3\n", [], "unknown field(s) [1, 'foo']"),
+    "label_names_nested": ("label_names: [[a]]\n", [], "label_names: [['a']] is not a valid value"),
+    "train_file_not_utf8": (None, ["--train_file", "{tmp}/latin1.jsonl"], "line 2 is not UTF-8"),
+    "train_file_null_row": (None, ["--train_file", "{tmp}/nulls.jsonl"], "row 3 of column 'text' is None, not text"),
+    "train_file_numbers": (None, ["--train_file", "{tmp}/numbers.jsonl"], "row 0 of column 'text' is 0, not text"),
     "weights_integer": (None, ["--model_name_or_path", "MODEL:integer"], "is stored as integers"),
 }
 
@@ -124,6 +163,10 @@ def test_bad_input_is_refused_before_any_work(tmp_path, capsys, case):
     tmp = str(tmp_path)
     (tmp_path / "a_file").write_text("keep me")
     (tmp_path / "empty.jsonl").write_text("\n")
+    rows = [json.dumps({"text": f"w{i} w{i + 1}"}) for i in range(8)]
+    (tmp_path / "latin1.jsonl").write_bytes("\n".join([rows[0], '{"text": "caf\xe9"}', *rows[1:]]).encode("latin-1"))
+    (tmp_path / "nulls.jsonl").write_text("\n".join([*rows[:3], json.dumps({"text": None}), *rows[3:]]))
+    (tmp_path / "numbers.jsonl").write_text("\n".join(json.dumps({"text": i}) for i in range(8)))
     (tmp_path / "labels.csv").write_text(
         "text,label\n" + "".join(f"w{i} w{i + 1},{'nan' if i == 1 else i % 2}\n" for i in range(8))
     )
@@ -144,8 +187,11 @@ def test_bad_input_is_refused_before_any_work(tmp_path, capsys, case):
     started = time.monotonic()
     assert main(argv + SMALL + extra) == 1
     assert time.monotonic() - started < 20
-    err = capsys.readouterr().err.strip().splitlines()[-1]  # (after any progress bar of `datasets`)
+    output = capsys.readouterr()
+    err = output.err.strip().splitlines()[-1]  # (after any progress bar of `datasets`)
     assert err.startswith("jtrainer train: ") and expected.replace("{tmp}", tmp) in err, err
+    assert "Traceback" not in output.err + output.out
+    assert (output.err + output.out).count("jtrainer train: ") == 1
     assert not os.path.exists(tmp + "/out")  # nothing written
     assert (tmp_path / "a_file").read_text() == "keep me"
 

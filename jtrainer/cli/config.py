@@ -63,7 +63,7 @@ def parse_train_args(argv: list[str], command: str = "train"):
     dataclass_types = (ModelArguments, DataArguments, Seq2SeqTrainingArguments, RunArguments)
     parser = HfArgumentParser(dataclass_types, prog=f"jtrainer {command}")
     known = {a.dest for a in parser._actions}
-    unknown = sorted(set(values) - known)
+    unknown = sorted(set(values) - known, key=str)
     if unknown:
         raise BadInput(f"config file {config_path}: unknown field(s) {unknown}: check their spelling.")
     check_value_types(values, dataclass_types, config_path)
@@ -134,6 +134,8 @@ def _accepts(hint, value) -> bool:
         return not args or all(_accepts(args[0], v) for v in value)
     if origin is dict or hint is dict:
         return isinstance(value, dict)
+    if hint is str:  # a YAML number or boolean is a string argparse reads; a list or mapping is not
+        return not isinstance(value, (list, tuple, dict))
     if hint is bool:
         return isinstance(value, bool)
     if hint is int:

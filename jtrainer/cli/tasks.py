@@ -69,7 +69,10 @@ class DataArguments:
     source_prefix: str = field(default="", metadata={"help": "Prefix of every source text (T5: 'summarize: ')."})
     max_target_length: int = field(default=128, metadata={"help": "Target tokens kept (seq2seq)."})
     max_chars: int = field(default=3_000_000, metadata={"help": "Characters of text to read at most."})
-    tokenizer_vocab_size: int = field(default=2048, metadata={"help": "Vocabulary of the BPE tokenizer trained."})
+    tokenizer_vocab_size: int = field(
+        default=2048,
+        metadata={"help": "Vocabulary of the BPE tokenizer trained (at least its 256 bytes and 2 special tokens)."},
+    )
     block_size: int = field(default=128, metadata={"help": "Tokens per row (inputs are cut to this length)."})
     eval_fraction: float = field(default=0.05, metadata={"help": "Share held out when there is no validation split."})
     sample_prompt: str = field(default="def ", metadata={"help": "Prompt of the generated sample (causal_lm)."})
@@ -85,30 +88,49 @@ def check_job(model_args: ModelArguments, data_args: DataArguments, training_arg
     """Refuse, naming the field or file and the fix, what would fail only after the data is read, the tokenizer
     trained or the step compiled."""
     check_task(model_args)
-    if not model_args.model_name_or_path and model_args.model_type not in MODEL_TYPES:
-        raise BadInput(f"model_type={model_args.model_type!r}: use one of {', '.join(MODEL_TYPES)}.")
-    if not model_args.model_name_or_path:
-        head_dim(model_args)
-    d, t = data_args, training_args
-    if t.max_steps <= 0 and t.num_train_epochs <= 0:
+    _check_model(model_args)
+    _check_data(data_args, model_args.task)
+    _check_mesh(training_args)
+    if training_args.max_steps <= 0 and training_args.num_train_epochs <= 0:
         raise BadInput("max_steps and num_train_epochs are both 0: nothing would be trained; set one above 0.")
-    if not 0 < d.eval_fraction < 1:
-        raise BadInput(f"eval_fraction={d.eval_fraction}: the share held out must lie between 0 and 1.")
-    if d.block_size < 1 or d.max_chars < 1:
-        raise BadInput(f"block_size={d.block_size}, max_chars={d.max_chars}: both must be at least 1.")
     limit, source = _position_limit(model_args)
-    if limit is not None and d.block_size > limit:
+    if limit is not None and data_args.block_size > limit:
         raise BadInput(
-            f"block_size={d.block_size} exceeds the model's {limit} positions ({source}): lower --block_size."
+            f"block_size={data_args.block_size} exceeds the model's {limit} positions ({source}): lower --block_size."
         )
+
+
+def _check_model(model_args: ModelArguments) -> None:
+    m = model_args
+    if m.num_labels < 1:
+        raise BadInput(f"num_labels={m.num_labels}: a classifier needs at least 1 label (1: regression).")
     for name in ("model_name_or_path", "tokenizer_name"):
-        path = getattr(model_args, name)
+        path = getattr(m, name)
         if path and not storage.isdir(path):
             raise BadInput(
                 f"{name}={path!r} is not a folder: give an HF model folder (config.json + weights), local "
                 "or on gs:// / s3://."
             )
-    if model_args.task == "causal_lm" and not (d.dataset_name or d.train_file):
+    if m.tokenizer_name and not _has_tokenizer(m.tokenizer_name):
+        raise BadInput(
+            f"tokenizer_name={m.tokenizer_name!r} holds no tokenizer (tokenizer.json or tokenizer_config.json): "
+            "save one there with tokenizer.save_pretrained."
+        )
+    if m.model_name_or_path:
+        check_model_folder(m.model_name_or_path, tokenizer_elsewhere=bool(m.tokenizer_name))
+        return
+    if m.model_type not in MODEL_TYPES:
+        raise BadInput(f"model_type={m.model_type!r}: use one of {', '.join(MODEL_TYPES)}.")
+    check_fresh_model(m)
+
+
+def _check_data(data_args: DataArguments, task: str) -> None:
+    d = data_args
+    _at_least(d, 1, "block_size", "max_chars", "max_target_length")
+    _at_least(d, 0, "sample_tokens")
+    if not 0 < d.eval_fraction < 1:
+        raise BadInput(f"eval_fraction={d.eval_fraction}: the share held out must lie between 0 and 1.")
+    if task == "causal_lm" and not (d.dataset_name or d.train_file):
         if d.text_dir is not None and not storage.isdir(d.text_dir):
             raise BadInput(f"text_dir={d.text_dir!r} is not a folder of .py/.txt files.")
     for name in ("train_file", "validation_file"):
@@ -120,22 +142,124 @@ def check_job(model_args: ModelArguments, data_args: DataArguments, training_arg
         with storage.open_file(path, "rb") as f:
             if not f.read(1 << 16).strip():
                 raise BadInput(f"{name}={path!r} is empty: it needs at least one row.")
+        check_utf8(name, path)
+
+
+def check_utf8(name: str, path: str) -> None:
+    """A json/csv data file must be UTF-8 text (pyarrow's reader fails on other bytes without naming the file)."""
+    with storage.open_file(path, "rb") as f:
+        for number, line in enumerate(f, start=1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise BadInput(
+                    f"{name}={path!r}: line {number} is not UTF-8 ({e.reason} at byte {e.start}): save the file "
+                    "as UTF-8."
+                ) from None
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def _has_tokenizer(folder: str) -> bool:
+    return any(storage.isfile(storage.join(folder, name)) for name in _TOKENIZER_FILES)
+
+
+def read_model_config(folder: str) -> dict:
+    """A model folder's config.json as a dict, refused naming the file when it is missing or not JSON."""
+    config_file = storage.join(folder, "config.json")
+    if not storage.isfile(config_file):
+        raise BadInput(
+            f"model_name_or_path={folder!r} has no config.json: give a folder saved by save_pretrained "
+            "(config.json + model.safetensors)."
+        )
+    try:
+        config = json.loads(storage.read_text(config_file))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadInput(f"{config_file} is not valid JSON ({e}): repair or re-save the model.") from None
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+        raise BadInput(f"{config_file} has no model_type: re-save the model with save_pretrained.")
+    return config
+
+
+def check_model_folder(folder: str, tokenizer_elsewhere: bool = False) -> None:
+    """What a model folder must hold for the job: a config of a family jtrainer has (no custom code), safetensors
+    weights and, unless tokenizer_name is set, a tokenizer."""
+    from jtrainer.models.hf_io import WEIGHTS_INDEX_NAME, WEIGHTS_NAME
+
+    config = read_model_config(folder)
+    if config.get("auto_map"):
+        raise BadInput(
+            f"model_name_or_path={folder!r}: its config.json names custom code (auto_map), which jtrainer does not "
+            f"run; use a model of a family jtrainer has ({', '.join(MODEL_TYPES)})."
+        )
+    if not any(storage.isfile(storage.join(folder, name)) for name in (WEIGHTS_NAME, WEIGHTS_INDEX_NAME)):
+        raise BadInput(
+            f"model_name_or_path={folder!r} has no {WEIGHTS_NAME} (or {WEIGHTS_INDEX_NAME}): save the model "
+            "with save_pretrained (safetensors) there."
+        )
+    if not tokenizer_elsewhere and not _has_tokenizer(folder):
+        raise BadInput(
+            f"model_name_or_path={folder!r} holds no tokenizer (tokenizer.json or tokenizer_config.json): save "
+            "the tokenizer there, or set tokenizer_name."
+        )
+
+
+_SIZE_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "max_position_embeddings",
+)
+_LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def _at_least(arguments, minimum: int, *names: str) -> None:
+    for name in names:
+        value = getattr(arguments, name)
+        if value < minimum:
+            raise BadInput(f"{name}={value}: it must be at least {minimum}.")
+
+
+def check_fresh_model(model_args: ModelArguments) -> None:
+    """A fresh model's size fields must build the model they describe: positive sizes, key/value heads that
+    divide the heads (Llama family), a head width that divides (see `head_dim`)."""
+    m = model_args
+    _at_least(m, 1, *_SIZE_FIELDS)
+    if m.head_dim is not None:
+        _at_least(m, 1, "head_dim")
+    if m.model_type in _LLAMA_FAMILY:
+        _at_least(m, 1, "num_key_value_heads")
+        if m.num_attention_heads % m.num_key_value_heads:
+            raise BadInput(
+                f"num_key_value_heads={m.num_key_value_heads} does not divide num_attention_heads="
+                f"{m.num_attention_heads}: each key/value head serves a whole group of query heads; pick a divisor."
+            )
+    head_dim(m)
+
+
+def _check_mesh(training_args) -> None:
+    """mesh_shape (or parallelism_config / fsdp) must fit the devices here, checked before any data is read."""
+    from jtrainer import sharding
+
+    try:
+        sharding.resolve_mesh_shape(training_args, len(sharding.mesh_devices()))
+    except ValueError as e:
+        raise BadInput(str(e)) from None
 
 
 def _position_limit(model_args: ModelArguments) -> tuple[int | None, str]:
     """The longest sequence the model embeds positions for (None: relative positions, as T5)."""
     if model_args.model_name_or_path:
-        config_file = storage.join(model_args.model_name_or_path, "config.json")
-        if not storage.isfile(config_file):
-            return None, ""
-        config = json.loads(storage.read_text(config_file))
-        source = f"max_position_embeddings in {config_file}"
+        config = read_model_config(model_args.model_name_or_path)
+        source = f"max_position_embeddings in {storage.join(model_args.model_name_or_path, 'config.json')}"
     else:
         if model_args.model_type == "t5":
             return None, ""
         config, source = vars(model_args), "--max_position_embeddings"
     limit = config.get("max_position_embeddings", config.get("n_positions"))
-    return (int(limit), source) if limit else (None, "")
+    return (int(limit), source) if limit is not None else (None, "")
 
 
 def head_dim(model_args: ModelArguments) -> int:
@@ -299,8 +423,9 @@ def _text_files(root: str) -> Iterator[str]:
                 yield os.path.join(dirpath, name)
 
 
-def load_splits(data_args: DataArguments):
-    """(train, validation) `datasets.Dataset`s; validation is split off when the data has none."""
+def load_splits(data_args: DataArguments, text_columns: tuple[str | None, ...] = ()):
+    """(train, validation) `datasets.Dataset`s; validation is split off when the data has none. Each value of
+    `text_columns` must be a string (checked before the split, so a refusal names the row of the file)."""
     import datasets
 
     if data_args.dataset_name and storage.isdir(data_args.dataset_name):
@@ -315,10 +440,33 @@ def load_splits(data_args: DataArguments):
         loaded = datasets.load_dataset(kind, data_files=files)
     if isinstance(loaded, datasets.Dataset):
         loaded = datasets.DatasetDict({"train": loaded})
+    for split in ("train", "validation"):
+        if split in loaded:
+            _check_texts(loaded[split], _source(data_args, split), text_columns)
     if "validation" not in loaded:
         split = loaded["train"].train_test_split(test_size=data_args.eval_fraction, seed=0)
         return split["train"], split["test"]
     return loaded["train"], loaded["validation"]
+
+
+def _source(data_args: DataArguments, split: str) -> str:
+    if data_args.dataset_name:
+        return f"dataset_name={data_args.dataset_name!r} ({split} split)"
+    name = "train_file" if split == "train" else "validation_file"
+    return f"{name}={getattr(data_args, name)!r}"
+
+
+def _check_texts(dataset, source: str, columns: tuple[str | None, ...]) -> None:
+    """Text columns hold strings: a null row or a number would fail inside tokenizer training, unnamed."""
+    for column in columns:
+        if column is None or column not in dataset.column_names:
+            continue
+        for row, value in enumerate(dataset[column]):
+            if not isinstance(value, str):
+                raise BadInput(
+                    f"{source}: row {row} of column {column!r} is {value!r}, not text: fix or drop that row "
+                    "(or set the right --text_column / --target_column)."
+                )
 
 
 def train_tokenizer(texts: list[str], vocab_size: int):
@@ -425,7 +573,8 @@ def build_data(
             _blocks(texts[:-n_eval], tokenizer, d.block_size, "training"),
             _blocks(texts[-n_eval:], tokenizer, d.block_size, "held-out"),
         )
-    train, valid = load_splits(d)
+    texts = (d.text_column, d.text_pair_column, d.target_column if model_args.task == "seq2seq" else None)
+    train, valid = load_splits(d, texts)
     if model_args.task == "causal_lm":
         _columns(train, d.text_column)
         tokenizer = _tokenizer_for(model_args, d, list(train[d.text_column]), saved_tokenizer)
