@@ -323,6 +323,7 @@ class EvaluationMixin(TrainerParts):
                         EvalPrediction(
                             predictions=batch_preds,
                             label_ids=batch_labels,
+                            # HF hands over the batch's loss repeated over its rows and its whole input dict.
                             losses=batch_losses if "loss" in include else None,
                             inputs=host(padded) if "inputs" in include else None,
                         ),

@@ -25,6 +25,11 @@ from jtrainer.mixed_precision import loss_scale
 from jtrainer.optim import current_learning_rate, schedule_count
 from jtrainer.state import TrainState
 
+# What JAX raises for code written for torch or the host (a torch method or function on a traced array, a numpy
+# conversion, float() or a Python branch on a traced value: jax's tracer errors are TypeErrors). Only these move a
+# user function out of a compiled step; anything else it raises is its own error and propagates.
+UNTRACEABLE = (TypeError, AttributeError)
+
 
 class LossMode(enum.Enum):
     """How a micro-batch's loss becomes its share of the step loss (HF's rules: training_step and compute_loss)."""
@@ -396,8 +401,8 @@ def make_eval_step(
             if preprocess_logits is not None and predictions is not None and not placement.on_host:
                 try:
                     predictions = preprocess_logits(predictions, all_labels)
-                except Exception as error:  # not traceable by JAX (torch methods, host-side code): the host's
-                    placement.on_host, placement.reason = True, error
+                except UNTRACEABLE as error:  # torch methods, numpy conversions, float(): the host's; any
+                    placement.on_host, placement.reason = True, error  # other error is the function's own bug
         return EvalOutputs(None if loss is None else jnp.mean(loss).astype(jnp.float32), predictions)
 
     return eval_step

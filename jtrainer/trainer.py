@@ -65,6 +65,7 @@ from jtrainer.overrides import check_loader, check_optimizer_override, check_ove
 from jtrainer.saving import SavingMixin
 from jtrainer.state import LoopState, TrainState
 from jtrainer.step import (
+    UNTRACEABLE,
     LossMode,
     LossSpec,
     StepBatch,
@@ -404,7 +405,7 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         try:
             with self._mesh_context():
                 loss = jax.eval_shape(loss_of, params, rest, probe)
-        except (TypeError, AttributeError) as error:
+        except UNTRACEABLE as error:
             raise TypeError(
                 f"{name} cannot run inside the compiled train step: {str(error).splitlines()[0]}. Write it with "
                 "jax.numpy on the arrays it receives (no torch, numpy conversion or float()), calling `model`, "

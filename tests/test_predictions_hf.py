@@ -26,6 +26,8 @@ def _rows(n, seed=0):
 class TorchTwoHeads(torch.nn.Module):
     """Returns (loss, y, tanh(y)) or a dict {"loss", "output", "aux"}; the loss is its own mean (MSE)."""
 
+    main_input_name = "x"
+
     def __init__(self, dict_output: bool):
         super().__init__()
         torch.manual_seed(0)
@@ -47,6 +49,8 @@ class TorchTwoHeads(torch.nn.Module):
 
 
 class NnxTwoHeads(nnx.Module):
+    main_input_name = "x"
+
     def __init__(self, torch_model: TorchTwoHeads):
         self.lin = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
         self.lin.kernel[...] = torch_model.lin.weight.detach().numpy().T.copy()
@@ -84,6 +88,8 @@ class MetricCalls:
                 "compute_result": compute_result,
                 "preds": [np.asarray(p) for p in (preds if isinstance(preds, tuple) else (preds,))],
                 "labels": [np.asarray(v) for v in (labels if isinstance(labels, tuple) else (labels,))],
+                "inputs": None if pred.inputs is None else {k: np.asarray(v) for k, v in pred.inputs.items()},
+                "losses": None if pred.losses is None else np.asarray(pred.losses),
             }
         )
         return {"mean_prediction": float(np.mean(np.asarray(first)))}
@@ -139,12 +145,16 @@ def test_predict_outputs_as_transformers(tmp_path, dict_output, label_names, ign
         np.testing.assert_allclose(got.metrics[key], ref.metrics[key], rtol=1e-5, err_msg=key)
 
 
+@pytest.mark.parametrize("include", [[], ["inputs", "loss"]], ids=["plain", "with-inputs-and-losses"])
 @pytest.mark.parametrize("description", ["evaluate", "predict"])
-def test_batch_eval_metrics_calls_as_transformers(tmp_path, description):
-    """Each batch computes metrics with compute_result=False and the last with True and that batch's values;
-    evaluate returns the last call's metrics, predict still keeps every prediction."""
+def test_batch_eval_metrics_calls_as_transformers(tmp_path, description, include):
+    """Each batch computes metrics with compute_result=False and the last with True and that batch's values
+    (with include_for_metrics, its inputs and losses too); evaluate returns the last call's metrics, predict still
+    keeps every prediction."""
     rows = _rows(40)
-    (hf, hf_calls), (ours, jt_calls), torch_data = _both(tmp_path, False, rows, batch_eval_metrics=True)
+    (hf, hf_calls), (ours, jt_calls), torch_data = _both(
+        tmp_path, False, rows, batch_eval_metrics=True, include_for_metrics=include
+    )
     if description == "evaluate":
         ref, got = hf.evaluate(torch_data), ours.evaluate(rows)
     else:
@@ -157,6 +167,15 @@ def test_batch_eval_metrics_calls_as_transformers(tmp_path, description):
         for key in ("preds", "labels"):
             for g, r in zip(mine[key], theirs[key]):
                 np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
+        assert (mine["inputs"] is None) == (theirs["inputs"] is None)
+        if theirs["inputs"] is not None:  # HF hands over the batch's whole input dict
+            assert sorted(mine["inputs"]) == sorted(theirs["inputs"])
+            for name, value in theirs["inputs"].items():
+                np.testing.assert_allclose(mine["inputs"][name], value, rtol=1e-6)
+        assert (mine["losses"] is None) == (theirs["losses"] is None)
+        if theirs["losses"] is not None:  # the batch's mean loss, once per row
+            assert mine["losses"].shape == theirs["losses"].shape
+            np.testing.assert_allclose(mine["losses"], theirs["losses"], rtol=1e-5)
     prefix = "eval" if description == "evaluate" else "test"
     np.testing.assert_allclose(got[f"{prefix}_mean_prediction"], ref[f"{prefix}_mean_prediction"], rtol=1e-5)
     np.testing.assert_allclose(got[f"{prefix}_loss"], ref[f"{prefix}_loss"], rtol=1e-5)

@@ -3,6 +3,7 @@ trace it, so it runs on the host with torch tensors, as HF calls it; one JAX can
 Both give HF's metrics on the same model and data."""
 
 import numpy as np
+import pytest
 import torch
 import transformers
 from conftest import scratch_dir, tiny_llama_config, token_rows, torch_rows
@@ -56,3 +57,21 @@ def test_a_torch_style_preprocess_runs_on_the_host_and_gives_hfs_metrics(tmp_pat
     for result in results.values():
         assert result["eval_accuracy"] == expected["eval_accuracy"]
         np.testing.assert_allclose(result["eval_loss"], expected["eval_loss"], rtol=1e-5)
+
+
+def test_a_bug_in_preprocess_is_raised_not_moved_to_the_host(tmp_path):
+    """Only code JAX cannot trace (a TypeError or AttributeError, torch's methods) runs on the host; any other
+    exception is the function's own and reaches the caller, as under transformers.Trainer."""
+
+    def buggy(logits, labels):
+        raise ValueError("a bug in the user's function")
+
+    trainer = Trainer(
+        model=AutoModelForCausalLM.from_config(tiny_llama_config()),
+        args=TrainingArguments(output_dir=scratch_dir(), report_to="none", per_device_eval_batch_size=4),
+        eval_dataset=token_rows(4, length=12, seed=4),
+        compute_metrics=accuracy,
+        preprocess_logits_for_metrics=buggy,
+    )
+    with pytest.raises(ValueError, match="a bug in the user's function"):
+        trainer.evaluate()
