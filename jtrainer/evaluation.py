@@ -264,16 +264,16 @@ class EvaluationMixin(TrainerParts):
         num_samples = 0
         metrics = None
         include = set(args.include_for_metrics or [])
-        num_classes = self._num_classes()
         gathers_all = self._gathers_completing_rows()
         for (batch, rows), is_last in _with_last(dataloader):
-            self._check_labels(batch, num_classes)
             length = shapes.sequence_length([batch])
             sharding.check_length_divisible(length, self.mesh)
             if spec is None:
                 spec = self._loss_spec(shapes.pad(batch, length), training=False)
                 step = self._eval_step(spec, want_logits, ignore)
                 ragged_rows = self._eval_ragged_rows(spec, dataloader)
+                num_classes = self._label_classes(spec)
+            self._check_labels(batch, num_classes)
             # A ragged last batch keeps its own rows where padding rows would enter the loss (one more compile).
             padded = shapes.pad(batch, length, pad_rows=not ragged_rows)
             global_rows = dataloader.batch_size if not ragged_rows else rows

@@ -70,6 +70,9 @@ class LossSpec:
     compute_loss: Callable | None = None  # OVERRIDE: the subclass's bound compute_loss
     base: "LossSpec | None" = None  # OVERRIDE: the rules its super().compute_loss follows
 
+    # TRAINER: the classes the model's logits score (their last dimension), which the labels are checked against.
+    num_classes: int | None = None
+
     # Whether padding (rows whose labels are all -100) adds exactly 0 to the loss and its gradient: true of the
     # token losses jtrainer computes and of its models' own (sum / num_items_in_batch), decided by the Trainer.
     padding_neutral: bool = False

@@ -386,6 +386,7 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
             pass_num_items=pass_num_items,
             scaled_for_ga=bool(scaled),
             padding_neutral=False,
+            num_classes=None,  # the override's labels may mean something else: the config's classes
         )
         self._probe_compute_loss(spec, sample)
         return spec
@@ -415,8 +416,29 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
             raise ValueError(f"{name} must return a scalar loss; it returned {loss!r}.")
 
     def _default_loss_spec(self, sample: data.Batch, training: bool) -> LossSpec:
-        """The Trainer's own loss. Without labels, evaluation and prediction still run (no loss), as in HF;
-        training fails here, named."""
+        """The Trainer's own loss (`_default_loss_rules`); where the Trainer computes the cross-entropy itself,
+        with the logits' class count, which labels must lie under (a gather would read any other label as 0)."""
+        spec = self._default_loss_rules(sample, training)
+        if spec.mode is LossMode.TRAINER and any(name in sample for name in self.label_names):
+            spec = dataclasses.replace(spec, num_classes=self._logits_width(sample))
+        return spec
+
+    def _logits_width(self, sample: data.Batch) -> int | None:
+        graphdef, params, rest = nnx.split(self.model, nnx.Param, ...)
+        probe = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in sample.items() if k not in self.label_names}
+        with self._mesh_context():
+            outputs = jax.eval_shape(lambda p, s, x: apply_model(graphdef, p, s, x)[0], params, rest, probe)
+        _, logits = split_outputs(outputs)
+        return int(logits.shape[-1]) if getattr(logits, "ndim", 0) else None
+
+    def _label_classes(self, spec: LossSpec) -> int | None:
+        """The class count labels are checked against: the logits' where the Trainer computes the loss, else the
+        model's config (`_num_classes`)."""
+        return spec.num_classes if spec.num_classes is not None else self._num_classes()
+
+    def _default_loss_rules(self, sample: data.Batch, training: bool) -> LossSpec:
+        """HF's rules for the Trainer's own loss. Without labels, evaluation and prediction still run (no loss),
+        as in HF; training fails here, named."""
         causal = _is_causal_lm(self.model)
         has_labels = any(name in sample for name in self.label_names)
         smoothing = self.args.label_smoothing_factor
@@ -866,7 +888,7 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
             self._compiled_train_step(tx, spec, state_shardings),
             updates_per_epoch,
             ragged_tail=self._keeps_ragged_rows(spec),
-            label_classes=self._num_classes(),
+            label_classes=self._label_classes(spec),
             epochs_trained=epochs_trained,
             skip=skip,
         )
@@ -994,7 +1016,7 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         return getattr(config, "vocab_size", None)
 
     def _check_labels(self, batch: data.Batch, num_classes: int | None) -> None:
-        """Class labels must lie in [0, num_classes) (the loop computes `_num_classes()` once)."""
+        """Class labels must lie in [0, num_classes) (the loop computes `_label_classes(spec)` once)."""
         if num_classes is not None:
             for name in self.label_names:
                 if name in batch:

@@ -147,7 +147,7 @@ class TrainingRun:
     train_step: Callable  # the compiled step (jax.jit)
     updates_per_epoch: int
     ragged_tail: bool  # a ragged last batch runs at its own rows (Trainer._keeps_ragged_rows)
-    label_classes: int | None  # the class count labels are checked against (Trainer._num_classes)
+    label_classes: int | None  # the class count labels are checked against (Trainer._label_classes)
     epochs_trained: int = 0  # when resuming: whole epochs already done
     skip: int = 0  # when resuming: micro-batches of the resumed epoch already trained
     epochs: int = 0
