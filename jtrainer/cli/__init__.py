@@ -15,13 +15,14 @@ the source of Python's standard library, with nothing downloaded.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from jtrainer import targets
 from jtrainer.cli.config import DEFAULT_CONFIG, RunArguments, parse_train_args, read_config
 from jtrainer.cli.console import say
 from jtrainer.cli.launch import run_launch
-from jtrainer.cli.train import resume_point, run_train
+from jtrainer.cli.train import Stopped, resume_point, run_train
 from jtrainer.errors import BadInput
 
 __all__ = [
@@ -65,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
         if run_args.target is not None:
             raise BadInput("--target is an option of `jtrainer check` (sizing a run for another machine).")
         run_train(model_args, data_args, training_args, run_args)
+    except Stopped as e:  # SIGTERM outside train(): the lock released, the checkpoints kept
+        print(f"jtrainer {command}: {e}", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except BadInput as e:  # refused before any work (or, for a file, as soon as it is read): one line
         print(f"jtrainer {command}: {e}", file=sys.stderr)
         return 1

@@ -2,7 +2,10 @@
 
 Each process gets `JTRAINER_COORDINATOR` / `JTRAINER_NUM_PROCESSES` / `JTRAINER_PROCESS_ID` (read by
 `jtrainer.distributed` at import) and, with `--devices_per_process K`, K simulated CPU devices. The launcher
-supervises: when one process fails, the others are stopped and the launcher exits with its code.
+supervises: when one process fails, the others are stopped and the launcher exits with its code (128 + N for a
+process killed by signal N, as a shell reports it). SIGTERM or SIGINT to the launcher is passed on to every
+process (a preemption: each saves the current step's checkpoint) and the launcher exits when they have; if the
+launcher itself is killed, the processes get SIGTERM from the kernel, so none trains on as an orphan.
 """
 
 from __future__ import annotations
@@ -51,6 +54,35 @@ def process_env(process_id: int, num_processes: int, port: int, devices_per_proc
     return env
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the launcher dies, however it dies (Linux's PR_SET_PDEATHSIG)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):  # not Linux: the launcher's own handlers still forward signals
+        pass
+
+
+def exit_code(returncode: int) -> int:
+    """A child's exit status as a shell gives it: 128 + N for a process killed by signal N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _describe(index: int, returncode: int) -> str:
+    if returncode < 0:
+        return f"process {index} was killed by {signal.Signals(-returncode).name}"
+    return f"process {index} exited with code {returncode}"
+
+
+class _Forwarded(Exception):
+    """A signal the launcher received and passed on to its processes."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
 def _stop(processes: list[subprocess.Popen]) -> None:
     for p in processes:
         if p.poll() is None:
@@ -69,24 +101,47 @@ def launch(target: str, extra: list[str], num_processes: int, devices_per_proces
         raise SystemExit(f"jtrainer launch: --num_processes must be >= 1, got {num_processes}.")
     port = free_port()
     cmd = command_for(target, extra)
-    processes = [
-        subprocess.Popen(cmd, env=process_env(i, num_processes, port, devices_per_process))
-        for i in range(num_processes)
-    ]
+    processes: list[subprocess.Popen] = []
+
+    def forward(signum, frame):
+        for p in processes:
+            if p.poll() is None:
+                p.send_signal(signum)
+        raise _Forwarded(signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        while True:
-            codes = [p.poll() for p in processes]
-            failed = [c for c in codes if c not in (None, 0)]
-            if failed:
-                print(f"jtrainer launch: a process exited with code {failed[0]}; stopping the others.", file=sys.stderr)
-                _stop(processes)
-                return failed[0]
-            if all(c == 0 for c in codes):
-                return 0
-            time.sleep(0.2)
-    except KeyboardInterrupt:
+        for i in range(num_processes):
+            processes.append(
+                subprocess.Popen(
+                    cmd, env=process_env(i, num_processes, port, devices_per_process), preexec_fn=_die_with_parent
+                )
+            )
+        return _supervise(processes)
+    except _Forwarded as received:
+        for s, handler in previous.items():
+            signal.signal(s, handler)  # a second signal acts at once
+        print(f"jtrainer launch: {received} passed on to the processes; waiting for them to stop.", file=sys.stderr)
+        codes = [exit_code(p.wait()) for p in processes]
+        return next((c for c in codes if c != 0), 0)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
         _stop(processes)
-        return 130
+
+
+def _supervise(processes: list[subprocess.Popen]) -> int:
+    while True:
+        codes = [p.poll() for p in processes]
+        failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+        if failed:
+            index, code = failed[0]
+            print(f"jtrainer launch: {_describe(index, code)}; stopping the others.", file=sys.stderr)
+            _stop(processes)
+            return exit_code(code)
+        if all(c == 0 for c in codes):
+            return 0
+        time.sleep(0.2)
 
 
 def run_launch(argv: list[str]) -> int:

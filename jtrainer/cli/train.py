@@ -5,7 +5,10 @@ starts afresh."""
 
 from __future__ import annotations
 
+import contextlib
 import math
+import signal
+from collections.abc import Iterator
 
 from jtrainer import storage
 from jtrainer.cli import tasks
@@ -13,6 +16,30 @@ from jtrainer.cli.config import RunArguments
 from jtrainer.cli.console import say
 from jtrainer.cli.tasks import DataArguments, ModelArguments
 from jtrainer.errors import BadInput
+
+
+class Stopped(BaseException):
+    """SIGTERM while the job is outside Trainer.train() (reading data, training the tokenizer, or evaluating and
+    exporting after the last step); within train() SIGTERM saves a checkpoint instead. A BaseException, so that
+    no `except Exception` on the way swallows it; the lock is released as the stack unwinds."""
+
+    def __init__(self, output_dir: str):
+        super().__init__(
+            f"stopped by SIGTERM outside training; the committed checkpoints in {output_dir} are kept: run the "
+            "same command again to continue (after the last step it evaluates and exports)."
+        )
+
+
+@contextlib.contextmanager
+def sigterm_stops_the_job(output_dir: str) -> Iterator[None]:
+    def on_sigterm(signum, frame):
+        raise Stopped(output_dir)
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def run_train(
@@ -30,9 +57,10 @@ def run_train(
     except ValueError as e:
         raise BadInput(str(e)) from None
     tasks.check_job(model_args, data_args, training_args)
-    with run_lock.hold(training_args.output_dir, is_main=jax.process_index() == 0):
-        resume = resume_point(training_args, run_args or RunArguments())
-        return _train_job(model_args, data_args, training_args, resume)
+    with sigterm_stops_the_job(training_args.output_dir):
+        with run_lock.hold(training_args.output_dir, is_main=jax.process_index() == 0):
+            resume = resume_point(training_args, run_args or RunArguments())
+            return _train_job(model_args, data_args, training_args, resume)
 
 
 def resume_point(training_args, run_args: RunArguments) -> str | None:
