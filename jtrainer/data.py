@@ -76,11 +76,13 @@ class _FilteredRows:
 def index_order(
     n: int, *, seed: int, epoch: int, strategy: str, batch_size: int, lengths: Sequence[int] | None = None
 ) -> np.ndarray:
-    """The order of row indices for one epoch: a pure function of (seed, epoch)."""
+    """The order of row indices for one epoch: a pure function of (seed, epoch), HF's. Its shuffle is accelerate's
+    seedable sampler: torch's randperm from a generator seeded with seed + epoch (`host_rng.torch_randperm`).
+    group_by_length groups that permutation in HF's mega-batches; HF draws its own from torch's global generator,
+    whose state jtrainer does not have, so that order differs from HF's (docs/training.md says so)."""
     if strategy == "sequential":
         return np.arange(n)
-    rng = np.random.default_rng([seed, epoch])
-    order = rng.permutation(n)
+    order = host_rng.torch_randperm(n, seed + epoch)
     if strategy == "group_by_length":
         if lengths is None:
             raise ValueError("train_sampling_strategy='group_by_length' needs a length column or input_ids rows.")

@@ -118,3 +118,30 @@ def run_collator(fn, rows, stream: RngStream | None):
         return stream.run(fn, rows)
     with _LOCK:
         return fn(rows)
+
+
+# torch's CPU randperm draws 32-bit numbers below this size and 64-bit ones above (aten's randperm_cpu).
+_TORCH_RANDPERM_32BIT_LIMIT = (2**32 - 1) // 20
+
+
+def torch_randperm(n: int, seed: int) -> np.ndarray:
+    """`torch.randperm(n, generator=torch.Generator().manual_seed(seed))`, the order of HF's shuffled epochs.
+
+    Without torch: torch's CPU generator is MT19937 seeded with the seed's low 32 bits (numpy's legacy seeding is
+    the same), and randperm swaps position i with i + (draw % (n - i)) for i = 0 .. n - 2."""
+    torch = _torch(imported_only=True)  # fast where the script uses torch; never imported for this
+    if torch is not None:
+        generator = torch.Generator()
+        generator.manual_seed(seed)
+        return torch.randperm(n, generator=generator).numpy()
+    if n >= _TORCH_RANDPERM_32BIT_LIMIT:
+        raise ValueError(
+            f"Shuffling {n} rows as torch does needs torch (its 64-bit draws for so many rows): pip install torch, "
+            "or set train_sampling_strategy='sequential' and shuffle the dataset yourself."
+        )
+    draws = np.random.RandomState(seed & 0xFFFFFFFF)._bit_generator.random_raw(max(n - 1, 0))
+    order = np.arange(n)
+    for i, draw in enumerate(draws.tolist()):
+        j = i + draw % (n - i)
+        order[i], order[j] = order[j], order[i]
+    return order

@@ -95,7 +95,10 @@ def is_stale(path: str, holder: LockHolder, stale_after_s: float = STALE_AFTER_S
 
 def _holder_gone(holder: LockHolder, last_beat: float | None, stale_after_s: float) -> bool:
     """A holder on this host is gone when its process is; one elsewhere when its last heartbeat (None: no lock
-    left) is older than `stale_after_s`."""
+    left) is older than `stale_after_s`. A damaged lock (pid -1: empty or unreadable; locks are written whole and
+    then linked into place) has no holder."""
+    if holder.pid < 0:
+        return True
     if holder.host == socket.gethostname() and holder.pid > 0:
         return not _process_alive(holder.pid, holder.pid_start)
     return last_beat is None or time.time() - last_beat > stale_after_s

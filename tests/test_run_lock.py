@@ -67,6 +67,21 @@ def test_dead_or_silent_holders_are_taken_over(tmp_path, caplog):
         assert os.listdir(folder) == []
 
 
+@pytest.mark.parametrize("content", ["", "{not json"], ids=["empty", "damaged"])
+def test_an_empty_or_damaged_lock_is_taken_over_at_once(tmp_path, caplog, content):
+    """A lock is written whole and then linked into place: an empty or unreadable one is no live run's."""
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / LOCK_NAME).write_text(content)
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="jtrainer.run_lock"):
+        lock = RunLock(str(folder)).acquire()
+    assert time.monotonic() - started < 5 and "Took over the lock" in caplog.text
+    with open(lock.path) as f:
+        assert json.load(f)["pid"] == os.getpid()
+    lock.release()
+
+
 def test_hold_is_reentrant_and_rejects_a_file(tmp_path):
     folder = str(tmp_path / "run")
     with run_lock.hold(folder):

@@ -1,0 +1,82 @@
+"""The shuffled order of each epoch is transformers.Trainer's: accelerate's seedable sampler (torch's randperm
+seeded with data_seed or seed, plus the epoch), read from transformers.Trainer's own train dataloader; and the same
+without torch (jtrainer's MT19937 reproduction of torch's randperm)."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from flax import nnx
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("accelerate")
+
+from jtrainer.host_rng import torch_randperm  # noqa: E402
+
+
+def _hf_order(tmp_path, n, epoch, **seeds):
+    import transformers
+
+    rows = [{"idx": i} for i in range(n)]
+    trainer = transformers.Trainer(
+        model=torch.nn.Linear(1, 1),
+        args=transformers.TrainingArguments(
+            output_dir=str(tmp_path / "hf"),
+            per_device_train_batch_size=4,
+            report_to="none",
+            use_cpu=True,
+            remove_unused_columns=False,
+            **seeds,
+        ),
+        train_dataset=rows,
+        data_collator=lambda features: {"idx": torch.tensor([f["idx"] for f in features])},
+    )
+    loader = trainer.get_train_dataloader()
+    loader.set_epoch(epoch)
+    return np.concatenate([batch["idx"].numpy() for batch in loader])
+
+
+def _jtrainer_order(tmp_path, n, epoch, **seeds):
+    from jtrainer import Trainer, TrainingArguments
+
+    trainer = Trainer(
+        model=nnx.Linear(1, 1, rngs=nnx.Rngs(0)),
+        args=TrainingArguments(
+            output_dir=str(tmp_path / "jt"),
+            per_device_train_batch_size=4,
+            report_to="none",
+            remove_unused_columns=False,
+            **seeds,
+        ),
+        train_dataset=[{"idx": np.int64(i)} for i in range(n)],
+        data_collator=lambda features: {"idx": np.asarray([f["idx"] for f in features])},
+    )
+    loader = trainer.get_train_dataloader()
+    loader.set_epoch(epoch)
+    return np.concatenate([batch["idx"] for batch, _ in loader])
+
+
+@pytest.mark.parametrize("seeds", [{"seed": 42}, {"seed": 3, "data_seed": 7}], ids=["seed", "data_seed"])
+@pytest.mark.parametrize("epoch", [0, 2])
+def test_each_epoch_is_shuffled_as_transformers_trainer(tmp_path, seeds, epoch):
+    expected = _hf_order(tmp_path, 37, epoch, **seeds)
+    np.testing.assert_array_equal(_jtrainer_order(tmp_path, 37, epoch, **seeds), expected)
+
+
+CASES = [(0, 1), (1, 5), (10, 42), (1000, 0), (5003, 2**32 - 1), (7, 2**32 + 9)]
+
+
+def test_the_permutation_without_torch_is_torchs():
+    code = (
+        "import json, sys; sys.modules['torch'] = None\n"
+        "from jtrainer.host_rng import torch_randperm\n"
+        f"print(json.dumps([torch_randperm(n, seed).tolist() for n, seed in {CASES}]))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    for (n, seed), without_torch in zip(CASES, json.loads(done.stdout.splitlines()[-1]), strict=True):
+        generator = torch.Generator()
+        generator.manual_seed(seed)
+        np.testing.assert_array_equal(without_torch, torch.randperm(n, generator=generator).numpy())
+        np.testing.assert_array_equal(torch_randperm(n, seed), torch.randperm(n, generator=generator.manual_seed(seed)))
