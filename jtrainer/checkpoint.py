@@ -38,6 +38,7 @@ import orbax.checkpoint as ocp
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from jtrainer import storage, torch_checkpoint
+from jtrainer.errors import BadInput
 from jtrainer.mixed_precision import LossScaleState
 
 logger = logging.getLogger(__name__)
@@ -72,6 +73,10 @@ __all__ = [
 
 class CheckpointIntegrityError(ValueError):
     """A checkpoint folder is incomplete or corrupted; the message names the folder and the file."""
+
+
+class CheckpointMismatchError(BadInput):
+    """A checkpoint of another model (other parameter names or shapes) than the one being trained."""
 
 
 class CheckpointWriteError(OSError):
@@ -183,6 +188,11 @@ def _inside(folder: str, rel: str) -> bool:
 
 def verify_checkpoint(folder: str) -> None:
     """Raise CheckpointIntegrityError naming the file if `folder` is uncommitted, truncated or corrupted."""
+    if not storage.isdir(folder):
+        what = "is a file" if storage.exists(folder) else "does not exist"
+        raise CheckpointIntegrityError(f"{folder} {what}: a checkpoint is a checkpoint-N folder.")
+    if not storage.listdir(folder):
+        raise CheckpointIntegrityError(f"{folder} is an empty folder, not a checkpoint.")
     if not storage.isfile(storage.join(folder, COMMIT_NAME)):
         if torch_checkpoint.written_by_torch_trainer(folder):
             # transformers.Trainer's checkpoint-N: no manifest to check (HF takes it by name); resumable when whole.
@@ -192,6 +202,10 @@ def verify_checkpoint(folder: str) -> None:
                     f"Checkpoint {folder} (transformers.Trainer's) lacks {', '.join(missing)}."
                 )
             _read_json(folder, TRAINER_STATE_NAME)
+            try:
+                torch_checkpoint.check_pickles(folder)
+            except torch_checkpoint.TorchCheckpointError as error:
+                raise CheckpointIntegrityError(str(error)) from None
             return
         raise CheckpointIntegrityError(f"Checkpoint {folder} is not committed: {COMMIT_NAME} is missing.")
     manifest_path = storage.join(folder, MANIFEST_NAME)
@@ -200,6 +214,13 @@ def verify_checkpoint(folder: str) -> None:
     manifest = _read_json(folder, MANIFEST_NAME)
     if not isinstance(manifest, dict):
         raise CheckpointIntegrityError(f"Checkpoint {folder}: {MANIFEST_NAME} is not a mapping of files.")
+    unlisted = sorted(set(_files(folder)) - set(manifest))
+    if unlisted or not manifest:  # the manifest vouches for the whole folder, or for nothing
+        raise CheckpointIntegrityError(
+            f"Checkpoint {folder}: {MANIFEST_NAME} does not list "
+            + (f"{', '.join(unlisted[:3])}{' ...' if len(unlisted) > 3 else ''}" if unlisted else "any file")
+            + " (files written after the commit, or a damaged manifest)."
+        )
     for rel, entry in manifest.items():
         path = storage.join(folder, rel)
         if not _inside(folder, rel):
@@ -221,8 +242,9 @@ def verify_checkpoint(folder: str) -> None:
 def _read_json(folder: str, rel: str):
     try:
         return json.loads(storage.read_text(storage.join(folder, rel)))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise CheckpointIntegrityError(f"Checkpoint {folder}: {rel} cannot be read ({error}).") from error
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
+        what = "nested too deeply" if isinstance(error, RecursionError) else error
+        raise CheckpointIntegrityError(f"Checkpoint {folder}: {rel} cannot be read ({what}).") from None
 
 
 class PendingCheckpoint:
@@ -502,19 +524,21 @@ def _restore_with(checkpointer, directory: str, path: str, like, fresh=None):
     wanted = _shapes_by_path(like.params)
     for name, shape in wanted.items():
         if name in saved and saved[name] != shape:
-            raise ValueError(
+            raise CheckpointMismatchError(
                 f"Checkpoint {directory}: parameter {name} has shape {saved[name]} but the model's has shape {shape}."
             )
     missing = sorted(set(wanted) - set(saved))
     saved_unrolled = any(".layers.0." in n for n in saved)  # scan_layers stacks them: no per-layer index
     if missing and saved_unrolled != any(".layers.0." in n for n in wanted):
-        raise ValueError(
+        raise CheckpointMismatchError(
             f"Checkpoint {directory} was saved with{'out' if saved_unrolled else ''} scan_layers and "
             "this model is built the other way: build the model as it was saved (its HF export, "
             "config.json + safetensors, loads either way)."
         )
     if missing:
-        raise ValueError(f"Checkpoint {directory} has no parameters {missing[:5]}: it was saved from another model.")
+        raise CheckpointMismatchError(
+            f"Checkpoint {directory} has no parameters {missing[:5]}: it was saved from another model."
+        )
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
     saved_wrappers, _ = _peel_wrappers(saved_tree["opt_state"])
     wanted_wrappers, _ = _peel_wrappers(like.opt_state)

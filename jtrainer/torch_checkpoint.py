@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 
 import jax
 import numpy as np
@@ -85,12 +86,38 @@ def _torch(folder: str):
     return torch
 
 
-def _load(torch, path: str):
-    """torch.load as HF loads its checkpoint files (weights_only, numpy's types allowed)."""
+def _load(torch, path: str, mmap: bool = False):
+    """torch.load as HF loads its checkpoint files (weights_only, numpy's types allowed); a pickle that would run
+    other code is refused in one line naming the file."""
+    import pickle
+
     from transformers.trainer_pt_utils import safe_globals
 
-    with safe_globals():
-        return torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        with safe_globals():
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as error:
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(error))
+        raise TorchCheckpointError(
+            f"{path} holds objects that torch's safe loading (weights_only) refuses"
+            + (f" (it would call {found.group(1)})" if found else "")
+            + ": transformers.Trainer does not write such files; resume from another checkpoint, or take the "
+            "weights alone of one you trust (from_pretrained)."
+        ) from None
+
+
+def check_pickles(folder: str) -> None:
+    """Every torch pickle a resume reads loads under weights_only (tensors mapped, not read): a checkpoint that
+    would fail at resume is skipped by get_last_checkpoint instead."""
+    if storage.is_url(folder) or not os.path.isfile(os.path.join(folder, OPTIMIZER_NAME)):
+        return  # (resuming a torch checkpoint reads a local folder)
+    try:
+        import torch
+    except ImportError:
+        return  # resuming refuses it by name (NEEDS_TORCH); it is still the last checkpoint
+    for name in sorted(os.listdir(folder)):
+        if name in (OPTIMIZER_NAME, SCHEDULER_NAME) or (name.startswith("rng_state") and name.endswith(".pth")):
+            _load(torch, os.path.join(folder, name), mmap=True)
 
 
 def torch_parameter_order(torch, folder: str) -> tuple[list[str], dict[str, tuple[int, ...]], frozenset[str]]:

@@ -117,3 +117,30 @@ def test_resume_skips_a_poisoned_newest_checkpoint_by_checksum(tmp_path, run):
     resumed.train(resume_from_checkpoint=True)  # falls back to checkpoint-2 and trains steps 3-4 again
     assert resumed.state.global_step == 4
     assert np.isfinite(resumed.state.log_history[-1]["train_loss"])
+
+
+@pytest.mark.parametrize("manifest", ["{}", "partial"], ids=["empty", "one-file-left-out"])
+def test_a_manifest_vouches_for_every_file_or_the_checkpoint_is_skipped(tmp_path, run, manifest):
+    out = _copy(run, tmp_path)
+    folder = out / "checkpoint-4"
+    listed = json.loads((folder / checkpoint.MANIFEST_NAME).read_text())
+    victim = max(listed, key=lambda rel: listed[rel]["bytes"])
+    kept = {} if manifest == "{}" else {rel: entry for rel, entry in listed.items() if rel != victim}
+    (folder / checkpoint.MANIFEST_NAME).write_text(json.dumps(kept))
+    data = bytearray((folder / victim).read_bytes())
+    data[len(data) // 2] ^= 0xFF  # a flipped byte the manifest no longer covers
+    (folder / victim).write_bytes(bytes(data))
+    with pytest.raises(checkpoint.CheckpointIntegrityError, match="manifest.json does not list"):
+        checkpoint.verify_checkpoint(str(folder))
+    assert checkpoint.get_last_checkpoint(str(out)) == str(out / "checkpoint-2")
+
+
+@pytest.mark.parametrize("name", [checkpoint.MANIFEST_NAME, checkpoint.TRAINER_STATE_NAME])
+def test_deeply_nested_json_falls_back_instead_of_recursing(tmp_path, run, name):
+    out = _copy(run, tmp_path)
+    (out / "checkpoint-4" / name).write_text("[" * 100_000 + "]" * 100_000)
+    if name != checkpoint.MANIFEST_NAME:
+        _rehash(out / "checkpoint-4")
+    with pytest.raises(checkpoint.CheckpointIntegrityError, match="nested too deeply|cannot be read"):
+        checkpoint.verify_checkpoint(str(out / "checkpoint-4"))
+    assert checkpoint.get_last_checkpoint(str(out)) == str(out / "checkpoint-2")

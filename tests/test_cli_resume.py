@@ -75,6 +75,12 @@ def test_rerun_continues_resume_from_a_path_and_overwrite(tmp_path, capsys):
     resumed = _history(other / "checkpoint-4")
     assert sorted(resumed) == [1, 2, 3, 4]
     assert resumed[3] == first[3]  # exact: the same weights and batch at step 3
+    capsys.readouterr()
+    wider = ("--max_steps", "4", "--hidden_size", "48", "--resume_from_checkpoint", str(out / "checkpoint-2"))
+    assert _job(tmp_path, tmp_path / "wider", *wider) == 1  # another model's checkpoint: one line, no traceback
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1].startswith("jtrainer train: Checkpoint ") and "has shape" in err, err
+    assert "Traceback" not in err
 
     _job(tmp_path, out, "--max_steps", "2", "--overwrite_output_dir", "true")
     assert "removed 3 checkpoint(s) of an earlier run" in capsys.readouterr().out
@@ -95,7 +101,13 @@ def test_refused_before_any_work(tmp_path, capsys):
         _job(tmp_path, tmp_path / "fresh", "--max_steps", "2", "--resume_from_checkpoint", str(tmp_path / "nowhere"))
         == 1
     )
-    assert re.search(r"--resume_from_checkpoint .*nowhere.* not committed", capsys.readouterr().err)
+    assert re.search(r"--resume_from_checkpoint .*nowhere.* does not exist", capsys.readouterr().err)
+    (tmp_path / "a_file").write_text("x")
+    (tmp_path / "empty").mkdir()
+    for path, what in ((tmp_path / "a_file", "is a file"), (tmp_path / "empty", "is an empty folder")):
+        assert _job(tmp_path, tmp_path / "fresh", "--max_steps", "2", "--resume_from_checkpoint", str(path)) == 1
+        err = capsys.readouterr().err
+        assert what in err and len(err.strip().splitlines()) == 1, err
     assert _job(tmp_path, tmp_path / "fresh", "--resume_from_checkpoint", "x", "--overwrite_output_dir", "true") == 1
     assert "contradict" in capsys.readouterr().err
     assert not (tmp_path / "fresh").exists()

@@ -150,3 +150,23 @@ def test_torch_checkpoints_are_found_and_what_cannot_continue_is_refused(tmp_pat
         checkpoint.verify_checkpoint(str(folder))
     shutil.rmtree(hf_out / "checkpoint-4")
     assert get_last_checkpoint(str(hf_out)) is None
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (print, ("a pickle that runs code",))
+
+
+def test_a_pickle_that_would_run_code_is_skipped_naming_the_file(tmp_path):
+    from jtrainer import checkpoint, get_last_checkpoint
+
+    hf_out = _hf_checkpoint(tmp_path, "llama")
+    torch.save({"python": _RunsCode()}, hf_out / "checkpoint-4" / "rng_state.pth")
+    with pytest.raises(
+        checkpoint.CheckpointIntegrityError, match=r"rng_state.pth holds objects .*weights_only.*would call print"
+    ):
+        checkpoint.verify_checkpoint(str(hf_out / "checkpoint-4"))
+    assert get_last_checkpoint(str(hf_out)) == str(hf_out / "checkpoint-2")
+    trainer = _jtrainer(hf_out / "checkpoint-2", "llama")
+    trainer.train(resume_from_checkpoint=get_last_checkpoint(str(hf_out)))
+    assert trainer.state.global_step == 4
