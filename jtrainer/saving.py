@@ -78,13 +78,16 @@ class SavingMixin(TrainerParts):
     def _announce_save(self) -> None:
         """HF's on_save ("after a checkpoint save"), once the checkpoint is committed: at once when it was
         committed in the step (async_checkpointing=False, HF's event order), else at the first step boundary
-        after its background commit, with the TrainerState as it was at the save."""
+        after its background commit, with the TrainerState as it was at the save; the last save of a run (training
+        stops at this step) is committed at once, in HF's order."""
         self._on_save_state = copy.deepcopy(self.state)
         # The save asked for is done (HF's on_save clears the flag; here it may come later): a later check in
         # the same step, such as the epoch's end, must not write the same checkpoint again.
         self.control.should_save = False
         if self._pending_checkpoint is None:
             self._deliver_on_save()
+        elif self.control.should_training_stop:  # the last save: nothing trains meanwhile, so keep HF's order
+            self._commit_pending_checkpoint()
 
     def _deliver_on_save(self) -> None:
         saved_state, self._on_save_state = self._on_save_state, None
