@@ -336,6 +336,7 @@ def save_checkpoint(
     asynchronous: bool = False,
     on_commit: Callable[[], None] = lambda: None,
     finish_files: Callable[[str, str], None] | None = None,
+    write_process_files: Callable[[str], None] | None = None,
 ) -> PendingCheckpoint | None:
     """Write a checkpoint into `folder.tmp`, then commit it by renaming to `folder` (see the module doc).
 
@@ -344,6 +345,8 @@ def save_checkpoint(
     goes there, so nothing is deleted before its successor exists). `finish_files(written, local)`, on the main
     process once every process's arrays are written (in the committer thread when asynchronous), writes files
     made from them (the HF export read back from `written`'s train state) into the local folder `local`.
+    `write_process_files(tmp)` runs on every process, before its arrays are written (so before the commit lists
+    the folder): what each process keeps of its own (its host generators).
     """
     tmp = _writing_folder(folder)
     with _writing(folder, is_main):
@@ -356,6 +359,8 @@ def save_checkpoint(
     checkpointer = None
     with _writing(folder, is_main):
         try:
+            if write_process_files is not None:
+                write_process_files(tmp)
             if train_state is not None:
                 checkpointer = ocp.StandardCheckpointer()
                 checkpointer.save(_orbax_path(storage.join(tmp, TRAIN_STATE_DIR)), train_state)

@@ -149,6 +149,8 @@ class SavingMixin(TrainerParts):
             if scheduler_state is not None:
                 with open(os.path.join(tmp, checkpoint.SCHEDULER_NAME), "w") as f:
                     json.dump(scheduler_state, f)
+
+        def write_process_files(tmp: str) -> None:  # on every process: its own host generators (HF's rng_state_{i})
             checkpoint.save_loop_state(
                 tmp,
                 self.args.process_index,
@@ -186,6 +188,7 @@ class SavingMixin(TrainerParts):
             asynchronous=self.args.async_checkpointing,
             on_commit=on_commit,
             finish_files=export_weights if in_commit else None,
+            write_process_files=write_process_files,
         )
 
     def _export_in_commit(self) -> bool:

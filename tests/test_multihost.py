@@ -110,6 +110,9 @@ def test_sigterm_to_one_process_makes_both_save_the_same_step(tmp_path):
     assert folder is not None
     checkpoint.verify_checkpoint(folder)
     assert len([n for n in os.listdir(out) if n.startswith("checkpoint-")]) == 1
+    # Each process keeps its own host generators (HF's rng_state_{process}.pth), listed in the manifest.
+    for process in (0, 1):
+        assert checkpoint.load_loop_state(folder, process)["process_rng"] is not None
 
 
 def test_hyperparameter_search_on_two_processes(tmp_path):
