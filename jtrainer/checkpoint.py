@@ -26,6 +26,7 @@ import logging
 import os
 import re
 import shutil
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -85,6 +86,7 @@ class CheckpointWriteError(OSError):
 
     def __init__(self, folder: str, cause: BaseException):
         code, reason, path = _os_error(cause)
+        path = path if path != "?" else _writing_folder(folder)  # a write that did not name its file
         super().__init__(code, reason, path)
         self.folder = folder
         self.message = (
@@ -97,18 +99,73 @@ class CheckpointWriteError(OSError):
         return self.message
 
 
-_TENSORSTORE_WRITE = re.compile(r'Failed writing: "(?P<path>[^"]+)".*?\[os_error_code=\'(?P<code>\d+)\'\]', re.S)
+_TENSORSTORE_OS_ERROR = re.compile(r"\[os_error_code='(?P<code>\d+)'\]")
+_QUOTED_PATH = re.compile(r'"(?P<path>(?:/|[a-z0-9]+://)[^"]+)"')
 
 
 def _os_error(error: BaseException) -> tuple[int | None, str, str]:
-    """(errno, reason, file) of a failed write, from Python's OSError or tensorstore's error text (orbax)."""
-    if isinstance(error, OSError) and error.strerror:
-        return error.errno, error.strerror, error.filename or "?"
-    match = _TENSORSTORE_WRITE.search(str(error))
-    if match:
-        code = int(match["code"])
-        return code, os.strerror(code), match["path"]
-    return None, str(error).splitlines()[0] if str(error) else type(error).__name__, "?"
+    """(errno, reason, file) of a failed write, from Python's OSError or tensorstore's error text (orbax: the
+    file is the last quoted path before its os_error_code), looking through the exceptions it was raised from."""
+    code, reason, path = None, None, None
+    for cause in _chain(error):
+        if isinstance(cause, OSError) and cause.strerror:
+            found = cause.errno, cause.strerror, cause.filename
+        elif match := _TENSORSTORE_OS_ERROR.search(str(cause)):
+            paths = _QUOTED_PATH.findall(str(cause)[: match.start()])
+            found = int(match["code"]), os.strerror(int(match["code"])), paths[-1] if paths else None
+        else:
+            continue
+        code, reason = (code, reason) if code is not None else found[:2]
+        path = path or found[2]
+        if path:
+            break
+    if code is None:
+        return None, str(error).splitlines()[0] if str(error) else type(error).__name__, "?"
+    return code, reason, path or "?"
+
+
+def _chain(error: BaseException | None):
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        yield error
+        error = error.__cause__ or error.__context__
+
+
+class _ReportedAsCheckpointWriteError(logging.Filter):
+    """orbax's background threads and asyncio's unretrieved futures log the failed write (with its traceback,
+    several times) that jtrainer raises as one CheckpointWriteError naming the checkpoint, the file and the cause:
+    those records are left out."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and record.exc_info[1] is not None and _os_error(record.exc_info[1])[0])
+
+
+def _ignore_closed_event_loop(previous):
+    """tensorstore's callbacks into orbax's closed event loop after a failed write raise 'Event loop is closed'
+    as unraisable exceptions (a traceback each, dozens): noise once the write has failed; others go on."""
+
+    def hook(unraisable) -> None:
+        error = unraisable.exc_value
+        if not (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"):
+            previous(unraisable)
+
+    return hook
+
+
+_QUIET = threading.Lock()
+_quieted = False
+
+
+def _quiet_background_failures() -> None:
+    """Once per process, before the first checkpoint: a failed write is said once, by CheckpointWriteError."""
+    global _quieted
+    with _QUIET:
+        if not _quieted:
+            for name in ("absl", "asyncio"):  # orbax's threads; its futures' "exception was never retrieved"
+                logging.getLogger(name).addFilter(_ReportedAsCheckpointWriteError())
+            sys.unraisablehook = _ignore_closed_event_loop(sys.unraisablehook)
+            _quieted = True
 
 
 @contextlib.contextmanager
@@ -348,6 +405,7 @@ def save_checkpoint(
     `write_process_files(tmp)` runs on every process, before its arrays are written (so before the commit lists
     the folder): what each process keeps of its own (its host generators).
     """
+    _quiet_background_failures()
     tmp = _writing_folder(folder)
     with _writing(folder, is_main):
         if is_main:

@@ -148,6 +148,7 @@ def test_eval_save_and_first_step_flow_matches_hf(tmp_path):
     saves = [e for e in async_events if e[0] == "on_save"]
     assert saves == [e for e in hf_events if e[0] == "on_save"]
     assert [e for e in async_events if e[0] != "on_save"] == [e for e in hf_events if e[0] != "on_save"]
+
     # The last save is committed at once (training is over): on_save arrives in HF's place, inside the last step.
     def from_the_last_save(events):
         last = max(i for i, e in enumerate(events) if e[0] == "on_save")

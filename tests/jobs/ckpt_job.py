@@ -83,7 +83,7 @@ PAUSE_ENV = "CKPT_JOB_PAUSE_BEFORE_COMMIT"  # "SECONDS" (every save) or "STEP:SE
 
 
 def pause_before_commit(folder: str, step: int) -> None:
-    """checkpoint.before_commit for PAUSE_ENV: mark the folder `paused` and wait, so a test can kill us there."""
+    """checkpoint.before_commit for PAUSE_ENV: mark the folder `paused` while waiting, so a test can kill us there."""
     import time
 
     from jtrainer import storage
@@ -92,6 +92,7 @@ def pause_before_commit(folder: str, step: int) -> None:
     if seconds and (not at or int(at) == step):
         storage.write_text(storage.join(folder, "paused"), "")
         time.sleep(float(seconds))
+        storage.remove(storage.join(folder, "paused"))  # not part of the checkpoint its manifest lists
 
 
 def make_trainer(out, max_steps, save_steps, evaluate, mesh_shape=None, global_batch=4):
