@@ -14,6 +14,8 @@ launcher or a test may set it first; nothing else in the package reads `os.envir
 - `JTRAINER_LOCAL_PROCESS_ID` (default `0`): this process's index on its machine
   (`TrainingArguments.local_process_index`; set by `jtrainer launch`).
 - `JTRAINER_HEARTBEAT_TIMEOUT` (default `20`): seconds a silent peer process is waited for before the others fail.
+- `JTRAINER_STORAGE_TIMEOUT` (default `30`): seconds `jtrainer train|check` waits for the first answer of a
+  gs:// or s3:// service its config names before refusing the job in one line.
 
 Variables of other programs jtrainer honours: `JAX_PLATFORMS`, `XLA_FLAGS`, `TPU_WORKER_HOSTNAMES` and SLURM's
 (cluster detection), `HF_HUB_OFFLINE` (as transformers), `TRANSFORMERS_NO_ADVISORY_WARNINGS` (set when torch is
@@ -64,6 +66,7 @@ NUM_PROCESSES = Setting("JTRAINER_NUM_PROCESSES", None, "the number of processes
 PROCESS_ID = Setting("JTRAINER_PROCESS_ID", None, "this process's index among them")
 LOCAL_PROCESS_ID = Setting("JTRAINER_LOCAL_PROCESS_ID", "0", "this process's index on its machine")
 HEARTBEAT_TIMEOUT = Setting("JTRAINER_HEARTBEAT_TIMEOUT", "20", "seconds a silent peer is waited for")
+STORAGE_TIMEOUT = Setting("JTRAINER_STORAGE_TIMEOUT", "30", "seconds the first answer of an object store is waited for")
 
 ALL = (
     COMPILATION_CACHE_DIR,
@@ -75,4 +78,5 @@ ALL = (
     PROCESS_ID,
     LOCAL_PROCESS_ID,
     HEARTBEAT_TIMEOUT,
+    STORAGE_TIMEOUT,
 )

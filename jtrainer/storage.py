@@ -14,6 +14,7 @@ import os
 import posixpath
 import shutil
 import tempfile
+import threading
 from collections.abc import Iterator
 from typing import IO
 
@@ -64,6 +65,39 @@ def check_output_url(path: str, argument: str = "output_dir") -> None:
             f"{argument} {path!r} needs the {_PACKAGES[found]} package: pip install "
             f"{_PACKAGES[found]} (or pip install 'jtrainer[cloud]')."
         ) from None
+
+
+def check_reachable(path: str, argument: str) -> None:
+    """Refuse in one line a URL whose storage service gives no answer (a wrong endpoint, no network, refused
+    credentials) within JTRAINER_STORAGE_TIMEOUT seconds, instead of the client's own error after its retries."""
+    if not is_url(path):
+        return
+    from jtrainer import env
+    from jtrainer.errors import BadInput
+
+    outcome: dict[str, BaseException | bool] = {}
+
+    def probe() -> None:
+        try:
+            exists(path)
+            outcome["answered"] = True
+        except BaseException as error:  # reported below, in the caller's thread
+            outcome["error"] = error
+
+    seconds = env.STORAGE_TIMEOUT.get_int() or 30
+    thread = threading.Thread(target=probe, name="jtrainer-storage-probe", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if outcome.get("answered"):
+        return
+    error = outcome.get("error")
+    cause = (
+        f"no answer within {seconds} s" if error is None else f"{type(error).__name__}: {str(error).splitlines()[0]}"
+    )
+    raise BadInput(
+        f"{argument} {path!r}: the {scheme(path)}:// storage service cannot be reached ({cause}): check the network, "
+        "the credentials and the endpoint, then run again."
+    )
 
 
 def _fs(path: str):

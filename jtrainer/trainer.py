@@ -953,6 +953,7 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
                     self._train_state = self._follow_resumed_schedule(self._train_state)
                 run.last_step_batch = step_batch
                 run.losses.add(metrics["micro_losses"], len(batches))
+                run.follow_device(metrics["micro_losses"])
                 self.control = self.callback_handler.on_pre_optimizer_step(args, self.state, self.control)
                 self.control = self.callback_handler.on_optimizer_step(args, self.state, self.control)
                 self.state.global_step += 1

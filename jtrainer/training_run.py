@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -160,3 +161,12 @@ class TrainingRun:
     preemption: PreemptionNotice = dataclasses.field(default_factory=PreemptionNotice)
     loop_state: LoopState | None = None  # the host side of the last step: what its checkpoint saves
     last_step_batch: Any = None  # the last step's StepBatch (the memory report compiles against its shapes)
+    dispatched: Any = None  # the last dispatched step's losses (device arrays, maybe not computed yet)
+
+    def follow_device(self, step_losses: Any) -> None:
+        """After dispatching a step: wait until the step before it has finished, so the host's step count (the
+        callbacks, the progress bar and its ETA) runs at most one step ahead of the device, while the step just
+        dispatched keeps the device busy."""
+        previous, self.dispatched = self.dispatched, step_losses
+        if previous is not None:
+            jax.block_until_ready(previous)

@@ -4,6 +4,7 @@ and the CLI's text_dir / dataset folder / model folder on the bucket."""
 
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -287,3 +288,31 @@ def test_a_saved_dataset_folder_on_gcs_is_read(gcs):
     datasets.Dataset.from_dict({"text": [f"row {i}" for i in range(10)]}).save_to_disk("gs://bkt/ds/saved")
     train, validation = jobs.load_splits(jobs.DataArguments(dataset_name="gs://bkt/ds/saved", eval_fraction=0.2))
     assert len(train) == 8 and len(validation) == 2
+
+
+def test_an_unreachable_storage_service_is_refused_in_one_line(tmp_path):
+    """gs:// output_dir with the endpoint down: refused before any work, in one line naming it (not the client's
+    connection error after a minute of retries)."""
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        down = f"http://127.0.0.1:{s.getsockname()[1]}"
+    command = [
+        sys.executable,
+        "-m",
+        "jtrainer.cli",
+        "train",
+        "--output_dir",
+        "gs://bkt/unreachable",
+        "--max_steps",
+        "2",
+    ]
+    done = subprocess.run(
+        command, env=_env(down, JTRAINER_STORAGE_TIMEOUT="10"), capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    said = [line for line in done.stderr.splitlines() if line.startswith("jtrainer train: ")]
+    assert (
+        len(said) == 1 and "output_dir 'gs://bkt/unreachable': the gs:// storage service cannot be reached" in said[0]
+    )
+    assert not (tmp_path / "unreachable").exists()

@@ -127,3 +127,35 @@ def test_loss_log_reads_only_the_real_micro_batches():
     assert log.take(False, "log") == math.inf
     log.add(jnp.array([1.0]), 1)  # HF: inf - inf leaves NaN in the running sum
     assert math.isnan(log.take(False, "log"))
+
+
+class SlowSquares(nnx.Module):
+    """A step long enough (a chain of 512-wide matmuls) that a host running ahead would outpace the device."""
+
+    def __init__(self):
+        self.w = nnx.Param(jnp.eye(512) * 0.5)
+
+    def __call__(self, x, labels=None):
+        for _ in range(24):
+            x = jnp.tanh(x @ self.w[...])
+        return {"loss": jnp.mean(x**2)}
+
+
+def test_the_host_runs_at_most_one_step_ahead_of_the_device(tmp_path):
+    """The progress bar and every callback count finished steps (give or take the one running): at on_step_end
+    of step N, step N-1 has been computed."""
+    from jtrainer import TrainerCallback
+
+    seen, late = [], []
+
+    class Watch(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            seen.append(trainer._run.losses.pending[-1][0])  # this step's losses (no log reads them)
+            if len(seen) > 1 and not seen[-2].is_ready():
+                late.append(state.global_step)
+
+    rows = [{"x": np.random.RandomState(i).randn(512).astype(np.float32), "labels": np.float32(0)} for i in range(64)]
+    args = _args(tmp_path, 1, max_steps=8, per_device_train_batch_size=64, logging_strategy="no")
+    trainer = Trainer(SlowSquares(), TrainingArguments(**args), train_dataset=rows, callbacks=[Watch()])
+    trainer.train()
+    assert len(seen) == 8 and late == []

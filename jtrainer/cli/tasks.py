@@ -88,6 +88,13 @@ def check_job(model_args: ModelArguments, data_args: DataArguments, training_arg
     """Refuse, naming the field or file and the fix, what would fail only after the data is read, the tokenizer
     trained or the step compiled."""
     check_task(model_args)
+    m, d = model_args, data_args
+    for name, path in (
+        ("output_dir", training_args.output_dir),
+        *((name, getattr(m, name)) for name in ("model_name_or_path", "tokenizer_name")),
+        *((name, getattr(d, name)) for name in ("text_dir", "dataset_name", "train_file", "validation_file")),
+    ):
+        storage.check_reachable(path or "", name)
     _check_model(model_args)
     _check_data(data_args, model_args.task)
     _check_mesh(training_args)
