@@ -175,6 +175,7 @@ class BatchLoader:
     def _global_batches(self) -> Iterator[tuple[list[Any], int]]:
         """(items, real) per batch: up to batch_size items (row indices for sized datasets, rows themselves for
         iterables), of which the first `real` are this batch's own (the rest complete a short last batch)."""
+        host_rng.run_collator(host_rng.draw_loader_seed, None, self.rng_stream)  # as torch's DataLoader starts
         if self.sized:
             order = index_order(
                 len(self.dataset),

@@ -94,12 +94,31 @@ def set_seed(seed: int, deterministic: bool = False) -> None:
             torch.use_deterministic_algorithms(True)
 
 
+def draw_loader_seed(_rows: Any = None) -> None:
+    """What torch's DataLoader does each time an iterator starts: draw one int64 from torch's generator (its
+    workers' base seed), which moves what a collator drawing from torch gets next. Nothing without torch."""
+    torch = _torch(imported_only=True)
+    if torch is not None:
+        torch.empty((), dtype=torch.int64).random_()
+
+
+def same_state(a: HostRngState, b: HostRngState) -> bool:
+    return (
+        a.python == b.python
+        and a.numpy[0] == b.numpy[0]
+        and np.array_equal(a.numpy[1], b.numpy[1])
+        and tuple(a.numpy[2:]) == tuple(b.numpy[2:])
+        and a.torch == b.torch
+    )
+
+
 class RngStream:
     """A separate sequence of host draws: `run(fn, ...)` calls fn with the process's generators set to this
     stream's state, then puts the process's state back. `state` is the stream's state after the last call."""
 
     def __init__(self, state: HostRngState):
         self.state = state
+        self.drawn = False  # whether a collator call drew from the generators (a random collator)
 
     def run(self, fn, *args):
         with _LOCK:
@@ -108,8 +127,9 @@ class RngStream:
             try:
                 return fn(*args)
             finally:
-                self.state = capture()
+                before, self.state = self.state, capture()
                 restore(outside)
+                self.drawn = self.drawn or (fn is not draw_loader_seed and not same_state(before, self.state))
 
 
 def run_collator(fn, rows, stream: RngStream | None):

@@ -835,6 +835,9 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
             self._run_epoch(run, epoch, trial, ignore_keys_for_eval)
             if self.control.should_training_stop:
                 break
+        if run.loop_state is not None and run.loop_state.collator_rng is not None:
+            # HF's collator draws from the process's generators: later draws (evaluation) follow the training ones.
+            host_rng.restore(run.loop_state.collator_rng)
         return self._finalize_training(run, trial, num_train_samples)
 
     def _init_training_state(self, max_steps: int, loader: data.BatchLoader, trial) -> None:
@@ -862,6 +865,13 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         bucketed = args.train_sampling_strategy == "group_by_length"
         shapes = data.ShapeKeeper(loader.local_rows, pad_id, agree=distributed.agree_max, buckets=bucketed)
         first = loader.peek()  # the next iteration yields it: no batch is lost to the probe
+        if loader.rng_stream.drawn:
+            logger.warning(
+                "The data collator draws from the host's random generators (random masking): its draws are "
+                "transformers.Trainer's for runs that evaluate only after training, end with whole epochs and "
+                "whose model draws nothing from torch's generator (no torch dropout); otherwise they differ "
+                "from HF's (reproducibly, and exactly across resumes). See docs/training.md."
+            )
         spec = self._loss_spec(shapes.pad(first, shapes.sequence_length([first])))
         shapes.length = None  # the probe must not fix the sequence length
 

@@ -116,3 +116,57 @@ def test_state_round_trips_through_json():
     draws = (random.random(), np.random.rand())
     host_rng.restore(host_rng.HostRngState.from_json(saved))
     assert (random.random(), np.random.rand()) == draws
+
+
+def test_a_torch_masking_collator_draws_transformers_masks(tmp_path):
+    """run_mlm's collator (DataCollatorForLanguageModeling on torch's generator) gives the masks it gives under
+    transformers.Trainer: each loader iterator first draws torch's int64 worker seed, batches are collated in
+    order, and the evaluation after training draws on from where training left off (a model without dropout,
+    two whole epochs, the default shuffled order)."""
+    torch = pytest.importorskip("torch")
+    import transformers
+    from transformers import BertConfig, DataCollatorForLanguageModeling
+
+    from jtrainer.models.bert import BertForMaskedLM
+
+    config = BertConfig(
+        vocab_size=32,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=32,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    torch.manual_seed(0)
+    transformers.BertForMaskedLM(config).save_pretrained(tmp_path / "ref")
+    kw = dict(
+        per_device_train_batch_size=4,
+        per_device_eval_batch_size=4,
+        num_train_epochs=2,
+        learning_rate=1e-2,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        seed=7,
+    )
+    results = {}
+    for name, trainer_class, args_class, model_class in (
+        ("hf", transformers.Trainer, transformers.TrainingArguments, transformers.BertForMaskedLM),
+        ("jtrainer", Trainer, TrainingArguments, BertForMaskedLM),
+    ):
+        trainer = trainer_class(
+            model=model_class.from_pretrained(str(tmp_path / "ref")),
+            args=args_class(output_dir=str(tmp_path / name), **kw, **({"use_cpu": True} if name == "hf" else {})),
+            train_dataset=_rows(24, 0),
+            eval_dataset=_rows(8, 1),
+            data_collator=DataCollatorForLanguageModeling(_tokenizer(), mlm=True),  # torch tensors, as run_mlm
+        )
+        trainer.train()
+        results[name] = (_logs(trainer, "loss"), trainer.evaluate()["eval_loss"])
+    (hf_losses, hf_eval), (losses, eval_loss) = results["hf"], results["jtrainer"]
+    assert [s for s, _ in losses] == [s for s, _ in hf_losses] == list(range(1, 13))
+    np.testing.assert_allclose([v for _, v in losses], [v for _, v in hf_losses], rtol=2e-4)
+    np.testing.assert_allclose(eval_loss, hf_eval, rtol=2e-4)
