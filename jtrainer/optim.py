@@ -580,11 +580,26 @@ def check_optimizer_name(name: Any) -> str:
     return name
 
 
+def _check_hyperparameters(name: str, args) -> None:
+    """The ranges torch's optimizers refuse when HF builds them (with torch's words), here before anything runs."""
+    if args.weight_decay < 0:
+        raise ValueError(f"Invalid weight_decay value: {args.weight_decay} (--weight_decay must be >= 0).")
+    if "adam" in name:
+        for index, beta in enumerate((args.adam_beta1, args.adam_beta2)):
+            if not 0.0 <= beta < 1.0:
+                raise ValueError(
+                    f"Invalid beta parameter at index {index}: {beta} (--adam_beta{index + 1} must lie in [0, 1))."
+                )
+        if args.adam_epsilon < 0:
+            raise ValueError(f"Invalid epsilon value: {args.adam_epsilon} (--adam_epsilon must be >= 0).")
+
+
 def check_optimizer(args) -> tuple[str, dict[str, str]]:
     """HF's `optim` name and its optim_args, checked before anything compiles: an unknown name, or an option HF
     would honour that jtrainer cannot reproduce, raises naming it."""
     name = check_optimizer_name(args.optim)
     options = parse_optim_args(args.optim_args)
+    _check_hyperparameters(name, args)
     if name == "adamw_anyprecision":
         defaults = {
             "use_kahan_summation": "false",

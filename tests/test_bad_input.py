@@ -146,6 +146,9 @@ CASES = {
         ["--num_attention_heads", "4", "--num_key_value_heads", "3"],
         "num_key_value_heads=3 does not divide num_attention_heads=4",
     ),
+    "weight_decay_negative": (None, ["--weight_decay", "-1"], "Invalid weight_decay value: -1.0"),
+    "beta_over_one": (None, ["--adam_beta1", "1.5"], "Invalid beta parameter at index 0: 1.5"),
+    "epsilon_negative": (None, ["--adam_epsilon", "-1"], "Invalid epsilon value: -1.0"),
     "sample_tokens_negative": (None, ["--sample_tokens", "-5"], "sample_tokens=-5: it must be at least 0"),
     "mesh_over_devices": ("mesh_shape: '{\"data\": 64}'\n", [], "needs 64 devices but there are"),
     "keys_of_mixed_types": ("1: 2\nfoo: 3\n", [], "unknown field(s) [1, 'foo']"),
@@ -224,3 +227,18 @@ def test_max_chars_is_exact(tmp_path):
     texts = read_text_files(_text_dir(tmp_path), 3000)
     assert sum(map(len, texts)) == 3000
     assert json.dumps(texts)  # plain strings
+
+
+@pytest.mark.parametrize("bad", [{"weight_decay": -1.0}, {"betas": (1.5, 0.999)}, {"eps": -1.0}])
+def test_torch_refuses_those_optimizer_values_too(bad):
+    torch = pytest.importorskip("torch")
+    with pytest.raises(ValueError, match="Invalid"):
+        torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], **bad)
+
+
+def test_a_bad_flag_is_one_line_without_the_usage(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--eval_fraction", "half", "--output_dir", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("jtrainer train: error: argument --eval_fraction"), err

@@ -62,6 +62,11 @@ def parse_train_args(argv: list[str], command: str = "train"):
     # Seq2SeqTrainingArguments: TrainingArguments plus predict_with_generate & co, for every task.
     dataclass_types = (ModelArguments, DataArguments, Seq2SeqTrainingArguments, RunArguments)
     parser = HfArgumentParser(dataclass_types, prog=f"jtrainer {command}")
+
+    def one_line_error(message: str):  # argparse would print the whole usage (some 150 lines) first
+        parser.exit(2, f"jtrainer {command}: error: {message} (`jtrainer {command} --help` lists the fields)\n")
+
+    parser.error = one_line_error
     known = {a.dest for a in parser._actions}
     unknown = sorted(set(values) - known, key=str)
     if unknown:
