@@ -47,6 +47,20 @@ def _text_dir(tmp_path):
     return str(folder)
 
 
+def test_ctrl_c_of_jtrainer_train_is_one_line(tmp_path):
+    out, marker = tmp_path / "run", tmp_path / "marker"
+    argv = [*SMALL, "--text_dir", _text_dir(tmp_path), "--output_dir", str(out)]
+    proc = subprocess.Popen(
+        [sys.executable, CLI_JOB, "data", str(marker), *argv], env=_env(), stderr=subprocess.PIPE, text=True
+    )
+    _wait_for(marker, proc)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "Traceback" not in stderr, stderr[-3000:]
+    assert stderr.strip().splitlines()[-1].startswith("jtrainer train: interrupted (Ctrl-C)")
+    assert not os.path.exists(out / LOCK_NAME)
+
+
 @pytest.mark.parametrize("phase", ["data", "after"])
 def test_sigterm_outside_training_releases_the_lock_in_one_line(tmp_path, phase):
     out, marker = tmp_path / "run", tmp_path / "marker"

@@ -69,6 +69,13 @@ def main(argv: list[str] | None = None) -> int:
     except Stopped as e:  # SIGTERM outside train(): the lock released, the checkpoints kept
         print(f"jtrainer {command}: {e}", file=sys.stderr)
         return 128 + signal.SIGTERM
+    except KeyboardInterrupt:  # Ctrl-C: train() has committed the save in flight; the lock is released
+        print(
+            f"jtrainer {command}: interrupted (Ctrl-C); the committed checkpoints are kept: run the same command "
+            "again to continue.",
+            file=sys.stderr,
+        )
+        return 128 + signal.SIGINT
     except BadInput as e:  # refused before any work (or, for a file, as soon as it is read): one line
         print(f"jtrainer {command}: {e}", file=sys.stderr)
         return 1
