@@ -63,6 +63,8 @@ def _model_dir(root, damage):
         config.write_text(config.read_text()[:40])
     elif damage == "custom_code":
         config.write_text(json.dumps({**json.loads(config.read_text()), "auto_map": {"AutoModel": "x.X"}}))
+    elif damage == "other_family":
+        config.write_text(json.dumps({**json.loads(config.read_text()), "model_type": "mixtral"}))
     elif damage == "no_weights":
         weights.unlink()
     elif damage == "no_tokenizer":
@@ -130,6 +132,7 @@ CASES = {
     "model_folder_empty": (None, ["--model_name_or_path", "MODEL:empty"], "has no config.json"),
     "model_config_not_json": (None, ["--model_name_or_path", "MODEL:not_json"], "config.json is not valid JSON"),
     "model_custom_code": (None, ["--model_name_or_path", "MODEL:custom_code"], "names custom code (auto_map)"),
+    "model_of_another_family": (None, ["--model_name_or_path", "MODEL:other_family"], "is a 'mixtral' model"),
     "model_without_weights": (None, ["--model_name_or_path", "MODEL:no_weights"], "has no model.safetensors"),
     "model_without_tokenizer": (None, ["--model_name_or_path", "MODEL:no_tokenizer"], "holds no tokenizer"),
     "learning_rate_nan": ("learning_rate: .nan\n", [], "--learning_rate must be a finite number, got nan"),

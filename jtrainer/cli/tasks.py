@@ -124,7 +124,7 @@ def _check_model(model_args: ModelArguments) -> None:
             "save one there with tokenizer.save_pretrained."
         )
     if m.model_name_or_path:
-        check_model_folder(m.model_name_or_path, tokenizer_elsewhere=bool(m.tokenizer_name))
+        check_model_folder(m.model_name_or_path, tokenizer_elsewhere=bool(m.tokenizer_name), task=m.task)
         return
     if m.model_type not in MODEL_TYPES:
         raise BadInput(f"model_type={m.model_type!r}: use one of {', '.join(MODEL_TYPES)}.")
@@ -189,12 +189,18 @@ def read_model_config(folder: str) -> dict:
     return config
 
 
-def check_model_folder(folder: str, tokenizer_elsewhere: bool = False) -> None:
-    """What a model folder must hold for the job: a config of a family jtrainer has (no custom code), safetensors
-    weights and, unless tokenizer_name is set, a tokenizer."""
+def check_model_folder(folder: str, tokenizer_elsewhere: bool = False, task: str = "causal_lm") -> None:
+    """What a model folder must hold for the job: a config of a family jtrainer has for the task (no custom code),
+    safetensors weights and, unless tokenizer_name is set, a tokenizer."""
     from jtrainer.models.hf_io import WEIGHTS_INDEX_NAME, WEIGHTS_NAME
 
     config = read_model_config(folder)
+    families = auto_class(task).models
+    if config["model_type"] not in families:
+        raise BadInput(
+            f"model_name_or_path={folder!r} is a {config['model_type']!r} model, which jtrainer has no {task} model "
+            f"for: use one of {', '.join(sorted(families))} (or set --task)."
+        )
     if config.get("auto_map"):
         raise BadInput(
             f"model_name_or_path={folder!r}: its config.json names custom code (auto_map), which jtrainer does not "
