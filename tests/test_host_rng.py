@@ -34,13 +34,10 @@ def _rows(n, seed):
     return [{"input_ids": rng.randint(5, 32, rng.randint(6, 12)).tolist()} for _ in range(n)]
 
 
-def _mlm_trainer(out, **over):
-    from transformers import BertConfig, DataCollatorForLanguageModeling
+def _bert_config(**over):
+    from transformers import BertConfig
 
-    from jtrainer.models.bert import BertForMaskedLM
-
-    tokenizer = _tokenizer()
-    config = BertConfig(
+    kw = dict(
         vocab_size=32,
         hidden_size=16,
         num_hidden_layers=1,
@@ -48,6 +45,16 @@ def _mlm_trainer(out, **over):
         intermediate_size=32,
         max_position_embeddings=32,
     )
+    return BertConfig(**kw, **over)
+
+
+def _mlm_trainer(out, **over):
+    from transformers import DataCollatorForLanguageModeling
+
+    from jtrainer.models.bert import BertForMaskedLM
+
+    tokenizer = _tokenizer()
+    config = _bert_config()
     kw = dict(
         output_dir=str(out),
         per_device_train_batch_size=4,
@@ -125,20 +132,11 @@ def test_a_torch_masking_collator_draws_transformers_masks(tmp_path):
     two whole epochs, the default shuffled order)."""
     torch = pytest.importorskip("torch")
     import transformers
-    from transformers import BertConfig, DataCollatorForLanguageModeling
+    from transformers import DataCollatorForLanguageModeling
 
     from jtrainer.models.bert import BertForMaskedLM
 
-    config = BertConfig(
-        vocab_size=32,
-        hidden_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=32,
-        max_position_embeddings=32,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
+    config = _bert_config(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     torch.manual_seed(0)
     transformers.BertForMaskedLM(config).save_pretrained(tmp_path / "ref")
     kw = dict(

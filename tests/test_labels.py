@@ -34,21 +34,9 @@ def _rows(labels):
     ]
 
 
-@pytest.mark.parametrize("bad", [5, 2, -1])
-def test_out_of_range_class_labels_raise_naming_value_and_classes(tmp_path, bad):
-    from jtrainer import Trainer
-
-    rows = _rows([0, 1, 1, 0, 1, 0, bad, 1])
-    trainer = Trainer(model=_bert_classifier(2), args=short_run_args(tmp_path, max_steps=2), train_dataset=rows)
-    with pytest.raises(ValueError, match=rf"Label {bad} in column 'labels' is outside \[0, 2\)"):
-        trainer.train()
-    with pytest.raises(ValueError, match=rf"Label {bad} .*2 classes"):
-        trainer.evaluate(rows)
-
-
 class LogitsOnly(nnx.Module):
     """A plain nnx classifier, no config and no loss (nor "Classification" in its name): jtrainer computes the
-    cross-entropy of its logits."""
+    cross-entropy of its logits, whose last dimension is the class count."""
 
     def __init__(self, num_classes: int):
         self.embed = nnx.Embed(32, 8, rngs=nnx.Rngs(0))
@@ -58,17 +46,18 @@ class LogitsOnly(nnx.Module):
         return self.head(self.embed(input_ids).mean(axis=1))
 
 
+@pytest.mark.parametrize("make", [_bert_classifier, LogitsOnly], ids=["bert", "logits-only"])
 @pytest.mark.parametrize("bad", [5, 2, -1])
-def test_labels_of_a_logits_only_model_are_checked_against_its_logits(tmp_path, bad):
+def test_out_of_range_class_labels_raise_naming_value_and_classes(tmp_path, bad, make):
     from jtrainer import Trainer
 
     rows = _rows([0, 1, 1, 0, 1, 0, bad, 1])
-    trainer = Trainer(model=LogitsOnly(2), args=short_run_args(tmp_path, max_steps=2), train_dataset=rows)
+    trainer = Trainer(model=make(2), args=short_run_args(tmp_path, max_steps=2), train_dataset=rows)
     with pytest.raises(ValueError, match=rf"Label {bad} in column 'labels' is outside \[0, 2\)"):
         trainer.train()
     with pytest.raises(ValueError, match=rf"Label {bad} .*2 classes"):
         trainer.evaluate(rows)
-    good = Trainer(model=LogitsOnly(2), args=short_run_args(tmp_path / "good", max_steps=2), train_dataset=rows[:6])
+    good = Trainer(model=make(2), args=short_run_args(tmp_path / "good", max_steps=2), train_dataset=rows[:6])
     assert good.train().training_loss > 0
 
 

@@ -107,12 +107,17 @@ def _processes_with(text: str) -> list[int]:
     return found
 
 
+def _launch(out):
+    """`jtrainer launch` of a long two-process run (2 x 4 CPU devices) into `out`."""
+    cmd = [sys.executable, "-m", "jtrainer.cli", "launch", "--num_processes", "2", "--devices_per_process", "4"]
+    cmd += [CKPT_JOB, str(out), "100000", "0", "0", '{"data": 2, "fsdp": 4}', "8"]
+    return subprocess.Popen(cmd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
 @pytest.mark.parametrize("how", ["sigterm", "kill"])
 def test_a_signalled_launcher_leaves_no_process_training(tmp_path, how):
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "jtrainer.cli", "launch", "--num_processes", "2", "--devices_per_process", "4"]
-    cmd += [CKPT_JOB, str(out), "100000", "0", "0", '{"data": 2, "fsdp": 4}', "8"]
-    launcher = subprocess.Popen(cmd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    launcher = _launch(out)
     try:
         _wait_for(out / "step", launcher, 300)
         launcher.send_signal(signal.SIGTERM if how == "sigterm" else signal.SIGKILL)
@@ -134,9 +139,7 @@ def test_a_signalled_launcher_leaves_no_process_training(tmp_path, how):
 
 def test_a_killed_worker_makes_the_launcher_exit_128_plus_the_signal(tmp_path):
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "jtrainer.cli", "launch", "--num_processes", "2", "--devices_per_process", "4"]
-    cmd += [CKPT_JOB, str(out), "100000", "0", "0", '{"data": 2, "fsdp": 4}', "8"]
-    launcher = subprocess.Popen(cmd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    launcher = _launch(out)
     try:
         _wait_for(out / "step", launcher, 300)
         workers = [pid for pid in _processes_with(str(out)) if pid != launcher.pid]
