@@ -63,3 +63,21 @@ def test_main_job_rejects_bad_values(capsys):
         main(["train", "--optim", "no_such_optimizer"])
     assert main(["train", "--optim", "galore_adamw"]) == 1
     assert "'galore_adamw' is not supported by jtrainer" in capsys.readouterr().err
+
+
+def test_a_diverged_run_exports_nothing_and_says_so(tmp_path, capsys):
+    """A learning rate that sends the weights to NaN: no all-NaN export, no perplexity, exit code 1, one line."""
+    from jtrainer.cli import main
+
+    text = tmp_path / "text"
+    text.mkdir()
+    for i in range(4):
+        (text / f"f{i}.txt").write_text(" ".join(f"w{(i + j) % 30}" for j in range(400)))
+    out = tmp_path / "run"
+    small = "--hidden_size 32 --intermediate_size 64 --num_hidden_layers 1 --block_size 16 --tokenizer_vocab_size 300"
+    argv = ["train", "--text_dir", str(text), "--output_dir", str(out), *small.split(), "--disable_tqdm", "true"]
+    assert main([*argv, "--max_steps", "3", "--learning_rate", "1e12", "--max_grad_norm", "0"]) == 1
+    printed = capsys.readouterr()
+    said = [line for line in printed.err.splitlines() if line.startswith("jtrainer train: ")]
+    assert len(said) == 1 and "training diverged" in said[0], printed.err[-3000:]
+    assert "perplexity" not in printed.out and not (out / "model.safetensors").exists()

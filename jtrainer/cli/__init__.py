@@ -22,7 +22,7 @@ from jtrainer import targets
 from jtrainer.cli.config import DEFAULT_CONFIG, RunArguments, parse_train_args, read_config
 from jtrainer.cli.console import say
 from jtrainer.cli.launch import run_launch
-from jtrainer.cli.train import Stopped, resume_point, run_train
+from jtrainer.cli.train import Diverged, Stopped, resume_point, run_train
 from jtrainer.errors import BadInput
 
 __all__ = [
@@ -76,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 128 + signal.SIGINT
+    except Diverged as e:  # NaN/Inf weights: no export, no perplexity of NaN
+        print(f"jtrainer {command}: {e}", file=sys.stderr)
+        return 1
     except BadInput as e:  # refused before any work (or, for a file, as soon as it is read): one line
         print(f"jtrainer {command}: {e}", file=sys.stderr)
         return 1
