@@ -245,3 +245,21 @@ def test_a_bad_flag_is_one_line_without_the_usage(tmp_path, capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("jtrainer train: error: argument --eval_fraction"), err
+
+
+@pytest.mark.parametrize(
+    "extra, expected",
+    [
+        (["--block_size", "0"], "block_size=0: it must be at least 1"),
+        (["--mesh_shape", '{"data": 64}'], "needs 64 devices but there are"),
+        (["--num_attention_heads", "0"], "num_attention_heads=0: it must be at least 1"),
+    ],
+    ids=["block_size", "mesh", "heads"],
+)
+def test_jtrainer_check_refuses_the_same_in_one_line(tmp_path, capsys, extra, expected):
+    capsys.readouterr()
+    assert main(["check", *SMALL, "--output_dir", str(tmp_path / "out"), *extra]) == 1
+    output = capsys.readouterr()
+    said = [line for line in output.err.splitlines() if line.startswith("jtrainer check: ")]
+    assert len(said) == 1 and expected in said[0], output.err[-3000:]
+    assert "Traceback" not in output.err + output.out

@@ -242,7 +242,9 @@ def run_check(
     tasks.check_task(model_args)
     if not model_args.model_name_or_path:
         tasks.check_fresh_model(model_args)
+    tasks.check_data_sizes(data_args)
     target = targets.resolve(target_name, num_slices, num_nodes) if target_name else None
+    tasks.check_mesh(training_args, len(target.devices) if target else None)
     report = field_report(training_args)
     say("jtrainer check: TrainingArguments set in this config")
     width = max((len(name) for name, *_ in report), default=10)

@@ -97,7 +97,7 @@ def check_job(model_args: ModelArguments, data_args: DataArguments, training_arg
         storage.check_reachable(path or "", name)
     _check_model(model_args)
     _check_data(data_args, model_args.task)
-    _check_mesh(training_args)
+    check_mesh(training_args)
     if training_args.max_steps <= 0 and training_args.num_train_epochs <= 0:
         raise BadInput("max_steps and num_train_epochs are both 0: nothing would be trained; set one above 0.")
     limit, source = _position_limit(model_args)
@@ -131,10 +131,14 @@ def _check_model(model_args: ModelArguments) -> None:
     check_fresh_model(m)
 
 
+def check_data_sizes(data_args: DataArguments) -> None:
+    _at_least(data_args, 1, "block_size", "max_chars", "max_target_length")
+    _at_least(data_args, 0, "sample_tokens")
+
+
 def _check_data(data_args: DataArguments, task: str) -> None:
     d = data_args
-    _at_least(d, 1, "block_size", "max_chars", "max_target_length")
-    _at_least(d, 0, "sample_tokens")
+    check_data_sizes(d)
     if not 0 < d.eval_fraction < 1:
         raise BadInput(f"eval_fraction={d.eval_fraction}: the share held out must lie between 0 and 1.")
     if task == "causal_lm" and not (d.dataset_name or d.train_file):
@@ -252,12 +256,13 @@ def check_fresh_model(model_args: ModelArguments) -> None:
     head_dim(m)
 
 
-def _check_mesh(training_args) -> None:
-    """mesh_shape (or parallelism_config / fsdp) must fit the devices here, checked before any data is read."""
+def check_mesh(training_args, devices: int | None = None) -> None:
+    """mesh_shape (or parallelism_config / fsdp) must fit the devices (here, or `devices` of a target), checked
+    before any data is read or step compiled."""
     from jtrainer import sharding
 
     try:
-        sharding.resolve_mesh_shape(training_args, len(sharding.mesh_devices()))
+        sharding.resolve_mesh_shape(training_args, devices or len(sharding.mesh_devices()))
     except ValueError as e:
         raise BadInput(str(e)) from None
 
