@@ -74,23 +74,38 @@ class _FilteredRows:
 
 
 def index_order(
-    n: int, *, seed: int, epoch: int, strategy: str, batch_size: int, lengths: Sequence[int] | None = None
+    n: int,
+    *,
+    seed: int,
+    epoch: int,
+    strategy: str,
+    batch_size: int,
+    lengths: Sequence[int] | None = None,
+    permutation: np.ndarray | None = None,
 ) -> np.ndarray:
-    """The order of row indices for one epoch: a pure function of (seed, epoch), HF's. Its shuffle is accelerate's
-    seedable sampler: torch's randperm from a generator seeded with seed + epoch (`host_rng.torch_randperm`).
-    group_by_length groups that permutation in HF's mega-batches; HF draws its own from torch's global generator,
-    whose state jtrainer does not have, so that order differs from HF's (docs/training.md says so)."""
+    """The order of row indices for one epoch, HF's. A shuffle is accelerate's seedable sampler: torch's randperm
+    from a generator seeded with seed + epoch (`host_rng.torch_randperm`), unless `permutation` gives the one
+    drawn (HF's LengthGroupedSampler draws from torch's global generator). group_by_length groups it as HF's
+    get_length_grouped_indices, in mega-batches of `batch_size` rows."""
     if strategy == "sequential":
         return np.arange(n)
-    order = host_rng.torch_randperm(n, seed + epoch)
+    order = permutation if permutation is not None else host_rng.torch_randperm(n, seed + epoch)
     if strategy == "group_by_length":
         if lengths is None:
             raise ValueError("train_sampling_strategy='group_by_length' needs a length column or input_ids rows.")
-        # HF's LengthGroupedSampler: mega-batches of 50 batches, each sorted by length, longest batch first.
-        mega = 50 * batch_size
-        groups = [sorted(order[i : i + mega], key=lambda j: -lengths[j]) for i in range(0, n, mega)]
-        order = np.concatenate([np.asarray(g) for g in groups]) if groups else order
+        order = length_grouped(order, lengths, batch_size)
     return order
+
+
+def length_grouped(order: np.ndarray, lengths: Sequence[int], batch_size: int) -> np.ndarray:
+    """HF's get_length_grouped_indices on a drawn permutation: mega-batches of min(n // (4 batch), 50) batches
+    (at least one) sorted by length, longest first (stable), and the longest row of all moved to the front."""
+    n = len(order)
+    size = (min(n // (batch_size * 4), 50) or 1) * batch_size
+    groups = [sorted(order[i : i + size].tolist(), key=lambda j: lengths[j], reverse=True) for i in range(0, n, size)]
+    longest = int(np.argmax([lengths[group[0]] for group in groups]))
+    groups[0][0], groups[longest][0] = groups[longest][0], groups[0][0]
+    return np.asarray([i for group in groups for i in group], np.int64)
 
 
 def default_collator(processing_class: Any = None) -> Callable[[list[dict]], Batch]:
@@ -136,6 +151,8 @@ class BatchLoader:
         row_range: tuple[int, int] | None = None,
         rng_stream: host_rng.RngStream | None = None,
         complete_last: bool = False,
+        group_rows: int | None = None,
+        group_seed: int | None = None,
     ):
         if has_length(dataset) and len(dataset) == 0:
             raise ValueError("The dataset is empty: pass a dataset with at least one row.")
@@ -149,6 +166,9 @@ class BatchLoader:
         # HF on several data shards (accelerate's even_batches): a short last batch is completed with the epoch's
         # first rows, so every shard gets a full batch; only its real rows count as seen.
         self.complete_last = complete_last
+        # group_by_length as HF's LengthGroupedSampler: its batch (the rows of a whole optimizer step in training)
+        # and, for evaluation, the seed its generator is built with each time.
+        self.group_rows, self.group_seed = group_rows, group_seed
         self._peeked: tuple[int, Iterator[list[Any]], tuple[Batch, int]] | None = None
 
     @property
@@ -164,6 +184,16 @@ class BatchLoader:
         n = len(self.dataset)
         return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
 
+    def _drawn_permutation(self, n: int) -> np.ndarray | None:
+        """HF's length-grouped permutation: from a generator seeded once (`group_seed`: its evaluation sampler)
+        or, in training, from torch's global generator in the collator's order (None without torch: the seeded
+        shuffle, an order that differs from HF's)."""
+        if self.strategy != "group_by_length":
+            return None
+        if self.group_seed is not None:
+            return host_rng.torch_randperm(n, self.group_seed)
+        return host_rng.run_loader_draw(lambda: host_rng.global_randperm(n), self.rng_stream)
+
     def _lengths(self) -> list[int] | None:
         if self.strategy != "group_by_length":
             return None
@@ -175,15 +205,17 @@ class BatchLoader:
     def _global_batches(self) -> Iterator[tuple[list[Any], int]]:
         """(items, real) per batch: up to batch_size items (row indices for sized datasets, rows themselves for
         iterables), of which the first `real` are this batch's own (the rest complete a short last batch)."""
-        host_rng.run_collator(host_rng.draw_loader_seed, None, self.rng_stream)  # as torch's DataLoader starts
+        host_rng.run_loader_draw(host_rng.draw_loader_seed, self.rng_stream)  # as torch's DataLoader starts
         if self.sized:
+            n = len(self.dataset)
             order = index_order(
-                len(self.dataset),
+                n,
                 seed=self.seed,
                 epoch=self.epoch,
                 strategy=self.strategy,
-                batch_size=self.batch_size,
+                batch_size=self.group_rows or self.batch_size,
                 lengths=self._lengths(),
+                permutation=self._drawn_permutation(n),
             )
             items: Iterable = (int(i) for i in order)
         else:

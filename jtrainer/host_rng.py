@@ -94,12 +94,19 @@ def set_seed(seed: int, deterministic: bool = False) -> None:
             torch.use_deterministic_algorithms(True)
 
 
-def draw_loader_seed(_rows: Any = None) -> None:
+def draw_loader_seed() -> None:
     """What torch's DataLoader does each time an iterator starts: draw one int64 from torch's generator (its
     workers' base seed), which moves what a collator drawing from torch gets next. Nothing without torch."""
     torch = _torch(imported_only=True)
     if torch is not None:
         torch.empty((), dtype=torch.int64).random_()
+
+
+def global_randperm(n: int) -> np.ndarray | None:
+    """`torch.randperm(n)` from torch's global generator (HF's LengthGroupedSampler without a generator); None
+    when the script has not imported torch (nothing to follow)."""
+    torch = _torch(imported_only=True)
+    return None if torch is None else torch.randperm(n).numpy()
 
 
 def same_state(a: HostRngState, b: HostRngState) -> bool:
@@ -120,7 +127,7 @@ class RngStream:
         self.state = state
         self.drawn = False  # whether a collator call drew from the generators (a random collator)
 
-    def run(self, fn, *args):
+    def run(self, fn, *args, collator: bool = True):
         with _LOCK:
             outside = capture()
             restore(self.state)
@@ -129,7 +136,7 @@ class RngStream:
             finally:
                 before, self.state = self.state, capture()
                 restore(outside)
-                self.drawn = self.drawn or (fn is not draw_loader_seed and not same_state(before, self.state))
+                self.drawn = self.drawn or (collator and not same_state(before, self.state))
 
 
 def run_collator(fn, rows, stream: RngStream | None):
@@ -138,6 +145,14 @@ def run_collator(fn, rows, stream: RngStream | None):
         return stream.run(fn, rows)
     with _LOCK:
         return fn(rows)
+
+
+def run_loader_draw(fn, stream: RngStream | None):
+    """A draw of the loader itself (torch's DataLoader seed, a sampler's permutation), in the collator's order."""
+    if stream is not None:
+        return stream.run(fn, collator=False)
+    with _LOCK:
+        return fn()
 
 
 # torch's CPU randperm draws 32-bit numbers below this size and 64-bit ones above (aten's randperm_cpu).

@@ -345,6 +345,7 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
             length_column=self.args.length_column_name,
             row_range=sharding.process_row_range(self.mesh, rows),
             complete_last=sharding.data_parallel_size(self.mesh) > 1,  # HF's DistributedSampler / even_batches
+            group_rows=self.args.train_batch_size * self.args.gradient_accumulation_steps,
         )
 
     def get_eval_dataloader(self, eval_dataset: Any = None) -> data.BatchLoader:
@@ -354,10 +355,16 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         if dataset is None:
             raise ValueError("Trainer: evaluation requires an eval_dataset.")
         rows = self.args.per_device_eval_batch_size * sharding.data_parallel_size(self.mesh)
+        # HF's evaluation sampler groups by length too, with a generator seeded by data_seed or seed.
+        grouped = self.args.train_sampling_strategy == "group_by_length" and data.has_length(dataset)
         return data.BatchLoader(
             self._prepare_dataset(dataset),
             rows,
             self._collator(),
+            strategy="group_by_length" if grouped else "sequential",
+            length_column=self.args.length_column_name,
+            group_rows=self.args.eval_batch_size,
+            group_seed=self.args.data_seed if self.args.data_seed is not None else self.args.seed,
             drop_last=self.args.dataloader_drop_last,
             row_range=sharding.process_row_range(self.mesh, rows),
             complete_last=sharding.data_parallel_size(self.mesh) > 1,  # HF's even_batches; dropped before metrics

@@ -16,10 +16,15 @@ pytest.importorskip("accelerate")
 from jtrainer.host_rng import torch_randperm  # noqa: E402
 
 
-def _hf_order(tmp_path, n, epoch, **seeds):
+def _rows(n):
+    lengths = np.random.RandomState(0).randint(1, 40, n)
+    return [{"idx": i, "input_ids": list(range(int(length)))} for i, length in enumerate(lengths)]
+
+
+def _hf_order(tmp_path, n, epoch, split="train", **seeds):
     import transformers
 
-    rows = [{"idx": i} for i in range(n)]
+    rows = _rows(n)
     trainer = transformers.Trainer(
         model=torch.nn.Linear(1, 1),
         args=transformers.TrainingArguments(
@@ -31,14 +36,15 @@ def _hf_order(tmp_path, n, epoch, **seeds):
             **seeds,
         ),
         train_dataset=rows,
+        eval_dataset=rows,
         data_collator=lambda features: {"idx": torch.tensor([f["idx"] for f in features])},
     )
-    loader = trainer.get_train_dataloader()
+    loader = trainer.get_train_dataloader() if split == "train" else trainer.get_eval_dataloader()
     loader.set_epoch(epoch)
     return np.concatenate([batch["idx"].numpy() for batch in loader])
 
 
-def _jtrainer_order(tmp_path, n, epoch, **seeds):
+def _jtrainer_order(tmp_path, n, epoch, split="train", **seeds):
     from jtrainer import Trainer, TrainingArguments
 
     trainer = Trainer(
@@ -50,10 +56,11 @@ def _jtrainer_order(tmp_path, n, epoch, **seeds):
             remove_unused_columns=False,
             **seeds,
         ),
-        train_dataset=[{"idx": np.int64(i)} for i in range(n)],
+        train_dataset=_rows(n),
+        eval_dataset=_rows(n),
         data_collator=lambda features: {"idx": np.asarray([f["idx"] for f in features])},
     )
-    loader = trainer.get_train_dataloader()
+    loader = trainer.get_train_dataloader() if split == "train" else trainer.get_eval_dataloader()
     loader.set_epoch(epoch)
     return np.concatenate([batch["idx"] for batch, _ in loader])
 
@@ -63,6 +70,16 @@ def _jtrainer_order(tmp_path, n, epoch, **seeds):
 def test_each_epoch_is_shuffled_as_transformers_trainer(tmp_path, seeds, epoch):
     expected = _hf_order(tmp_path, 37, epoch, **seeds)
     np.testing.assert_array_equal(_jtrainer_order(tmp_path, 37, epoch, **seeds), expected)
+
+
+@pytest.mark.parametrize("split", ["train", "eval"])
+def test_group_by_length_orders_as_transformers_trainer(tmp_path, split):
+    """HF's LengthGroupedSampler: training shuffles with torch's global generator (here as the script left it
+    after the Trainer seeded it), evaluation with a generator seeded by seed; both then group in HF's
+    mega-batches, longest row first."""
+    over = {"train_sampling_strategy": "group_by_length", "gradient_accumulation_steps": 2, "seed": 5}
+    expected = _hf_order(tmp_path, 230, 0, split, **over)
+    np.testing.assert_array_equal(_jtrainer_order(tmp_path, 230, 0, split, **over), expected)
 
 
 CASES = [(0, 1), (1, 5), (10, 42), (1000, 0), (5003, 2**32 - 1), (7, 2**32 + 9)]
