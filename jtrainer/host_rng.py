@@ -11,12 +11,14 @@ generators as usual.
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import importlib.util
 import os
 import random
 import sys
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -137,6 +139,24 @@ class RngStream:
                 before, self.state = self.state, capture()
                 restore(outside)
                 self.drawn = self.drawn or (collator and not same_state(before, self.state))
+
+
+@contextlib.contextmanager
+def continued_by_process(stream: RngStream | None) -> Iterator[None]:
+    """An evaluation during training as under HF's one generator: the process's generators take the training
+    stream's state, and the stream goes on from theirs afterwards (the next epoch's loader draws then follow the
+    evaluation's). Only for a stream whose collator draws nothing: its state is then the same however far the
+    prefetch ran; a random collator's could not be followed (the Trainer warns)."""
+    if stream is None or stream.drawn:
+        yield
+        return
+    with _LOCK:
+        restore(stream.state)
+    try:
+        yield
+    finally:
+        with _LOCK:
+            stream.state = capture()
 
 
 def run_collator(fn, rows, stream: RngStream | None):

@@ -141,7 +141,7 @@ class SavingMixin(TrainerParts):
 
         scheduler_state = None if self._plateau is None else self._plateau.state_dict()  # as of this step
         process_rng = host_rng.capture()
-        loop_state = self._run.loop_state if self._run is not None else None
+        loop_state = self._run.saved_loop_state() if self._run is not None else None
 
         def write_files(tmp: str) -> None:
             self._write_model(tmp, tensors, weights=not in_commit)

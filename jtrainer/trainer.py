@@ -842,9 +842,10 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
             self._run_epoch(run, epoch, trial, ignore_keys_for_eval)
             if self.control.should_training_stop:
                 break
-        if run.loop_state is not None and run.loop_state.collator_rng is not None:
+        loop_state = run.saved_loop_state()
+        if loop_state is not None and loop_state.collator_rng is not None:
             # HF's collator draws from the process's generators: later draws (evaluation) follow the training ones.
-            host_rng.restore(run.loop_state.collator_rng)
+            host_rng.restore(loop_state.collator_rng)
         return self._finalize_training(run, trial, num_train_samples)
 
     def _init_training_state(self, max_steps: int, loader: data.BatchLoader, trial) -> None:
@@ -1107,7 +1108,8 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
             self.store_flos()
             self.log(logs, run.start_time)
         if self.control.should_evaluate:
-            eval_metrics = self._evaluate(trial, ignore_keys_for_eval)
+            with host_rng.continued_by_process(run.loader.rng_stream):
+                eval_metrics = self._evaluate(trial, ignore_keys_for_eval)
             is_new_best = self._determine_best_metric(eval_metrics)
             if self.args.save_strategy == SaveStrategy.BEST:
                 self.control.should_save = is_new_best

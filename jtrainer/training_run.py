@@ -163,6 +163,14 @@ class TrainingRun:
     last_step_batch: Any = None  # the last step's StepBatch (the memory report compiles against its shapes)
     dispatched: Any = None  # the last dispatched step's losses (device arrays, maybe not computed yet)
 
+    def saved_loop_state(self) -> LoopState | None:
+        """What a checkpoint of this step keeps: the step's loop state; for a collator that draws nothing, with the
+        training stream's state now (it moves only at the loader's own draws and the evaluations it follows)."""
+        stream = self.loader.rng_stream
+        if self.loop_state is None or stream is None or stream.drawn:
+            return self.loop_state
+        return self.loop_state._replace(collator_rng=stream.state)
+
     def follow_device(self, step_losses: Any) -> None:
         """After dispatching a step: wait until the step before it has finished, so the host's step count (the
         callbacks, the progress bar and its ETA) runs at most one step ahead of the device, while the step just

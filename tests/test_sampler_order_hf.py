@@ -97,3 +97,66 @@ def test_the_permutation_without_torch_is_torchs():
         generator.manual_seed(seed)
         np.testing.assert_array_equal(without_torch, torch.randperm(n, generator=generator).numpy())
         np.testing.assert_array_equal(torch_randperm(n, seed), torch.randperm(n, generator=generator.manual_seed(seed)))
+
+
+class _TorchIdx(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(1))
+
+    def forward(self, idx, labels=None):
+        return {"loss": (self.w * idx.float()).mean() * 0.0 + self.w.sum()}
+
+
+class _NnxIdx(nnx.Module):
+    def __init__(self):
+        self.w = nnx.Param(np.ones(1, np.float32))
+
+    def __call__(self, idx, labels=None):
+        return {"loss": (self.w[...] * idx).mean() * 0.0 + self.w[...].sum()}
+
+
+def test_group_by_length_epochs_after_evaluations_follow_transformers_trainer(tmp_path):
+    """Evaluations during training draw their loader seed from torch's global generator, as the training
+    epochs' length-grouped permutations do: the second epoch's order is HF's too."""
+    import transformers
+
+    from jtrainer import Trainer, TrainingArguments
+
+    kw = dict(
+        per_device_train_batch_size=4,
+        per_device_eval_batch_size=4,
+        num_train_epochs=2,
+        eval_strategy="steps",
+        eval_steps=3,
+        train_sampling_strategy="group_by_length",
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        remove_unused_columns=False,
+        seed=5,
+    )
+    orders = {}
+    for name, trainer_class, args_class, model in (
+        ("hf", transformers.Trainer, transformers.TrainingArguments, _TorchIdx()),
+        ("jtrainer", Trainer, TrainingArguments, _NnxIdx()),
+    ):
+        seen = []
+
+        def collate(features, to=torch.tensor if name == "hf" else np.asarray, seen=seen):
+            ids = [f["idx"] for f in features]
+            if ids[0] < 1000:  # a training batch
+                seen.extend(ids)
+            return {"idx": to(ids), "labels": to([0] * len(ids))}
+
+        trainer = trainer_class(
+            model=model,
+            args=args_class(output_dir=str(tmp_path / name), **kw, **({"use_cpu": True} if name == "hf" else {})),
+            train_dataset=_rows(40),
+            eval_dataset=[{**row, "idx": 1000 + row["idx"]} for row in _rows(12)],
+            data_collator=collate,
+        )
+        trainer.train()
+        orders[name] = seen
+    assert len(orders["hf"]) == 80
+    assert orders["jtrainer"] == orders["hf"]
