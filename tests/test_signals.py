@@ -108,19 +108,25 @@ def _processes_with(text: str) -> list[int]:
 
 
 def _launch(out):
-    """`jtrainer launch` of a long two-process run (2 x 4 CPU devices) into `out`."""
+    """`jtrainer launch` of a long two-process run (2 x 4 CPU devices) into `out`, in a session of its own (as a
+    terminal's foreground job: Ctrl-C goes to its whole process group)."""
     cmd = [sys.executable, "-m", "jtrainer.cli", "launch", "--num_processes", "2", "--devices_per_process", "4"]
     cmd += [CKPT_JOB, str(out), "100000", "0", "0", '{"data": 2, "fsdp": 4}', "8"]
-    return subprocess.Popen(cmd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        cmd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
 
 
-@pytest.mark.parametrize("how", ["sigterm", "kill"])
+@pytest.mark.parametrize("how", ["sigterm", "kill", "ctrl-c"])
 def test_a_signalled_launcher_leaves_no_process_training(tmp_path, how):
     out = tmp_path / "run"
     launcher = _launch(out)
     try:
         _wait_for(out / "step", launcher, 300)
-        launcher.send_signal(signal.SIGTERM if how == "sigterm" else signal.SIGKILL)
+        if how == "ctrl-c":
+            os.killpg(launcher.pid, signal.SIGINT)  # the processes are in groups of their own: they get it once
+        else:
+            launcher.send_signal(signal.SIGTERM if how == "sigterm" else signal.SIGKILL)
         code = launcher.wait(timeout=120)
         deadline = time.monotonic() + 120
         while _processes_with(str(out)):  # the workers: preempted, each saves the current step and exits
@@ -129,6 +135,10 @@ def test_a_signalled_launcher_leaves_no_process_training(tmp_path, how):
     finally:
         for pid in _processes_with(str(out)):
             os.kill(pid, signal.SIGKILL)
+    assert not os.path.exists(out / LOCK_NAME)
+    if how == "ctrl-c":  # an interrupt saves no new checkpoint: each process stops with its exit code
+        assert code == 130, launcher.stderr.read()[-3000:]
+        return
     if how == "sigterm":
         assert code == 0, launcher.stderr.read()[-3000:]
     folder = checkpoint.get_last_checkpoint(str(out))

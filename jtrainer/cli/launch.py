@@ -54,10 +54,12 @@ def process_env(process_id: int, num_processes: int, port: int, devices_per_proc
     return env
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGTERM when the launcher dies, however it dies (Linux's PR_SET_PDEATHSIG)."""
+def _child_setup() -> None:
+    """In the child, before exec: a process group of its own, so a terminal's Ctrl-C reaches it once, through
+    the launcher; and SIGTERM when the launcher dies, however it dies (Linux's PR_SET_PDEATHSIG)."""
     import ctypes
 
+    os.setpgrp()
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
     except (OSError, AttributeError):  # not Linux: the launcher's own handlers still forward signals
@@ -114,7 +116,7 @@ def launch(target: str, extra: list[str], num_processes: int, devices_per_proces
         for i in range(num_processes):
             processes.append(
                 subprocess.Popen(
-                    cmd, env=process_env(i, num_processes, port, devices_per_process), preexec_fn=_die_with_parent
+                    cmd, env=process_env(i, num_processes, port, devices_per_process), preexec_fn=_child_setup
                 )
             )
         return _supervise(processes)
