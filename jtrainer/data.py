@@ -256,6 +256,14 @@ class BatchLoader:
         batch = self._collate(mine)
         return {k: v[:keep] for k, v in batch.items()}, real
 
+    def draw_from(self, state: host_rng.HostRngState) -> None:
+        """Start this epoch's draws again from `state` (HF's evaluation on start runs before its training loader
+        draws): the peeked batch of a sized dataset is read and collated again; an iterable's stays as drawn."""
+        if self.rng_stream is None or not self.sized:
+            return
+        self._peeked = None
+        self.rng_stream.state = state
+
     def peek(self) -> Batch:
         """This epoch's first batch, kept for the next iteration, which yields it and then goes on with the same
         row iterator: no row of a one-shot iterable is lost and a random collator is called once per batch."""

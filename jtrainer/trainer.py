@@ -836,6 +836,7 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
         if args.eval_on_start:
             self._evaluate(trial, ignore_keys_for_eval, skip_scheduler=True)
+            run.loader.draw_from(host_rng.capture())  # HF's training loader draws after this evaluation's
 
         for epoch in range(run.epochs_trained, epochs):
             self.control = self.callback_handler.on_epoch_begin(args, self.state, self.control)
