@@ -32,6 +32,11 @@ def _all_finite(leaves) -> jax.Array:
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
 
 
+def params_finite(model) -> bool:
+    """Whether a model's parameters are free of NaN and Inf."""
+    return bool(_all_finite(jax.tree.leaves(nnx.state(model, nnx.Param))))
+
+
 class SavingMixin(TrainerParts):
     """The Trainer's checkpoint, resume and save_model methods (they use the Trainer's state and arguments)."""
 

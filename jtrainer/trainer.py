@@ -430,12 +430,17 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
             spec = dataclasses.replace(spec, num_classes=self._logits_width(sample))
         return spec
 
-    def _logits_width(self, sample: data.Batch) -> int | None:
+    def _abstract_outputs(self, inputs: data.Batch):
+        """The model's outputs on `inputs`' shapes and dtypes, traced, not run."""
         graphdef, params, rest = nnx.split(self.model, nnx.Param, ...)
-        probe = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in sample.items() if k not in self.label_names}
+        probe = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in inputs.items()}
         with self._mesh_context():
-            outputs = jax.eval_shape(lambda p, s, x: apply_model(graphdef, p, s, x)[0], params, rest, probe)
-        _, logits = split_outputs(outputs)
+            return jax.eval_shape(lambda p, s, x: apply_model(graphdef, p, s, x)[0], params, rest, probe)
+
+    def _logits_width(self, sample: data.Batch) -> int | None:
+        _, logits = split_outputs(
+            self._abstract_outputs({k: v for k, v in sample.items() if k not in self.label_names})
+        )
         return int(logits.shape[-1]) if getattr(logits, "ndim", 0) else None
 
     def _label_classes(self, spec: LossSpec) -> int | None:
@@ -481,11 +486,7 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         if not has_labels and not training and getattr(getattr(self.model, "config", None), "is_encoder_decoder", 0):
             # An encoder-decoder cannot run without labels (no decoder inputs): prediction only generates.
             return LossSpec(LossMode.TRAINER, padding_neutral=True, **common)
-        graphdef, params, rest = nnx.split(self.model, nnx.Param, ...)
-        probe = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in sample.items()}
-        with self._mesh_context():
-            out_shape = jax.eval_shape(lambda p, s, x: apply_model(graphdef, p, s, x)[0], params, rest, probe)
-        loss, _ = split_outputs(out_shape)
+        loss, _ = split_outputs(self._abstract_outputs(sample))
         if loss is not None:
             if has_labels and self.model_accepts_loss_kwargs:
                 # jtrainer's models leave -100 labels out of their sums; a user's model may not.

@@ -76,10 +76,8 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 128 + signal.SIGINT
-    except Diverged as e:  # NaN/Inf weights: no export, no perplexity of NaN
-        print(f"jtrainer {command}: {e}", file=sys.stderr)
-        return 1
-    except BadInput as e:  # refused before any work (or, for a file, as soon as it is read): one line
+    except (BadInput, Diverged) as e:  # refused before any work (or, for a file, as soon as it is read), or
+        # weights that diverged to NaN/Inf (no export, no perplexity of NaN): one line
         print(f"jtrainer {command}: {e}", file=sys.stderr)
         return 1
     except OSError as e:  # the disk: full, read-only, a file-size limit; the message names the file

@@ -82,7 +82,6 @@ class _Forwarded(Exception):
 
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
-        self.signum = signum
 
 
 def _stop(processes: list[subprocess.Popen]) -> None:

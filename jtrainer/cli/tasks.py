@@ -22,7 +22,8 @@ from jtrainer import storage
 from jtrainer.errors import BadInput
 
 TASKS = ("causal_lm", "sequence_classification", "seq2seq")
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "bert", "t5")
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")  # one model (jtrainer.models.llama), GQA, scan_layers
+MODEL_TYPES = (*LLAMA_FAMILY, "gpt2", "bert", "t5")
 
 
 @dataclass
@@ -95,19 +96,20 @@ def check_job(model_args: ModelArguments, data_args: DataArguments, training_arg
         *((name, getattr(d, name)) for name in ("text_dir", "dataset_name", "train_file", "validation_file")),
     ):
         storage.check_reachable(path or "", name)
-    _check_model(model_args)
+    folder_config = _check_model(model_args)
     _check_data(data_args, model_args.task)
     check_mesh(training_args)
     if training_args.max_steps <= 0 and training_args.num_train_epochs <= 0:
         raise BadInput("max_steps and num_train_epochs are both 0: nothing would be trained; set one above 0.")
-    limit, source = _position_limit(model_args)
+    limit, source = _position_limit(model_args, folder_config)
     if limit is not None and data_args.block_size > limit:
         raise BadInput(
             f"block_size={data_args.block_size} exceeds the model's {limit} positions ({source}): lower --block_size."
         )
 
 
-def _check_model(model_args: ModelArguments) -> None:
+def _check_model(model_args: ModelArguments) -> dict | None:
+    """The model fields checked; returns the config.json of `model_name_or_path` (None for a fresh model)."""
     m = model_args
     if m.num_labels < 1:
         raise BadInput(f"num_labels={m.num_labels}: a classifier needs at least 1 label (1: regression).")
@@ -124,11 +126,11 @@ def _check_model(model_args: ModelArguments) -> None:
             "save one there with tokenizer.save_pretrained."
         )
     if m.model_name_or_path:
-        check_model_folder(m.model_name_or_path, tokenizer_elsewhere=bool(m.tokenizer_name), task=m.task)
-        return
+        return check_model_folder(m.model_name_or_path, tokenizer_elsewhere=bool(m.tokenizer_name), task=m.task)
     if m.model_type not in MODEL_TYPES:
         raise BadInput(f"model_type={m.model_type!r}: use one of {', '.join(MODEL_TYPES)}.")
     check_fresh_model(m)
+    return None
 
 
 def check_data_sizes(data_args: DataArguments) -> None:
@@ -193,9 +195,9 @@ def read_model_config(folder: str) -> dict:
     return config
 
 
-def check_model_folder(folder: str, tokenizer_elsewhere: bool = False, task: str = "causal_lm") -> None:
+def check_model_folder(folder: str, tokenizer_elsewhere: bool = False, task: str = "causal_lm") -> dict:
     """What a model folder must hold for the job: a config of a family jtrainer has for the task (no custom code),
-    safetensors weights and, unless tokenizer_name is set, a tokenizer."""
+    safetensors weights and, unless tokenizer_name is set, a tokenizer. Returns its config.json."""
     from jtrainer.models.hf_io import WEIGHTS_INDEX_NAME, WEIGHTS_NAME
 
     config = read_model_config(folder)
@@ -220,6 +222,7 @@ def check_model_folder(folder: str, tokenizer_elsewhere: bool = False, task: str
             f"model_name_or_path={folder!r} holds no tokenizer (tokenizer.json or tokenizer_config.json): save "
             "the tokenizer there, or set tokenizer_name."
         )
+    return config
 
 
 _SIZE_FIELDS = (
@@ -229,7 +232,6 @@ _SIZE_FIELDS = (
     "num_attention_heads",
     "max_position_embeddings",
 )
-_LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def _at_least(arguments, minimum: int, *names: str) -> None:
@@ -246,7 +248,7 @@ def check_fresh_model(model_args: ModelArguments) -> None:
     _at_least(m, 1, *_SIZE_FIELDS)
     if m.head_dim is not None:
         _at_least(m, 1, "head_dim")
-    if m.model_type in _LLAMA_FAMILY:
+    if m.model_type in LLAMA_FAMILY:
         _at_least(m, 1, "num_key_value_heads")
         if m.num_attention_heads % m.num_key_value_heads:
             raise BadInput(
@@ -267,10 +269,11 @@ def check_mesh(training_args, devices: int | None = None) -> None:
         raise BadInput(str(e)) from None
 
 
-def _position_limit(model_args: ModelArguments) -> tuple[int | None, str]:
-    """The longest sequence the model embeds positions for (None: relative positions, as T5)."""
-    if model_args.model_name_or_path:
-        config = read_model_config(model_args.model_name_or_path)
+def _position_limit(model_args: ModelArguments, folder_config: dict | None) -> tuple[int | None, str]:
+    """The longest sequence the model embeds positions for (None: relative positions, as T5); `folder_config`:
+    the config.json of `model_name_or_path`."""
+    if folder_config is not None:
+        config = folder_config
         source = f"max_position_embeddings in {storage.join(model_args.model_name_or_path, 'config.json')}"
     else:
         if model_args.model_type == "t5":
@@ -301,7 +304,7 @@ def fresh_config(model_args: ModelArguments, vocab_size: int, special: dict[str,
     m, special = model_args, dict(special or {})
     kind = m.model_type
     width = head_dim(m)
-    if kind in ("llama", "mistral", "qwen2", "qwen3"):
+    if kind in LLAMA_FAMILY:
         cls = transformers.AutoConfig.for_model(kind).__class__
         return cls(
             vocab_size=vocab_size,
@@ -389,15 +392,12 @@ def build_model(
     return auto.from_config(config, seed=seed, **options)
 
 
-SCANNABLE = ("llama", "mistral", "qwen2", "qwen3")
-
-
 def _scan_option(model_args: ModelArguments, config) -> dict[str, bool]:
     if not model_args.scan_layers:
         return {}
-    if model_args.task != "causal_lm" or config.model_type not in SCANNABLE:
+    if model_args.task != "causal_lm" or config.model_type not in LLAMA_FAMILY:
         raise BadInput(
-            f"scan_layers: only the causal-LM Llama family ({', '.join(SCANNABLE)}) scans its layers; "
+            f"scan_layers: only the causal-LM Llama family ({', '.join(LLAMA_FAMILY)}) scans its layers; "
             f"this model is {config.model_type!r} ({model_args.task}): set scan_layers false."
         )
     return {"scan_layers": True}

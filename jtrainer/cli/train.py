@@ -34,15 +34,6 @@ class Diverged(Exception):
     """The trained weights are not finite: the job exports nothing and prints no metrics made of NaN."""
 
 
-def _finite_weights(model) -> bool:
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    leaves = [x for x in jax.tree.leaves(nnx.state(model, nnx.Param)) if jnp.issubdtype(x.dtype, jnp.floating)]
-    return bool(jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))) if leaves else True
-
-
 @contextlib.contextmanager
 def sigterm_stops_the_job(output_dir: str) -> Iterator[None]:
     def on_sigterm(signum, frame):
@@ -135,6 +126,7 @@ def _train_job(model_args: ModelArguments, data_args: DataArguments, training_ar
     from transformers import DataCollatorForSeq2Seq, DataCollatorWithPadding
 
     from jtrainer import Seq2SeqTrainer, Trainer
+    from jtrainer.saving import params_finite
 
     # A resumed job keeps the tokenizer it trained (saved in every checkpoint) instead of training it again.
     saved_tokenizer = resume if resume and storage.isfile(storage.join(resume, "tokenizer_config.json")) else None
@@ -159,7 +151,7 @@ def _train_job(model_args: ModelArguments, data_args: DataArguments, training_ar
         compute_metrics=compute_metrics,
     )
     result = trainer.train(resume_from_checkpoint=resume)
-    if not _finite_weights(trainer.model):
+    if not params_finite(trainer.model):
         raise Diverged(
             f"training diverged: the trained weights hold NaN or Inf (train loss {result.training_loss}), so "
             f"nothing is exported to {training_args.output_dir}: lower --learning_rate or set --max_grad_norm, "
