@@ -36,7 +36,7 @@ def is_hf_dataset(dataset: Any) -> bool:
 
 def model_signature_columns(model: Any) -> list[str]:
     """The keyword inputs a model's `__call__` takes, plus HF's label columns (as `_set_signature_columns`)."""
-    params = inspect.signature(model.__call__).parameters
+    params = inspect.signature(getattr(model, "forward", None) or model.__call__).parameters  # torch: forward
     names = [n for n, p in params.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
     return list(dict.fromkeys(names + ["label", "label_ids", "labels"]))
 

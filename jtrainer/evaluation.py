@@ -123,7 +123,7 @@ class EvaluationMixin(TrainerParts):
         if self._train_state is not None:
             self._optimizer_eval()  # HF's evaluation_loop: optimizer.eval()
             return self._model_params(), self._train_state.model_state
-        _, params, rest = nnx.split(self.model, nnx.Param, ...)
+        _, params, rest = nnx.split(self.nnx_model, nnx.Param, ...)
         return (
             jax.device_put(nnx.to_pure_dict(params), sharding.named(self.mesh, self._param_specs)),
             jax.device_put(rest, sharding.replicated(self.mesh)),
@@ -171,7 +171,7 @@ class EvaluationMixin(TrainerParts):
 
     def _eval_step(self, spec: LossSpec, want_logits: bool, ignore_keys: tuple[str, ...]):
         """The jitted eval step, shared by structure like the train step (trials of a search reuse it)."""
-        graphdef = graphdef_in_mode(self.model, training=False)
+        graphdef = graphdef_in_mode(self.nnx_model, training=False)
         key = (graphdef, spec, want_logits, self.preprocess_logits_for_metrics, ignore_keys)
         if key not in compiled_steps.EVAL_STEPS:
             placement = PreprocessPlacement()
@@ -218,7 +218,7 @@ class EvaluationMixin(TrainerParts):
         """HF's losses of a completed last batch on several processes: each process's batch loss, repeated
         over its rows, the first `rows` of them kept (accelerate's gather_for_metrics)."""
         shards = sharding.data_parallel_size(self.mesh)
-        graphdef = graphdef_in_mode(self.model, training=False)
+        graphdef = graphdef_in_mode(self.nnx_model, training=False)
         key = ("shard_losses", graphdef, spec, shards)
         if key not in compiled_steps.EVAL_STEPS:
             compiled_steps.EVAL_STEPS[key] = jax.jit(

@@ -13,7 +13,7 @@ import optax
 from flax import nnx
 from transformers.trainer_utils import SchedulerType
 
-from jtrainer import optim
+from jtrainer import bridge, optim
 from jtrainer.models.base import count_parameters
 from jtrainer.models.layers import LayerNorm
 from jtrainer.trainer_parts import TrainerParts
@@ -73,6 +73,10 @@ class OptimizerMixin(TrainerParts):
         """HF's rule: every parameter but those of LayerNorm modules (torch.nn.LayerNorm's counterparts, by type)
         and those whose names match HF's bias/norm patterns."""
         model = model or self.model
+        if bridge.is_torch_module(model):  # transformers.Trainer's own function, on the torch model
+            from transformers import Trainer as TorchTrainer
+
+            return TorchTrainer.get_decay_parameter_names(None, model)
         layer_norms = {
             ".".join(map(str, path)) for path, node in nnx.iter_graph(model) if isinstance(node, LAYER_NORM_TYPES)
         }
@@ -82,6 +86,8 @@ class OptimizerMixin(TrainerParts):
 
     def _decay_mask_tree(self, params):
         decayed = set(self.get_decay_parameter_names())
+        if bridge.is_bridged(self.nnx_model):  # HF's names, under the bridge's "params" root
+            decayed = {f"params.{name}" for name in decayed}
         return jax.tree_util.tree_map_with_path(lambda p, _: dotted(p) in decayed, params)
 
     def create_scheduler(self, num_training_steps: int, optimizer=None) -> optim.Schedule:
@@ -98,7 +104,7 @@ class OptimizerMixin(TrainerParts):
     def create_optimizer(self, params=None) -> optax.GradientTransformation:
         if self.optimizer is not None:
             return self.optimizer
-        params = params if params is not None else nnx.to_pure_dict(nnx.state(self.model, nnx.Param))
+        params = params if params is not None else nnx.to_pure_dict(nnx.state(self.nnx_model, nnx.Param))
         mask = self._decay_mask_tree(params)
         if self.optimizer_cls_and_kwargs is not None:
             cls, kwargs = self.optimizer_cls_and_kwargs
@@ -205,7 +211,7 @@ class OptimizerMixin(TrainerParts):
         return train_state.replace(opt_state=opt_state)
 
     def get_optimizer_group(self, param=None):
-        params = nnx.to_pure_dict(nnx.state(self.model, nnx.Param))
+        params = nnx.to_pure_dict(nnx.state(self.nnx_model, nnx.Param))
         names = [dotted(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
         decayed = set(self.get_decay_parameter_names())
         groups = [
@@ -217,13 +223,13 @@ class OptimizerMixin(TrainerParts):
         return next(g for g in groups if param in g["params"])
 
     def get_num_trainable_parameters(self) -> int:
-        return count_parameters(self.model)
+        return count_parameters(self.nnx_model)
 
     def _num_non_embedding_parameters(self) -> int:
         """Counted once per model: `floating_point_ops` asks for it every micro-batch."""
         cached = self._non_embedding_count
-        if cached is None or cached[0] is not self.model:
-            cached = self._non_embedding_count = (self.model, count_parameters(self.model, exclude_embeddings=True))
+        if cached is None or cached[0] is not self.nnx_model:
+            cached = self._non_embedding_count = (self.nnx_model, count_parameters(self.nnx_model, exclude_embeddings=True))
         return cached[1]
 
     def floating_point_ops(self, inputs: dict[str, Any]) -> int:

@@ -18,7 +18,7 @@ from flax import nnx
 from transformers.trainer_callback import ExportableState, TrainerState
 from transformers.trainer_utils import SaveStrategy
 
-from jtrainer import checkpoint, host_rng, optim, storage, torch_checkpoint
+from jtrainer import bridge, checkpoint, host_rng, optim, storage, torch_checkpoint
 from jtrainer.state import LoopState, TrainState
 from jtrainer.trainer_parts import TrainerParts
 
@@ -204,6 +204,7 @@ class SavingMixin(TrainerParts):
             self._train_state is not None
             and not self.args.save_only_model
             and hasattr(self.model, "config")
+            and not bridge.is_bridged(self.nnx_model)
             and not self._optimizer_eval_mode
         )
 
@@ -259,7 +260,7 @@ class SavingMixin(TrainerParts):
                 "optimizer and HF's lr_scheduler_type schedule (not optimizers=, optimizer_cls_and_kwargs or a "
                 "per-evaluation scheduler): torch's saved state is theirs."
             )
-        params = nnx.to_pure_dict(nnx.state(self.model, nnx.Param))
+        params = nnx.to_pure_dict(nnx.state(self.nnx_model, nnx.Param))
         saved_state = load_trainer_state(folder)
         train_state, self._torch_rng_state = torch_checkpoint.restore(
             folder,
@@ -341,6 +342,8 @@ class SavingMixin(TrainerParts):
         """The model's weights as HF-named host arrays (gathered from every process), if the model is ours. Only
         the process that writes keeps them (the others take part in the gathers and drop each tensor)."""
         self._sync_model()
+        if bridge.is_bridged(self.nnx_model):  # the torch model, holding them now, writes itself
+            return None
         if getattr(self.model, "save_pretrained", None) is not None and not hasattr(self.model, "config"):
             return None
         from jtrainer.models import hf_io

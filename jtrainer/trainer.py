@@ -40,6 +40,7 @@ from transformers.trainer_utils import IntervalStrategy, SaveStrategy, TrainOutp
 
 from jtrainer import (
     batch_size,
+    bridge,
     checkpoint,
     compiled_steps,
     data,
@@ -85,6 +86,11 @@ logger = logging.getLogger(__name__)
 hf_logger = logging.getLogger("transformers.trainer")
 
 
+def _call_signature(model: Any) -> inspect.Signature:
+    """The model's keyword inputs: a torch module's `forward` (HF's signature check), an nnx module's call."""
+    return inspect.signature(getattr(model, "forward", None) or model.__call__)
+
+
 def _is_causal_lm(model: Any) -> bool:
     if hasattr(model, "loss_shifts_labels"):
         return bool(model.loss_shifts_labels)
@@ -111,12 +117,12 @@ def _accepts_loss_kwargs(model: Any) -> bool:
     """HF's model_accepts_loss_kwargs: the model's own flag, else whether its call takes **kwargs."""
     if hasattr(model, "accepts_loss_kwargs"):
         return bool(model.accepts_loss_kwargs)
-    params = inspect.signature(model.__call__).parameters.values()
+    params = _call_signature(model).parameters.values()
     return any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params)
 
 
 def _takes_labels(model: Any, label_names: list[str]) -> bool:
-    params = inspect.signature(model.__call__).parameters
+    params = _call_signature(model).parameters
     return label_names[0] in params or any(p.kind == p.VAR_KEYWORD for p in params.values())
 
 
@@ -133,7 +139,7 @@ def _check_deterministic_backend() -> None:
 def _default_label_names(model: Any) -> list[str]:
     """HF's find_labels: the model's arguments named like labels (QA models: also start/end positions). A model
     taking none (its loss left to the Trainer) keeps ["labels"]."""
-    params = inspect.signature(model.__call__).parameters
+    params = _call_signature(model).parameters
     qa = "QuestionAnswering" in type(model).__name__
     found = [p for p in params if "label" in p or (qa and p in ("start_positions", "end_positions"))]
     return found or ["labels"]
@@ -258,12 +264,24 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         if args.push_to_hub:
             self.init_hf_repo()
         self.control = self.callback_handler.on_init_end(self.args, self.state, self.control)
+        if bridge.is_bridged(self.nnx_model) and getattr(model, "config", None) is not None:
+            model.config.use_cache = args.use_cache  # as transformers.Trainer does last in its constructor
+
+    @property
+    def model(self) -> Any:
+        """The model given (HF's `trainer.model`): after `train()` it holds the trained weights."""
+        return self._model
+
+    @model.setter
+    def model(self, model: Any) -> None:
+        self._model = model
+        self.nnx_model = bridge.as_nnx(model)
 
     def _check_layout(self) -> None:
         """Every sharding error (mesh vs heads, dimensions vs axis sizes) is raised here, before compiling."""
-        if hasattr(self.model, "check_mesh"):
-            self.model.check_mesh(self.mesh)
-        self._param_specs = sharding.param_specs(self.model, self.mesh, self.axis_rules)
+        if hasattr(self.nnx_model, "check_mesh"):
+            self.nnx_model.check_mesh(self.mesh)
+        self._param_specs = sharding.param_specs(self.nnx_model, self.mesh, self.axis_rules)
 
     def _mesh_context(self):
         """The mesh and logical rules under which model code traces (activation constraints read them)."""
@@ -401,7 +419,7 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
     def _probe_compute_loss(self, spec: LossSpec, sample: data.Batch) -> None:
         """Trace the override once on the batch's shapes, before compiling: code that cannot run on traced jax
         arrays (torch ops, numpy conversions, float()) fails here with its name, as does a non-scalar loss."""
-        graphdef, params, rest = nnx.split(self.model, nnx.Param, ...)
+        graphdef, params, rest = nnx.split(self.nnx_model, nnx.Param, ...)
         probe = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in sample.items()}
 
         def loss_of(p, s, inputs):
@@ -432,7 +450,7 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
 
     def _abstract_outputs(self, inputs: data.Batch):
         """The model's outputs on `inputs`' shapes and dtypes, traced, not run."""
-        graphdef, params, rest = nnx.split(self.model, nnx.Param, ...)
+        graphdef, params, rest = nnx.split(self.nnx_model, nnx.Param, ...)
         probe = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in inputs.items()}
         with self._mesh_context():
             return jax.eval_shape(lambda p, s, x: apply_model(graphdef, p, s, x)[0], params, rest, probe)
@@ -489,8 +507,9 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         loss, _ = split_outputs(self._abstract_outputs(sample))
         if loss is not None:
             if has_labels and self.model_accepts_loss_kwargs:
-                # jtrainer's models leave -100 labels out of their sums; a user's model may not.
-                return LossSpec(LossMode.MODEL_SUM, padding_neutral=isinstance(self.model, PretrainedMixin), **common)
+                # jtrainer's models and transformers' (through the bridge) leave -100 labels out of their sums.
+                neutral = isinstance(self.model, PretrainedMixin) or bridge.is_bridged(self.nnx_model)
+                return LossSpec(LossMode.MODEL_SUM, padding_neutral=neutral, **common)
             return LossSpec(LossMode.MODEL_MEAN, pass_num_items=False, scaled_for_ga=False, **common)
         if has_labels or not training:
             return LossSpec(LossMode.TRAINER, padding_neutral=True, **common)
@@ -524,7 +543,7 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
             params,
             transform_non_params=lambda _: replicated,
         )
-        _, _, rest = nnx.split(self.model, nnx.Param, ...)
+        _, _, rest = nnx.split(self.nnx_model, nnx.Param, ...)
         return TrainState(
             step=replicated,
             params=param_shardings,
@@ -536,7 +555,7 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
     def _initial_train_state(self, tx: optax.GradientTransformation) -> tuple[TrainState, TrainState]:
         """The state placed on its shardings (so the second step does not recompile), built by one jit, and
         those shardings (the step's output shardings)."""
-        _, params, rest = nnx.split(self.model, nnx.Param, ...)
+        _, params, rest = nnx.split(self.nnx_model, nnx.Param, ...)
         params = nnx.to_pure_dict(params)
         shardings = self._state_shardings(tx, params)
         # Copies: the step donates its buffers and the user's model keeps its own.
@@ -563,7 +582,7 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         """The jitted train step. When the Trainer built the optimizer, the step depends only on structure (the
         model's graph, the loss spec, the optimizer recipe, the layout), so it is shared process-wide: later
         trials of a hyperparameter search, whose numbers live in the state, reuse the compiled executable."""
-        graphdef = graphdef_in_mode(self.model, training=True)
+        graphdef = graphdef_in_mode(self.nnx_model, training=True)
         clip = bool(self.args.max_grad_norm and self.args.max_grad_norm > 0)
         key = None
         if self._optimizer_recipe is not None and self.optimizer is not None:
@@ -631,7 +650,7 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
 
     def _abstract_train_state_of(self, tx: optax.GradientTransformation) -> tuple[TrainState, TrainState]:
         """(state shardings, the train state `tx` would start from as ShapeDtypeStructs on them)."""
-        _, params, rest = nnx.split(self.model, nnx.Param, ...)
+        _, params, rest = nnx.split(self.nnx_model, nnx.Param, ...)
         params = nnx.to_pure_dict(params)
         shardings = self._state_shardings(tx, params)
         shapes = jax.eval_shape(self._train_state_init(tx), params, rest)
@@ -663,9 +682,11 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
     def _sync_model(self) -> None:
         """Write (copies of) the trained parameters into `self.model`, in place, as HF trains the model given."""
         if self._train_state is not None:
-            _, params, _ = nnx.split(self.model, nnx.Param, ...)
+            _, params, _ = nnx.split(self.nnx_model, nnx.Param, ...)
             nnx.replace_by_pure_dict(params, jax.tree.map(jnp.copy, self._model_params()))
-            nnx.update(self.model, params, jax.tree.map(jnp.copy, self._train_state.model_state))
+            nnx.update(self.nnx_model, params, jax.tree.map(jnp.copy, self._train_state.model_state))
+            if bridge.is_bridged(self.nnx_model):  # the user's torch model holds them too
+                self.nnx_model.write_to_torch()
 
     # ---------------------------------------------------------------------------------------------- training
     def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None, **kwargs):
@@ -700,7 +721,7 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
             startup.enable_compilation_cache(startup.run_cache_dir(args))
             self.neftune_noise_alpha = args.neftune_noise_alpha
             if self.neftune_noise_alpha is not None:
-                set_neftune(self.model, self.neftune_noise_alpha)
+                set_neftune(self.nnx_model, self.neftune_noise_alpha)
             try:
                 with sigterm_notice() as preemption:
                     if args.auto_find_batch_size:
@@ -715,7 +736,7 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
                 raise
             finally:
                 if self.neftune_noise_alpha is not None:  # as HF, the noise is for training only
-                    set_neftune(self.model, None)
+                    set_neftune(self.nnx_model, None)
 
     def _train_with_batch_size_search(
         self, resume_from_checkpoint, trial, ignore_keys_for_eval, preemption: PreemptionNotice

@@ -30,3 +30,38 @@ class ModelOutput:
 
     def __contains__(self, key: str) -> bool:
         return key in self.keys()
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return getattr(self, key) if key in self.keys() else default
+
+    def values(self) -> list[Any]:
+        return [getattr(self, k) for k in self.keys()]
+
+    def items(self) -> list[tuple[str, Any]]:
+        return [(k, getattr(self, k)) for k in self.keys()]
+
+
+class Outputs(dict):
+    """Model outputs by name, in the model's order, readable as HF's ModelOutput (by key, attribute or index;
+    `.get`, `.keys()`, `.items()`, `to_tuple()`), and a JAX pytree, so they can leave a jitted function."""
+
+    def __getattr__(self, name: str):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def __getitem__(self, key):
+        if isinstance(key, (int, slice)):
+            return self.to_tuple()[key]
+        return super().__getitem__(key)
+
+    def to_tuple(self) -> tuple[Any, ...]:
+        return tuple(self.values())
+
+
+jax.tree_util.register_pytree_with_keys(
+    Outputs,
+    lambda out: ([(jax.tree_util.DictKey(k), v) for k, v in out.items()], tuple(out.keys())),
+    lambda keys, values: Outputs(zip(keys, values)),
+)

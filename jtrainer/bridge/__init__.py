@@ -1,0 +1,43 @@
+"""The torch bridge: transformers' own PyTorch models trained by jtrainer's step (see module.py).
+
+Importing this package imports neither torch nor torchax; `as_nnx` does, for a torch model only.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from typing import Any
+
+EXTRA = 'pip install "jtrainer[torch]"'
+
+
+def is_torch_module(model: Any) -> bool:
+    """Whether `model` is a torch module (checked without importing torch: a script that built one imported it)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(model, torch.nn.Module)
+
+
+def is_bridged(model: Any) -> bool:
+    """Whether `model` is a torch model wrapped for the step (a `module.TorchModel`)."""
+    module = sys.modules.get("jtrainer.bridge.module")
+    return module is not None and isinstance(model, module.TorchModel)
+
+
+def check_installed() -> None:
+    """torch and torchax are present (found, not imported: torchax is imported with torchax_compat's fixes)."""
+    for name in ("torch", "torchax"):
+        if importlib.util.find_spec(name) is None:
+            raise ImportError(
+                f"Training a PyTorch model with jtrainer runs it through torchax; {name} is not installed: {EXTRA}."
+            )
+
+
+def as_nnx(model: Any):
+    """The nnx module the step runs: `model` itself when it is one, a `TorchModel` of it when it is torch's."""
+    if not is_torch_module(model):
+        return model
+    check_installed()
+    from jtrainer.bridge.module import TorchModel
+
+    return TorchModel(model)

@@ -1,0 +1,171 @@
+"""A transformers PyTorch model as an nnx module: its weights as JAX arrays keyed by HF's names, its forward
+transformers' own code, run on those arrays through torchax.
+
+The Trainer's step knows no difference from a native model (DESIGN.md, decision 13): `TorchModel` splits into a
+static graph definition (which holds the torch model, used only for its code) and a state pytree: trainable
+parameters (`nnx.Param`), frozen parameters and buffers (non-persistent ones too) as model state, and the key of
+torch's random ops (dropout), which the train step reseeds per micro-batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import jax
+import numpy as np
+import torch
+from flax import nnx
+
+from jtrainer.bridge import torchax_compat
+from jtrainer.models.outputs import Outputs
+
+
+class Frozen(nnx.Variable):
+    """A parameter with `requires_grad=False`: transformers.Trainer's optimizer never sees it."""
+
+
+class Buffer(nnx.Variable):
+    """A torch buffer (rotary frequencies, position ids, BatchNorm statistics)."""
+
+
+class RandomKey(nnx.Variable):
+    """The key torch's random ops draw from under torchax (dropout in train mode)."""
+
+
+def _nest(flat: dict[str, Any]) -> dict[str, Any]:
+    tree: dict[str, Any] = {}
+    for name, value in flat.items():
+        *parents, leaf = name.split(".")
+        node = tree
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return tree
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def to_array(tensor: torch.Tensor) -> jax.Array:
+    """A torch CPU tensor as a jax array of the same dtype (bfloat16 included)."""
+    return torchax_compat.environment().t2j_copy(tensor.detach())
+
+
+def to_tensor(array) -> torch.Tensor:
+    """A jax array as a torch CPU tensor of the same dtype (bfloat16 through its bits: numpy has none)."""
+    host = np.asarray(jax.device_get(array))
+    if host.dtype == jax.numpy.bfloat16:
+        return torch.from_numpy(host.view(np.uint16).copy()).view(torch.bfloat16)
+    return torch.from_numpy(host.copy())
+
+
+@contextlib.contextmanager
+def _torch_mode(model: torch.nn.Module, training: bool):
+    """The torch model in train or eval mode for one call; each submodule's own flag is put back."""
+    saved = [(module, module.training) for module in model.modules()]
+    model.train(training)
+    try:
+        yield
+    finally:
+        for module, flag in saved:
+            module.training = flag
+
+
+def _is_tensor_tree(value) -> bool:
+    leaves = torch.utils._pytree.tree_leaves(value)
+    return bool(leaves) and all(isinstance(leaf, torch.Tensor) for leaf in leaves)
+
+
+def outputs_to_jax(env, outputs):
+    """transformers' outputs of torchax tensors as JAX values: a ModelOutput (or dict) becomes `Outputs` with its
+    tensor-valued fields (a KV cache is generation state, not a prediction, and is left out); tuples stay tuples."""
+    if isinstance(outputs, dict):
+        return Outputs({k: outputs_to_jax(env, v) for k, v in outputs.items() if v is not None and _is_tensor_tree(v)})
+    if isinstance(outputs, (tuple, list)):
+        return type(outputs)(outputs_to_jax(env, v) for v in outputs)
+    return env.t2j_iso(outputs)
+
+
+def holds_torch(value) -> bool:
+    return any(isinstance(leaf, torch.Tensor) for leaf in jax.tree.leaves(value))
+
+
+class TorchModel(nnx.Module):
+    """A transformers `PreTrainedModel` (or any torch module) as a pure function of its weights, under JAX.
+
+    Called with jax arrays it returns `Outputs` of jax arrays; called with torchax tensors (a torch-written
+    `compute_loss` inside the step) it returns transformers' own output object of torchax tensors. Attributes it
+    does not have are the torch model's (`config`, `main_input_name`, `can_generate`, ...).
+    """
+
+    def __init__(self, torch_model: torch.nn.Module):
+        self.torch_model = torch_model
+        env = torchax_compat.environment()
+        trainable, frozen = {}, {}
+        for name, parameter in torch_model.named_parameters():  # tied weights once, under their first name
+            (trainable if parameter.requires_grad else frozen)[name] = parameter
+        self.params = nnx.data(_nest({n: nnx.Param(to_array(p)) for n, p in trainable.items()}))
+        self.frozen = nnx.data(_nest({n: Frozen(to_array(p)) for n, p in frozen.items()}))
+        self.buffers = nnx.data(_nest({n: Buffer(to_array(b)) for n, b in torch_model.named_buffers()}))
+        # In a plain dict, as the buffers: replaced (not mutated) after a call, which nnx allows inside a
+        # differentiated trace whose model state came in from outside it.
+        self.random = nnx.data({"key": RandomKey(jax.random.key(0))})
+        self.deterministic = not torch_model.training
+        del env
+
+    def __getattr__(self, name: str):
+        if name.startswith("_") or name == "torch_model":
+            raise AttributeError(name)
+        return getattr(self.__dict__["torch_model"], name)
+
+    @property
+    def device(self) -> torch.device:
+        """The device torch code inside the step puts new tensors on (HF's `model.device`)."""
+        return torchax_compat.DEVICE
+
+    def named_arrays(self) -> dict[str, jax.Array]:
+        """Every weight and buffer by HF's name."""
+        return {
+            name: var[...]
+            for tree in (self.params, self.frozen, self.buffers)
+            for name, var in _flatten(tree).items()
+        }
+
+    def __call__(self, *args, **kwargs):
+        env = torchax_compat.environment()
+        torch_io = holds_torch((args, kwargs))
+        flat = {name: var for tree in (self.params, self.frozen, self.buffers) for name, var in _flatten(tree).items()}
+        with env, _torch_mode(self.torch_model, not self.deterministic):
+            with env.override_property(prng=self.random["key"][...]):
+                tensors = {name: env.j2t_iso(var[...]) for name, var in flat.items()}
+                if not torch_io:
+                    args, kwargs = env.j2t_iso((args, kwargs))
+                outputs = torch.func.functional_call(self.torch_model, tensors, args, kwargs, strict=False)
+                next_key = env.param.prng
+        self.random["key"] = RandomKey(next_key)
+        for name in _flatten(self.buffers):  # in-place updates (BatchNorm's running statistics)
+            *parents, leaf = name.split(".")
+            node = self.buffers
+            for part in parents:
+                node = node[part]
+            node[leaf] = Buffer(env.t2j_iso(tensors[name]))
+        return outputs if torch_io else outputs_to_jax(env, outputs)
+
+    def write_to_torch(self, params: dict | None = None) -> None:
+        """Copy the weights (`params`, a pure dict shaped like this module's, or its own) into the torch model."""
+        arrays = dict(self.named_arrays())
+        if params is not None:
+            arrays.update(_flatten(params))
+        state = dict(self.torch_model.named_parameters()) | dict(self.torch_model.named_buffers())
+        with torch.no_grad():
+            for name, value in arrays.items():
+                state[name].copy_(to_tensor(value))
+

@@ -1,0 +1,151 @@
+"""torchax, imported and set up for the bridge in one place.
+
+torchax runs torch code on `jax.Array`s: a `torch.Tensor` subclass holding one, and torch's ops lowered to JAX.
+Three things about torchax 0.0.13 are fixed here, each tested in tests/test_bridge_compat.py so that the test
+fails once torchax no longer needs it:
+
+1. Its op tables name about twenty named-tensor overloads torch 2.13 removed (`aten.prod.dim_Dimname`, ...): at
+   import, a missing overload of an op packet reads as a placeholder, which is taken out of the tables afterwards.
+2. Importing it renames torch's private backend to "jax" and registers a `torch.jax` device module: torch then
+   reports "jax" as its accelerator, and transformers.Trainer or accelerate in the same process move models onto
+   it. Here the backend keeps torch's own name (`privateuseone`), its device module is registered under that
+   name (torch's factories need one for `device=tensor.device`), and every other global it sets (torch's MHA
+   fast path, a JAX client option, an environment variable) is put back.
+3. Its `scaled_dot_product_attention` gives NaN for a query whose keys are all masked (torch gives 0): right
+   padding inside a sliding window turns a whole padded row NaN, and NaN reaches the gradients through 0 * NaN.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import torch
+
+DEVICE = torch.device("privateuseone", 0)  # what `tensor.device` says of a torchax tensor (see point 2)
+
+
+class RemovedOverload:
+    """What a torch op packet answers, during torchax's import, for an overload torch no longer has."""
+
+    def __init__(self, packet: str, overload: str):
+        self.name = f"{packet}.{overload}"
+
+    def __repr__(self):
+        return f"RemovedOverload({self.name})"
+
+
+REMOVED_OVERLOADS: list[RemovedOverload] = []
+
+
+@contextlib.contextmanager
+def _removed_overloads_tolerated():
+    packet_type = torch._ops.OpOverloadPacket
+    original = packet_type.__getattr__
+
+    def getattr_or_placeholder(self, key):
+        try:
+            return original(self, key)
+        except AttributeError:
+            if key.startswith("__"):
+                raise
+            placeholder = RemovedOverload(self._qualified_op_name, key)
+            REMOVED_OVERLOADS.append(placeholder)
+            return placeholder
+
+    packet_type.__getattr__ = getattr_or_placeholder
+    try:
+        yield
+    finally:
+        packet_type.__getattr__ = original
+
+
+@contextlib.contextmanager
+def _torch_globals_kept():
+    """torchax's import-time changes to torch's and JAX's globals, undone (point 2 of the module docstring)."""
+    rename, register = torch.utils.rename_privateuse1_backend, torch._register_device_module
+    fast_path = torch.backends.mha.get_fastpath_enabled()
+    telemetry = os.environ.get("ENABLE_RUNTIME_UPTIME_TELEMETRY")
+    client_options = getattr(jax.config, "jax_pjrt_client_create_options", None)
+    torch.utils.rename_privateuse1_backend = lambda name: None
+    torch._register_device_module = lambda name, module: None
+    try:
+        yield
+    finally:
+        torch.utils.rename_privateuse1_backend, torch._register_device_module = rename, register
+        torch.backends.mha.set_fastpath_enabled(fast_path)
+        if telemetry is None:
+            os.environ.pop("ENABLE_RUNTIME_UPTIME_TELEMETRY", None)
+        if client_options is not None or hasattr(jax.config, "jax_pjrt_client_create_options"):
+            jax.config.update("jax_pjrt_client_create_options", client_options)
+
+
+def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """torch's scaled_dot_product_attention on jax arrays, as torch computes it: a query whose keys are all masked
+    attends to nothing (0), not NaN."""
+    length, source = query.shape[-2], key.shape[-2]
+    scale = 1 / math.sqrt(query.shape[-1]) if scale is None else scale
+    allowed = jnp.ones((length, source), bool)
+    bias = jnp.zeros((length, source), query.dtype)
+    if is_causal:
+        allowed = jnp.tril(allowed)
+    if attn_mask is not None:
+        if attn_mask.dtype == jnp.bool_:
+            allowed = allowed & attn_mask
+        else:
+            bias = bias + attn_mask.astype(query.dtype)
+            allowed = allowed & (attn_mask > -jnp.inf)
+    if enable_gqa:
+        key = jnp.repeat(key, query.shape[-3] // key.shape[-3], axis=-3)
+        value = jnp.repeat(value, query.shape[-3] // value.shape[-3], axis=-3)
+    scores = jnp.einsum("...qd,...kd->...qk", query, key) * jnp.asarray(scale, query.dtype) + bias
+    scores = jnp.where(allowed, scores, -jnp.inf)
+    any_key = jnp.any(allowed, axis=-1, keepdims=True)
+    weights = jax.nn.softmax(jnp.where(any_key, scores, 0.0), axis=-1)
+    weights = jnp.where(allowed & any_key, weights, 0.0).astype(query.dtype)
+    if dropout_p > 0:
+        import torchax
+
+        rng = torchax.default_env().get_and_rotate_prng_key()
+        keep = jax.random.bernoulli(rng, 1.0 - dropout_p, weights.shape)
+        weights = jnp.where(keep, weights / (1.0 - dropout_p), 0.0).astype(query.dtype)
+    return jnp.einsum("...qk,...kd->...qd", weights, value)
+
+
+def _sdpa_on_tensors(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    import torchax.tensor
+
+    env = query._env
+    arrays = env.t2j_iso((query, key, value, attn_mask))
+    out = _sdpa(*arrays, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+    return torchax.tensor.Tensor(out, env)
+
+
+@functools.cache
+def environment():
+    """torchax's environment with the fixes above (imported on first use: torch and torchax load here)."""
+    with _removed_overloads_tolerated(), _torch_globals_kept():
+        import torchax
+        import torchax.decompositions  # noqa: F401  (their op tables are read at import: inside the fixes)
+        import torchax.ops.jaten  # noqa: F401
+        import torchax.ops.jtorch  # noqa: F401
+
+        env = torchax.default_env()
+    import torchax.amp
+    import torchax.device_module
+    import torchax.tensor
+    import torchax.view
+
+    for table in (torchax.amp.autocast_policy, env._ops, env._decomps):
+        for op in [op for op in table if isinstance(op, RemovedOverload)]:
+            del table[op]
+    torch._register_device_module(DEVICE.type, torchax.device_module)
+    torchax.tensor.Tensor.device = property(lambda self: DEVICE)
+    torchax.view.View.device = property(lambda self: DEVICE)
+    for op in (torch.nn.functional.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention):
+        env.override_op_definition(op, _sdpa_on_tensors)
+    return env
