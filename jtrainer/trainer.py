@@ -480,7 +480,8 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
             accepts_loss_kwargs=self.model_accepts_loss_kwargs,
         )
         if has_labels and self.compute_loss_func is not None:
-            return LossSpec(LossMode.CUSTOM, compute_loss_func=self.compute_loss_func, **common)
+            counted = "labels" in sample  # HF's num_items_in_batch counts the "labels" column only (else None)
+            return LossSpec(LossMode.CUSTOM, compute_loss_func=self.compute_loss_func, pass_num_items=counted, **common)
         if has_labels and smoothing > 0:
             labels = sample[self.label_names[0]]
             if not np.issubdtype(labels.dtype, np.integer):
@@ -506,7 +507,7 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
             return LossSpec(LossMode.TRAINER, padding_neutral=True, **common)
         loss, _ = split_outputs(self._abstract_outputs(sample))
         if loss is not None:
-            if has_labels and self.model_accepts_loss_kwargs:
+            if has_labels and self.model_accepts_loss_kwargs and "labels" in sample:  # HF counts "labels" only
                 # jtrainer's models and transformers' (through the bridge) leave -100 labels out of their sums.
                 neutral = isinstance(self.model, PretrainedMixin) or bridge.is_bridged(self.nnx_model)
                 return LossSpec(LossMode.MODEL_SUM, padding_neutral=neutral, **common)

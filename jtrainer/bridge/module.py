@@ -134,9 +134,7 @@ class TorchModel(nnx.Module):
     def named_arrays(self) -> dict[str, jax.Array]:
         """Every weight and buffer by HF's name."""
         return {
-            name: var[...]
-            for tree in (self.params, self.frozen, self.buffers)
-            for name, var in _flatten(tree).items()
+            name: var[...] for tree in (self.params, self.frozen, self.buffers) for name, var in _flatten(tree).items()
         }
 
     def __call__(self, *args, **kwargs):
@@ -168,4 +166,3 @@ class TorchModel(nnx.Module):
         with torch.no_grad():
             for name, value in arrays.items():
                 state[name].copy_(to_tensor(value))
-

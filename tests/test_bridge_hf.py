@@ -1,0 +1,200 @@
+"""The torch bridge against transformers.Trainer: transformers' own PyTorch models, trained by jtrainer's step
+(through torchax) and by transformers.Trainer (torch), from the same weights, rows and hyperparameters.
+
+Each model is tiny and built with torch; dropout is 0 (torch's dropout masks come from torch's generator, the
+bridge's from JAX keys: see test_bridge.py for dropout on)."""
+
+import copy
+import importlib.util
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+if importlib.util.find_spec("torchax") is None:  # imported by jtrainer.bridge, with its fixes for torch 2.13
+    pytest.skip("torchax is not installed", allow_module_level=True)
+transformers = pytest.importorskip("transformers")
+
+from conftest import tiny_llama_config, token_rows, torch_rows  # noqa: E402
+
+VOCAB = 64
+
+
+def _args(cls, out, **over):
+    kw = dict(
+        output_dir=str(out),
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        learning_rate=3e-3,
+        weight_decay=0.1,
+        warmup_steps=2,
+        lr_scheduler_type="linear",
+        max_grad_norm=0.5,
+        num_train_epochs=2,
+        logging_steps=1,
+        train_sampling_strategy="sequential",
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        seed=0,
+        use_cpu=True,
+        optim="adamw_torch",
+    )
+    kw.update(over)
+    return cls(**kw)
+
+
+def _padded_lm_rows(n, length=24, seed=0):
+    """Causal-LM rows with right padding (attention_mask 0, labels -100) of uneven lengths."""
+    rows = token_rows(n, length=length, vocab=VOCAB, seed=seed, ragged_labels=True)
+    rng = np.random.RandomState(seed + 1)
+    for row in rows:
+        keep = rng.randint(length // 2, length + 1)
+        row["attention_mask"][keep:] = 0
+        row["labels"][keep:] = -100
+    return rows
+
+
+def _class_rows(n, labels_of, length=12, seed=0):
+    rng = np.random.RandomState(seed)
+    rows = []
+    for _ in range(n):
+        ids = rng.randint(1, VOCAB, length)
+        mask = np.ones(length, np.int64)
+        mask[rng.randint(length // 2, length + 1) :] = 0
+        rows.append({"input_ids": ids, "attention_mask": mask, **labels_of(rng, length)})
+    return rows
+
+
+def _bert(cls, **over):
+    config = transformers.BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        **over,
+    )
+    return getattr(transformers, cls)(config)
+
+
+def _causal(name):
+    small = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2)
+    heads = dict(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    if name == "llama":
+        return transformers.LlamaForCausalLM(tiny_llama_config())
+    if name == "qwen3":
+        return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**small, **heads, head_dim=8))
+    if name == "gemma3":  # a sliding window (8) shorter than the rows (24), right padding inside it
+        config = transformers.Gemma3TextConfig(
+            **small, **heads, head_dim=8, sliding_window=8, layer_types=["sliding_attention", "full_attention"]
+        )
+        return transformers.Gemma3ForCausalLM(config)
+    if name == "phi3":
+        config = transformers.Phi3Config(
+            **small, **heads, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2
+        )
+        return transformers.Phi3ForCausalLM(config)
+    if name == "gpt2":
+        config = transformers.GPT2Config(
+            vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0
+        )
+        return transformers.GPT2LMHeadModel(config)
+    raise ValueError(name)
+
+
+def _case(name):
+    """(torch model, training rows) of each side-by-side case."""
+    if name in ("llama", "qwen3", "gemma3", "phi3", "gpt2"):
+        return _causal(name), _padded_lm_rows(30)
+    if name == "bert-sequence":
+        return _bert("BertForSequenceClassification", num_labels=3), _class_rows(
+            30, lambda rng, n: {"labels": np.int64(rng.randint(3))}
+        )
+    if name == "bert-token":
+        return _bert("BertForTokenClassification", num_labels=5), _class_rows(
+            30, lambda rng, n: {"labels": np.where(rng.rand(n) < 0.2, -100, rng.randint(5, size=n))}
+        )
+    if name == "bert-qa":
+        positions = lambda rng, n: {"start_positions": np.int64(rng.randint(n)), "end_positions": np.int64(rng.randint(n))}  # noqa: E731
+        return _bert("BertForQuestionAnswering"), _class_rows(30, positions)
+    if name == "bert-choice":
+        rows = []
+        for row in _class_rows(90, lambda rng, n: {}):
+            rows.append(row)
+        choices = [
+            {
+                "input_ids": np.stack([r["input_ids"] for r in rows[i : i + 3]]),
+                "attention_mask": np.stack([r["attention_mask"] for r in rows[i : i + 3]]),
+                "labels": np.int64(i % 3),
+            }
+            for i in range(0, 90, 3)
+        ]
+        return _bert("BertForMultipleChoice"), choices
+    if name == "vit":
+        config = transformers.ViTConfig(
+            image_size=16,
+            patch_size=4,
+            num_channels=3,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=64,
+            num_labels=4,
+        )
+        rng = np.random.RandomState(0)
+        rows = [
+            {"pixel_values": rng.randn(3, 16, 16).astype(np.float32), "labels": np.int64(rng.randint(4))}
+            for _ in range(30)
+        ]
+        return transformers.ViTForImageClassification(config), rows
+    raise ValueError(name)
+
+
+CASES = ["llama", "qwen3", "gemma3", "phi3", "gpt2", "bert-sequence", "bert-token", "bert-qa", "bert-choice", "vit"]
+
+
+def _without_gradient(model, rows) -> set[str]:
+    """Parameters whose true gradient is 0 (float64, all rows): a QA head's logits do not change when the last
+    LayerNorm's bias adds the same to every position, attention scores not with a key bias. Their updates are
+    AdamW's normalisation of rounding noise in either framework, not a result to compare."""
+    exact = copy.deepcopy(model).double()
+    batch = {k: torch.tensor(np.stack([r[k] for r in rows])) for k in rows[0]}
+    batch = {k: v.double() if v.is_floating_point() else v for k, v in batch.items()}
+    exact(**batch).loss.backward()
+    return {n for n, p in exact.named_parameters() if p.grad is None or float(p.grad.abs().max()) < 1e-12}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_same_run_as_transformers_trainer(tmp_path, name):
+    from jtrainer import Trainer, TrainingArguments
+
+    torch.manual_seed(0)
+    model, rows = _case(name)
+    ours_model = copy.deepcopy(model)
+    noise_only = _without_gradient(model, rows)
+    hf = transformers.Trainer(
+        model=model, args=_args(transformers.TrainingArguments, tmp_path / "hf"), train_dataset=torch_rows(rows)
+    )
+    hf_out = hf.train()
+    ours = Trainer(model=ours_model, args=_args(TrainingArguments, tmp_path / "jt"), train_dataset=rows)
+    jt_out = ours.train()
+
+    hf_logs = [h for h in hf.state.log_history if "loss" in h]
+    jt_logs = [h for h in ours.state.log_history if "loss" in h]
+    assert [h["step"] for h in jt_logs] == [h["step"] for h in hf_logs] == list(range(1, 9))
+    for ref, got in zip(hf_logs, jt_logs):
+        np.testing.assert_allclose(got["loss"], ref["loss"], rtol=1e-5, err_msg=f"loss at {ref['step']}")
+        np.testing.assert_allclose(got["grad_norm"], ref["grad_norm"], rtol=1e-4, err_msg=f"norm at {ref['step']}")
+        np.testing.assert_allclose(got["learning_rate"], ref["learning_rate"], rtol=1e-6)
+    assert jt_out.global_step == hf_out.global_step
+    assert ours.model is ours_model  # HF's trainer.model: the model given, holding the trained weights
+    trained = dict(hf.model.named_parameters())
+    for key, value in ours_model.named_parameters():
+        if key in noise_only:
+            continue
+        np.testing.assert_allclose(value.detach().numpy(), trained[key].detach().numpy(), atol=1e-5, err_msg=key)
+    assert ours.state.total_flos == pytest.approx(hf.state.total_flos, rel=1e-6)
