@@ -95,7 +95,7 @@ def _causal(name):
         return transformers.Gemma3ForCausalLM(config)
     if name == "phi3":
         config = transformers.Phi3Config(
-            **small, **heads, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2
+            **small, **heads, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0, pad_token_id=0, eos_token_id=2
         )
         return transformers.Phi3ForCausalLM(config)
     if name == "gpt2":
@@ -119,12 +119,13 @@ def _case(name):
             30, lambda rng, n: {"labels": np.where(rng.rand(n) < 0.2, -100, rng.randint(5, size=n))}
         )
     if name == "bert-qa":
-        positions = lambda rng, n: {"start_positions": np.int64(rng.randint(n)), "end_positions": np.int64(rng.randint(n))}  # noqa: E731
+
+        def positions(rng, n):
+            return {"start_positions": np.int64(rng.randint(n)), "end_positions": np.int64(rng.randint(n))}
+
         return _bert("BertForQuestionAnswering"), _class_rows(30, positions)
     if name == "bert-choice":
-        rows = []
-        for row in _class_rows(90, lambda rng, n: {}):
-            rows.append(row)
+        rows = _class_rows(90, lambda rng, n: {})
         choices = [
             {
                 "input_ids": np.stack([r["input_ids"] for r in rows[i : i + 3]]),
