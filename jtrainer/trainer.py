@@ -413,12 +413,35 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
             padding_neutral=False,
             num_classes=None,  # the override's labels may mean something else: the config's classes
         )
-        self._probe_compute_loss(spec, sample)
-        return spec
+        return self._probe_compute_loss(spec, sample)
 
-    def _probe_compute_loss(self, spec: LossSpec, sample: data.Batch) -> None:
-        """Trace the override once on the batch's shapes, before compiling: code that cannot run on traced jax
-        arrays (torch ops, numpy conversions, float()) fails here with its name, as does a non-scalar loss."""
+    def _probe_compute_loss(self, spec: LossSpec, sample: data.Batch) -> LossSpec:
+        """Trace the override once on the batch's shapes, before compiling. An override written in torch (HF's
+        documented examples) runs in the step through torchax when the script has torch (tried first for a torch
+        model, after jax.numpy for a native one); code that runs neither way (numpy conversions, float()) fails
+        here with its name, as does a non-scalar loss."""
+        candidates = [spec]
+        if bridge.is_torch_module(self.model) or "torch" in sys.modules:
+            bridge.check_installed()
+            from jtrainer.bridge.torch_code import compute_loss_in_torch
+
+            in_torch = dataclasses.replace(spec, compute_loss=compute_loss_in_torch(self.compute_loss))
+            candidates = [in_torch, spec] if bridge.is_torch_module(self.model) else [spec, in_torch]
+        errors = []
+        for candidate in candidates:
+            try:
+                loss = self._trace_compute_loss(candidate, sample)
+                break
+            except Exception as error:  # noqa: BLE001  (the next way may run it; else the first error is raised)
+                errors.append(error)
+        else:
+            self._raise_untraceable(errors[0])
+        if getattr(loss, "shape", None) != ():
+            raise ValueError(f"{type(self).__name__}.compute_loss must return a scalar loss; it returned {loss!r}.")
+        return candidate
+
+    def _trace_compute_loss(self, spec: LossSpec, sample: data.Batch):
+        """The override's loss, traced on the batch's shapes (nothing runs)."""
         graphdef, params, rest = nnx.split(self.nnx_model, nnx.Param, ...)
         probe = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in sample.items()}
 
@@ -427,18 +450,24 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
                 num_items = count_label_tokens(inputs["labels"], spec.count_shifted) if spec.pass_num_items else None
                 return step_compute_loss(model, inputs, spec, num_items)
 
+        with self._mesh_context():
+            return jax.eval_shape(loss_of, params, rest, probe)
+
+    def _raise_untraceable(self, error: Exception):
         name = f"{type(self).__name__}.compute_loss"
-        try:
-            with self._mesh_context():
-                loss = jax.eval_shape(loss_of, params, rest, probe)
-        except UNTRACEABLE as error:
+        op = bridge.unlowered_op(error)
+        if op is not None:
+            raise NotImplementedError(
+                f"{name} calls torch's {op}, which torchax cannot lower to JAX: the compiled step cannot run it. "
+                "Write that part another way (or with jax.numpy)."
+            ) from None
+        if isinstance(error, UNTRACEABLE):
             raise TypeError(
                 f"{name} cannot run inside the compiled train step: {str(error).splitlines()[0]}. Write it with "
-                "jax.numpy on the arrays it receives (no torch, numpy conversion or float()), calling `model`, "
-                "not `self.model`."
+                "jax.numpy or torch on the arrays it receives (no numpy conversion, .item() or float()), calling "
+                "`model`, not `self.model`."
             ) from error
-        if getattr(loss, "shape", None) != ():
-            raise ValueError(f"{name} must return a scalar loss; it returned {loss!r}.")
+        raise error
 
     def _default_loss_spec(self, sample: data.Batch, training: bool) -> LossSpec:
         """The Trainer's own loss (`_default_loss_rules`); where the Trainer computes the cross-entropy itself,

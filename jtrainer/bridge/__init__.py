@@ -6,6 +6,7 @@ Importing this package imports neither torch nor torchax; `as_nnx` does, for a t
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 from typing import Any
 
@@ -31,6 +32,14 @@ def check_installed() -> None:
             raise ImportError(
                 f"Training a PyTorch model with jtrainer runs it through torchax; {name} is not installed: {EXTRA}."
             )
+
+
+def unlowered_op(error: BaseException) -> str | None:
+    """The torch op named by torchax's "no lowering" error (`aten::_grouped_mm`), or None for any other error."""
+    if type(error).__name__ != "OperatorNotFound":
+        return None
+    match = re.search(r"name (\S+) has no lowering", str(error))
+    return match.group(1) if match else str(error).splitlines()[0]
 
 
 def as_nnx(model: Any):

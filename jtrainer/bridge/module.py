@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from flax import nnx
 
-from jtrainer.bridge import torchax_compat
+from jtrainer.bridge import torchax_compat, unlowered_op
 from jtrainer.models.outputs import Outputs
 
 
@@ -146,7 +146,16 @@ class TorchModel(nnx.Module):
                 tensors = {name: env.j2t_iso(var[...]) for name, var in flat.items()}
                 if not torch_io:
                     args, kwargs = env.j2t_iso((args, kwargs))
-                outputs = torch.func.functional_call(self.torch_model, tensors, args, kwargs, strict=False)
+                try:
+                    outputs = torch.func.functional_call(self.torch_model, tensors, args, kwargs, strict=False)
+                except Exception as error:
+                    op = unlowered_op(error)
+                    if op is None:
+                        raise
+                    raise NotImplementedError(
+                        f"{type(self.torch_model).__name__}'s forward calls torch's {op}, which torchax cannot lower "
+                        "to JAX: jtrainer cannot train this model through the torch bridge."
+                    ) from None
                 next_key = env.param.prng
         self.random["key"] = RandomKey(next_key)
         for name in _flatten(self.buffers):  # in-place updates (BatchNorm's running statistics)
