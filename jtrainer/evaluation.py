@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import time
 from typing import Any
 
@@ -23,7 +24,7 @@ from transformers.trainer_utils import (
     speed_metrics,
 )
 
-from jtrainer import compiled_steps, data, distributed, sharding
+from jtrainer import bridge, compiled_steps, data, distributed, sharding
 from jtrainer.losses import IGNORE_INDEX
 from jtrainer.overrides import check_loader
 from jtrainer.step import (
@@ -175,9 +176,12 @@ class EvaluationMixin(TrainerParts):
         key = (graphdef, spec, want_logits, self.preprocess_logits_for_metrics, ignore_keys)
         if key not in compiled_steps.EVAL_STEPS:
             placement = PreprocessPlacement()
-            step = jax.jit(
-                make_eval_step(graphdef, spec, want_logits, self.preprocess_logits_for_metrics, ignore_keys, placement)
-            )
+            preprocess, in_torch = self.preprocess_logits_for_metrics, None
+            if preprocess is not None and "torch" in sys.modules and bridge.check_installed(required=False):
+                from jtrainer.bridge.torch_code import function_in_torch
+
+                in_torch = function_in_torch(preprocess)  # torch code (HF's contract) inside the step, via torchax
+            step = jax.jit(make_eval_step(graphdef, spec, want_logits, preprocess, ignore_keys, placement, in_torch))
             compiled_steps.EVAL_STEPS[key] = (step, placement)
         step, self._preprocess_placement = compiled_steps.EVAL_STEPS[key]
         return step

@@ -380,11 +380,13 @@ def make_eval_step(
     preprocess_logits: Callable | None = None,
     ignore_keys: tuple[str, ...] = (),
     placement: PreprocessPlacement | None = None,
+    preprocess_in_torch: Callable | None = None,
 ):
     """A pure evaluation step on one batch [rows, ...]: the batch's mean loss and (optionally) its predictions,
     chosen from the outputs by HF's prediction_step rules (`prediction_values`). `preprocess_logits` is traced
     into the step; when tracing it fails, the step returns the predictions as they are and marks `placement`
-    so the caller runs the function on the host, as HF calls it."""
+    so the caller runs the function on the host, as HF calls it. `preprocess_in_torch` (the function called
+    with torchax tensors) is tried in the step before that."""
     placement = placement if placement is not None else PreprocessPlacement()
 
     def eval_step(params, model_state, inputs: dict[str, jax.Array]) -> EvalOutputs:
@@ -405,10 +407,23 @@ def make_eval_step(
                 try:
                     predictions = preprocess_logits(predictions, all_labels)
                 except UNTRACEABLE as error:  # torch methods, numpy conversions, float(): the host's; any
-                    placement.on_host, placement.reason = True, error  # other error is the function's own bug
+                    if preprocess_in_torch is None:  # other error is the function's own bug
+                        placement.on_host, placement.reason = True, error
+                    else:
+                        predictions = _preprocess_in_torch(preprocess_in_torch, predictions, all_labels, placement)
         return EvalOutputs(None if loss is None else jnp.mean(loss).astype(jnp.float32), predictions)
 
     return eval_step
+
+
+def _preprocess_in_torch(preprocess, predictions, labels, placement: PreprocessPlacement):
+    """A torch-written preprocess_logits_for_metrics in the step; on the host (HF's torch call) if torchax cannot
+    run it either (a .cpu().numpy() inside, ...)."""
+    try:
+        return preprocess(predictions, labels)
+    except Exception as error:  # noqa: BLE001  (the host runs it as HF does, and raises its own errors there)
+        placement.on_host, placement.reason = True, error
+        return predictions
 
 
 def make_shard_loss_step(graphdef, spec: LossSpec, shards: int):

@@ -1,6 +1,7 @@
 """preprocess_logits_for_metrics written for torch (run_clm's `logits.argmax(dim=-1)`) works unedited: JAX cannot
-trace it, so it runs on the host with torch tensors, as HF calls it; one JAX can trace runs inside the eval step.
-Both give HF's metrics on the same model and data."""
+trace it, so it runs inside the eval step through torchax (the torch bridge); one that torchax cannot run either (a
+host conversion) runs on the host with torch tensors, as HF calls it; one JAX can trace runs inside the eval step.
+All give HF's metrics on the same model and data."""
 
 import numpy as np
 import pytest
@@ -18,6 +19,12 @@ def torch_style(logits, labels):  # run_clm's, verbatim
     return logits.argmax(dim=-1)
 
 
+def host_only(logits, labels):  # a numpy round trip: neither JAX nor torchax can trace it
+    if isinstance(logits, tuple):
+        logits = logits[0]
+    return torch.from_numpy(logits.numpy()).argmax(dim=-1)
+
+
 def jax_style(logits, labels):
     return logits.argmax(axis=-1)
 
@@ -28,7 +35,7 @@ def accuracy(p):
     return {"accuracy": float((preds[keep] == labels[keep]).mean())}
 
 
-def test_a_torch_style_preprocess_runs_on_the_host_and_gives_hfs_metrics(tmp_path):
+def test_a_torch_style_preprocess_runs_in_the_step_and_gives_hfs_metrics(tmp_path):
     torch.manual_seed(0)
     reference = transformers.LlamaForCausalLM(tiny_llama_config())
     reference.save_pretrained(tmp_path / "ref")
@@ -44,7 +51,7 @@ def test_a_torch_style_preprocess_runs_on_the_host_and_gives_hfs_metrics(tmp_pat
     )
     expected = hf.evaluate()
     results = {}
-    for name, function in (("torch", torch_style), ("jax", jax_style)):
+    for name, function in (("torch", torch_style), ("host", host_only), ("jax", jax_style)):
         trainer = Trainer(
             model=AutoModelForCausalLM.from_pretrained(str(tmp_path / "ref")),
             args=TrainingArguments(output_dir=scratch_dir(), report_to="none", per_device_eval_batch_size=4),
@@ -53,7 +60,7 @@ def test_a_torch_style_preprocess_runs_on_the_host_and_gives_hfs_metrics(tmp_pat
             preprocess_logits_for_metrics=function,
         )
         results[name] = trainer.evaluate()
-        assert trainer._preprocess_placement.on_host == (name == "torch")
+        assert trainer._preprocess_placement.on_host == (name == "host")
     for result in results.values():
         assert result["eval_accuracy"] == expected["eval_accuracy"]
         np.testing.assert_allclose(result["eval_loss"], expected["eval_loss"], rtol=1e-5)

@@ -25,13 +25,17 @@ def is_bridged(model: Any) -> bool:
     return module is not None and isinstance(model, module.TorchModel)
 
 
-def check_installed() -> None:
-    """torch and torchax are present (found, not imported: torchax is imported with torchax_compat's fixes)."""
+def check_installed(required: bool = True) -> bool:
+    """Whether torch and torchax are present (found, not imported: torchax is imported with torchax_compat's
+    fixes); if `required`, an error naming the extra when not."""
     for name in ("torch", "torchax"):
         if importlib.util.find_spec(name) is None:
+            if not required:
+                return False
             raise ImportError(
                 f"Training a PyTorch model with jtrainer runs it through torchax; {name} is not installed: {EXTRA}."
             )
+    return True
 
 
 def unlowered_op(error: BaseException) -> str | None:
