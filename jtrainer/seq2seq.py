@@ -16,7 +16,7 @@ import numpy as np
 import transformers
 from transformers import GenerationConfig
 
-from jtrainer import distributed, sharding
+from jtrainer import bridge, distributed, sharding
 from jtrainer.args import TrainingArguments
 from jtrainer.generation import generate
 from jtrainer.trainer import Trainer
@@ -124,6 +124,8 @@ class Seq2SeqTrainer(Trainer):
         batch's shape is fixed, so decoding compiles once per length bucket), then cut. With many processes,
         each one's rows are placed on the mesh like an evaluation batch, every process runs the same decoding
         program, and the ids are gathered on every process."""
+        if bridge.is_bridged(self.nnx_model):
+            return pad_to_width(self._generate_in_torch(batch, rows), self._prediction_width(), self._pad_token_id())
         main = getattr(self.model, "main_input_name", "input_ids")
         input_ids = np.asarray(batch[main])
         mask = np.asarray(batch["attention_mask"]) if "attention_mask" in batch else np.ones_like(input_ids)
@@ -143,6 +145,30 @@ class Seq2SeqTrainer(Trainer):
                 ids = generate(self.model, placed["ids"], placed["mask"], self.generation_config, **self._gen_kwargs)
             ids = distributed.gather_rows(ids)
         return pad_to_width(ids[:rows], self._prediction_width(), pad)
+
+    def _generate_in_torch(self, batch: dict[str, np.ndarray], rows: int) -> np.ndarray:
+        """A torch model's generated ids: transformers' own `generate` (HF's Seq2SeqTrainer.prediction_step call)
+        on the torch model holding the trained weights, on the host's CPU (see the README's torch bridge section
+        for its speed)."""
+        import torch
+
+        if jax.process_count() > 1:
+            raise NotImplementedError(
+                "predict_with_generate on a torch model runs transformers' generate on one host; with "
+                f"{jax.process_count()} processes, evaluate without it or save the model and generate afterwards."
+            )
+        self._sync_model()
+        inputs = {k: v[:rows] for k, v in batch.items() if k not in self.label_names}
+        labels = batch.get("labels")
+        if labels is not None and "decoder_input_ids" in inputs and labels.shape == inputs["decoder_input_ids"].shape:
+            inputs = {k: v for k, v in inputs.items() if k not in ("decoder_input_ids", "decoder_attention_mask")}
+        with torch.no_grad():
+            ids = self.model.generate(
+                **{k: torch.from_numpy(np.asarray(v)) for k, v in inputs.items()},
+                generation_config=self.generation_config,
+                **self._gen_kwargs,
+            )
+        return ids.numpy()
 
     def _prediction_labels(self, labels: np.ndarray) -> np.ndarray:
         return pad_to_width(labels, self._prediction_width(), self._pad_token_id())

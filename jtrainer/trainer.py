@@ -715,8 +715,11 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
             _, params, _ = nnx.split(self.nnx_model, nnx.Param, ...)
             nnx.replace_by_pure_dict(params, jax.tree.map(jnp.copy, self._model_params()))
             nnx.update(self.nnx_model, params, jax.tree.map(jnp.copy, self._train_state.model_state))
-            if bridge.is_bridged(self.nnx_model):  # the user's torch model holds them too
+            held = self._torch_holds
+            fresh = held is not None and held[0] is self._train_state and held[1] == self._optimizer_eval_mode
+            if bridge.is_bridged(self.nnx_model) and not fresh:  # the user's torch model holds them too
                 self.nnx_model.write_to_torch()
+                self._torch_holds = (self._train_state, self._optimizer_eval_mode)
 
     # ---------------------------------------------------------------------------------------------- training
     def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None, **kwargs):

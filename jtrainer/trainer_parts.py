@@ -40,6 +40,7 @@ OWNER: dict[str, str] = {
             "current_flos",
             "_param_specs",
             "_train_state",
+            "_torch_holds",
             "_run",
         ),
         "trainer",
@@ -114,6 +115,7 @@ class TrainerParts:
     # trainer: what outlives one train() loop, and the loop itself
     _param_specs: Any
     _train_state: Any = None  # jtrainer.state.TrainState
+    _torch_holds: Any = None  # a torch model's weights came from this (train state, optimizer eval mode)
     _run: Any = None  # jtrainer.training_run.TrainingRun: the last loop's state (log accumulators, last step, ...)
     # optimizer_setup
     optimizer: Any = None

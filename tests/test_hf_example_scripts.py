@@ -32,9 +32,10 @@ class Accuracy(evaluate.Metric):
 """
 
 
-def rewrite_imports(source: str) -> str:
+def rewrite_imports(source: str, models: bool = True) -> str:
     """The script with Trainer, TrainingArguments, Seq2Seq* and AutoModelFor* taken from jtrainer instead of
-    transformers: those names leave its `from transformers import (...)` block, two import lines follow it."""
+    transformers: those names leave its `from transformers import (...)` block, two import lines follow it.
+    `models=False`: only the Trainer names move; the models stay transformers' PyTorch ones (the torch bridge)."""
     out, moved, inside = [], [], False
     for line in source.splitlines():
         if line.startswith("from transformers import ("):
@@ -47,7 +48,9 @@ def rewrite_imports(source: str) -> str:
             out += [f"from jtrainer import {', '.join(top)}"] if top else []
             out += [f"from jtrainer.models import {', '.join(models)}"] if models else []
             continue
-        elif inside and (line.strip().rstrip(",") in JTRAINER_NAMES or line.strip().startswith("AutoModelFor")):
+        elif inside and (
+            line.strip().rstrip(",") in JTRAINER_NAMES or (models and line.strip().startswith("AutoModelFor"))
+        ):
             moved.append(line.strip().rstrip(","))
             continue
         out.append(line)
@@ -94,6 +97,7 @@ def glue(tmp_path_factory):
     source = open(os.path.join(EXAMPLES, "run_glue.py")).read()
     (folder / "run_glue_hf.py").write_text(source)
     (folder / "run_glue_jtrainer.py").write_text(rewrite_imports(source))
+    (folder / "run_glue_bridge.py").write_text(rewrite_imports(source, models=False))
     return folder
 
 
@@ -187,6 +191,23 @@ def test_run_glue_fine_tunes_a_classifier_with_torchs_numbers(glue):
     assert got["eval_accuracy"] == expected["eval_accuracy"] and got["total_flos"] == expected["total_flos"]
 
 
+def test_run_glue_with_only_the_trainer_imports_changed_trains_transformers_model(glue):
+    """The torch bridge: run_glue.py keeps transformers' AutoModelForSequenceClassification (a PyTorch model),
+    jtrainer's Trainer trains it with torch's numbers."""
+    source = open(os.path.join(EXAMPLES, "run_glue.py")).read()
+    added = [line for line in rewrite_imports(source, models=False).splitlines() if line not in source.splitlines()]
+    assert added == ["from jtrainer import Trainer, TrainingArguments"]
+    theirs = _run(glue, "hf", "three", "bridge_hf")
+    assert theirs.returncode == 0, theirs.stderr[-3000:]
+    ours = _run(glue, "bridge", "three", "bridge_jt")
+    assert ours.returncode == 0, ours.stderr[-3000:]
+    expected, got = _results(glue, "bridge_hf"), _results(glue, "bridge_jt")
+    assert set(got) == set(expected)
+    for key in ("train_loss", "eval_loss"):
+        assert got[key] == pytest.approx(expected[key], rel=1e-5), key
+    assert got["eval_accuracy"] == expected["eval_accuracy"] and got["total_flos"] == expected["total_flos"]
+
+
 def test_run_glue_from_a_masked_lm_base_and_over_a_two_label_checkpoint_as_transformers(glue):
     # A base checkpoint: the classifier and pooler are initialised and reported, training runs. (Their initial
     # values are each framework's own random draw, so the losses are not compared.)
@@ -238,6 +259,7 @@ def clm(tmp_path_factory, glue):
     source = open(os.path.join(EXAMPLES, "run_clm.py")).read()
     (folder / "run_clm_hf.py").write_text(source)
     (folder / "run_clm_jtrainer.py").write_text(rewrite_imports(source))
+    (folder / "run_clm_bridge.py").write_text(rewrite_imports(source, models=False))
     return folder
 
 
@@ -352,6 +374,7 @@ def test_run_summarization_trains_and_generates_with_torchs_numbers(tmp_path):
     source = open(os.path.join(EXAMPLES, "run_summarization.py")).read()
     (tmp_path / "run_summarization_hf.py").write_text(source)
     (tmp_path / "run_summarization_jtrainer.py").write_text(rewrite_imports(source))
+    (tmp_path / "run_summarization_bridge.py").write_text(rewrite_imports(source, models=False))
     args = [
         "--model_name_or_path",
         "model",
@@ -385,13 +408,61 @@ def test_run_summarization_trains_and_generates_with_torchs_numbers(tmp_path):
         "--learning_rate",
         "1e-3",
     ]
-    _both(tmp_path, "run_summarization", args, "out", NLTK_DATA=str(tmp_path / "nltk_data"))
+    nltk = dict(NLTK_DATA=str(tmp_path / "nltk_data"))
+    _both(tmp_path, "run_summarization", args, "out", **nltk)
     expected, got = _results(tmp_path, "out_hf"), _results(tmp_path, "out_jtrainer")
     assert set(got) == set(expected)
     for key in ("train_loss", "eval_loss"):
         assert got[key] == pytest.approx(expected[key], rel=1e-3), key
     for key in ("eval_gen_len", "eval_rouge1", "eval_rougeL", "total_flos"):
         assert got[key] == expected[key], key
+    # The torch bridge: only the Trainer imports changed, transformers' T5 trained by jtrainer's step and
+    # generating with transformers' generate.
+    bridge = _script(tmp_path, "run_summarization", "bridge", [*args, "--output_dir", "out_bridge"], **nltk)
+    assert bridge.returncode == 0, bridge.stderr[-3000:]
+    got = _results(tmp_path, "out_bridge")
+    assert set(got) == set(expected)
+    for key in ("train_loss", "eval_loss"):
+        assert got[key] == pytest.approx(expected[key], rel=1e-5), key
+    for key in ("eval_gen_len", "eval_rouge1", "eval_rougeL", "total_flos"):
+        assert got[key] == expected[key], key
+
+
+def test_run_clm_with_only_the_trainer_imports_changed_trains_transformers_model(clm):
+    """The torch bridge on run_clm.py: transformers' LlamaForCausalLM, resized embeddings, its torch-style
+    preprocess_logits_for_metrics (in the step through torchax), perplexity; torch's numbers."""
+    args = [
+        "--model_name_or_path",
+        "model",
+        "--train_file",
+        "train.txt",
+        "--validation_file",
+        "validation.txt",
+        "--do_train",
+        "--do_eval",
+        "--block_size",
+        "16",
+        "--per_device_train_batch_size",
+        "4",
+        "--per_device_eval_batch_size",
+        "4",
+        "--max_steps",
+        "4",
+        "--seed",
+        "0",
+        "--report_to",
+        "none",
+        "--train_sampling_strategy",
+        "sequential",
+    ]
+    for which in ("hf", "bridge"):
+        run = _script(clm, "run_clm", which, [*args, "--output_dir", f"bridge_{which}"])
+        assert run.returncode == 0, run.stderr[-3000:]
+    expected, got = _results(clm, "bridge_hf"), _results(clm, "bridge_bridge")
+    assert set(got) == set(expected)
+    for key in ("train_loss", "eval_loss", "perplexity"):
+        assert got[key] == pytest.approx(expected[key], rel=1e-5), key
+    assert got["eval_accuracy"] == expected["eval_accuracy"] and got["total_flos"] == expected["total_flos"]
 
 
 def test_run_clm_from_scratch_counts_parameters_as_torch(clm):

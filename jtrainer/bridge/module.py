@@ -68,10 +68,28 @@ def to_tensor(array) -> torch.Tensor:
 
 
 @contextlib.contextmanager
+def _weights_kept(model: torch.nn.Module):
+    """Every module's own parameters and buffers exactly as before the call. torch's functional_call restores
+    them in the order it swapped them in, which leaves a module shared under two names (T5's `shared` is also
+    `encoder.embed_tokens`) holding the call's tensors."""
+    saved = [(module, dict(module._parameters), dict(module._buffers)) for module in model.modules()]
+    try:
+        yield
+    finally:
+        for module, parameters, buffers in saved:
+            module._parameters.clear()
+            module._parameters.update(parameters)
+            module._buffers.clear()
+            module._buffers.update(buffers)
+
+
+@contextlib.contextmanager
 def _torch_mode(model: torch.nn.Module, training: bool):
-    """The torch model in train or eval mode for one call; each submodule's own flag is put back."""
+    """The torch model in train or eval mode for one call; each submodule's own flag is put back. The flags are
+    set directly: PreTrainedModel.train() may also re-select hub kernels for the torch device."""
     saved = [(module, module.training) for module in model.modules()]
-    model.train(training)
+    for module, _ in saved:
+        module.training = training
     try:
         yield
     finally:
@@ -141,7 +159,7 @@ class TorchModel(nnx.Module):
         env = torchax_compat.environment()
         torch_io = holds_torch((args, kwargs))
         flat = {name: var for tree in (self.params, self.frozen, self.buffers) for name, var in _flatten(tree).items()}
-        with env, _torch_mode(self.torch_model, not self.deterministic):
+        with env, _torch_mode(self.torch_model, not self.deterministic), _weights_kept(self.torch_model):
             with env.override_property(prng=self.random["key"][...]):
                 tensors = {name: env.j2t_iso(var[...]) for name, var in flat.items()}
                 if not torch_io:
