@@ -18,6 +18,7 @@ OWNER: dict[str, str] = {
         (
             "args",
             "model",
+            "_model",
             "nnx_model",
             "model_init",
             "data_collator",
@@ -92,6 +93,7 @@ class TrainerParts:
     # trainer: the constructor's arguments, as HF names them, and what it derives from them
     args: Any  # TrainingArguments
     model: Any  # the user's model: a flax.nnx module or a torch one (HF's `trainer.model`)
+    _model: Any  # what `model` (a property of the Trainer) holds
     nnx_model: Any  # the nnx module the steps run: `model`, or the bridge's TorchModel of a torch model
     model_init: Any
     data_collator: Any

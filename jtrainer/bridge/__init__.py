@@ -6,9 +6,10 @@ Importing this package imports neither torch nor torchax; `as_nnx` does, for a t
 from __future__ import annotations
 
 import importlib.util
-import re
 import sys
 from typing import Any
+
+from jtrainer.bridge.unlowered import unlowered_op  # noqa: F401  (the Trainer names ops with it)
 
 EXTRA = 'pip install "jtrainer[torch]"'
 
@@ -36,14 +37,6 @@ def check_installed(required: bool = True) -> bool:
                 f"Training a PyTorch model with jtrainer runs it through torchax; {name} is not installed: {EXTRA}."
             )
     return True
-
-
-def unlowered_op(error: BaseException) -> str | None:
-    """The torch op named by torchax's "no lowering" error (`aten::_grouped_mm`), or None for any other error."""
-    if type(error).__name__ != "OperatorNotFound":
-        return None
-    match = re.search(r"name (\S+) has no lowering", str(error))
-    return match.group(1) if match else str(error).splitlines()[0]
 
 
 def as_nnx(model: Any):

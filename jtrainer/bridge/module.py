@@ -17,7 +17,8 @@ import numpy as np
 import torch
 from flax import nnx
 
-from jtrainer.bridge import torchax_compat, unlowered_op
+from jtrainer.bridge import layout, torchax_compat
+from jtrainer.bridge.unlowered import unlowered_op
 from jtrainer.models.outputs import Outputs
 
 
@@ -126,18 +127,22 @@ class TorchModel(nnx.Module):
 
     def __init__(self, torch_model: torch.nn.Module):
         self.torch_model = torch_model
-        env = torchax_compat.environment()
         trainable, frozen = {}, {}
         for name, parameter in torch_model.named_parameters():  # tied weights once, under their first name
             (trainable if parameter.requires_grad else frozen)[name] = parameter
-        self.params = nnx.data(_nest({n: nnx.Param(to_array(p)) for n, p in trainable.items()}))
+        plan = dict(getattr(torch_model, "tp_plan", None) or {})  # transformers' tensor-parallel plan
+
+        def param(name, tensor):
+            axes = layout.logical_axes(name, tensor.ndim, plan)
+            return nnx.Param(to_array(tensor)) if axes is None else nnx.Param(to_array(tensor), logical_axes=axes)
+
+        self.params = nnx.data(_nest({n: param(n, p) for n, p in trainable.items()}))
         self.frozen = nnx.data(_nest({n: Frozen(to_array(p)) for n, p in frozen.items()}))
         self.buffers = nnx.data(_nest({n: Buffer(to_array(b)) for n, b in torch_model.named_buffers()}))
         # In a plain dict, as the buffers: replaced (not mutated) after a call, which nnx allows inside a
         # differentiated trace whose model state came in from outside it.
         self.random = nnx.data({"key": RandomKey(jax.random.key(0))})
         self.deterministic = not torch_model.training
-        del env
 
     def __getattr__(self, name: str):
         if name.startswith("_") or name == "torch_model":

@@ -1,0 +1,37 @@
+"""Where a transformers model's weights go on the mesh: logical axes from its own tensor-parallel plan
+(`model.tp_plan`: colwise / rowwise linear layers, row-split embeddings), which the rules table of
+`jtrainer.sharding` maps to mesh axes like a native model's ('mlp'/'vocab' -> tensor, 'embed' -> fsdp). Weights
+the plan does not name are fsdp-split on their largest dimension (`sharding.default_spec`). Pure: no torch."""
+
+from __future__ import annotations
+
+import fnmatch
+
+# The logical axes of a torch Linear's weight [out, in] and bias [out], or an Embedding's weight [rows, dim],
+# under each of transformers' tensor-parallel styles.
+_STYLES: dict[str, dict[str, tuple[str | None, ...]]] = {
+    "colwise": {"weight": ("mlp", "embed"), "bias": ("mlp",)},
+    "rowwise": {"weight": ("embed", "mlp"), "bias": ("norm",)},
+    "colwise_gather_output": {"weight": ("vocab", "embed"), "bias": ("vocab",)},
+    "embedding_rowwise": {"weight": ("vocab", "embed")},
+}
+_STYLES["local_colwise"] = _STYLES["colwise"]
+_STYLES["local_rowwise"] = _STYLES["rowwise"]
+
+
+def plan_style(module_name: str, plan: dict[str, str]) -> str | None:
+    """The plan's style for a module name (`model.layers.3.mlp.up_proj`); '*' matches one name part."""
+    parts = module_name.split(".")
+    for pattern, style in plan.items():
+        pattern_parts = pattern.split(".")
+        if len(pattern_parts) == len(parts) and all(fnmatch.fnmatchcase(p, q) for p, q in zip(parts, pattern_parts)):
+            return style
+    return None
+
+
+def logical_axes(name: str, ndim: int, plan: dict[str, str]) -> tuple[str | None, ...] | None:
+    """A weight's logical axes by its HF name, or None (fsdp on its largest dimension) where the plan is silent."""
+    module_name, _, leaf = name.rpartition(".")
+    style = plan_style(module_name, plan)
+    axes = _STYLES.get(style or "", {}).get(leaf)
+    return axes if axes is not None and len(axes) == ndim else None

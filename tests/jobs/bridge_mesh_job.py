@@ -1,0 +1,52 @@
+"""transformers' Llama through the torch bridge on a mesh of this process's CPU devices (XLA_FLAGS sets how many;
+argv[1]: a mesh_shape as JSON, or "one" for one device), 8 rows a step: prints the logged losses, the trained
+weights' absolute sums, the train step's compile count and the parameters' PartitionSpecs as JSON."""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from conftest import count_compiles, scratch_dir, tiny_llama_config, token_rows  # noqa: E402
+
+from jtrainer import Trainer, TrainingArguments  # noqa: E402
+
+mesh = None if sys.argv[1] == "one" else json.loads(sys.argv[1])
+torch.manual_seed(0)
+model = transformers.LlamaForCausalLM(tiny_llama_config(hidden_size=64, intermediate_size=128))
+args = TrainingArguments(
+    output_dir=scratch_dir(),
+    per_device_train_batch_size=8 // jax.device_count(),
+    learning_rate=3e-3,
+    max_steps=4,
+    logging_steps=1,
+    report_to="none",
+    disable_tqdm=True,
+    save_strategy="no",
+    train_sampling_strategy="sequential",
+    mesh_shape=mesh,
+)
+trainer = Trainer(model=model, args=args, train_dataset=token_rows(32, ragged_labels=True))
+with count_compiles() as compiles:
+    trainer.train()
+specs = {
+    name: str(value.sharding.spec)
+    for name, value in jax.tree_util.tree_flatten_with_path(trainer._train_state.params)[0]
+    for name in [jax.tree_util.keystr(name, simple=True, separator=".")]
+}
+print(
+    json.dumps(
+        {
+            "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+            "weights": {k: float(np.abs(v.detach().numpy()).sum()) for k, v in model.named_parameters()},
+            "compiles": len(compiles),
+            "specs": specs,
+        }
+    )
+)

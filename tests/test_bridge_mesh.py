@@ -1,0 +1,42 @@
+"""The torch bridge on a mesh: transformers' Llama with fsdp 8, and fsdp 2 x tensor 4 from its own
+tensor-parallel plan, on 8 CPU devices, equals one device (losses and trained weights to 1e-5), compiling once."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("torch")
+if importlib.util.find_spec("torchax") is None:
+    pytest.skip("torchax is not installed", allow_module_level=True)
+
+JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "jobs", "bridge_mesh_job.py")
+
+
+def _run(mesh: str, devices: int) -> dict:
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, JOB, mesh], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_fsdp_and_tensor_parallel_from_the_tp_plan_equal_one_device():
+    one = _run("one", 1)
+    for mesh in ('{"fsdp": 8}', '{"fsdp": 2, "tensor": 4}'):
+        got = _run(mesh, 8)
+        assert got["compiles"] == 1
+        assert got["losses"] == pytest.approx(one["losses"], rel=1e-5), mesh
+        for name, total in one["weights"].items():
+            assert got["weights"][name] == pytest.approx(total, rel=1e-5), (mesh, name)
+        specs = got["specs"]
+        if "tensor" in mesh:  # transformers' plan: q colwise (out over tensor), o rowwise (in over tensor)
+            assert specs["params.model.layers.0.self_attn.q_proj.weight"] == "P('tensor', 'fsdp')"
+            assert specs["params.model.layers.0.self_attn.o_proj.weight"] == "P('fsdp', 'tensor')"
+            assert specs["params.lm_head.weight"] == "P('tensor', 'fsdp')"
+        else:
+            assert specs["params.model.layers.0.mlp.up_proj.weight"] == "P('fsdp',)" or "fsdp" in str(
+                specs["params.model.layers.0.mlp.up_proj.weight"]
+            )
