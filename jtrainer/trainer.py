@@ -738,6 +738,8 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
             self._check_layout()
         if args.activation_checkpointing and hasattr(self.model, "gradient_checkpointing_enable"):
             self.model.gradient_checkpointing_enable(args.activation_checkpointing_kwargs)
+        if bridge.is_bridged(self.nnx_model):  # transformers' flag, set here or by the script: each layer remat
+            self.nnx_model.gradient_checkpointing = bool(getattr(self.model, "is_gradient_checkpointing", False))
         if resume_from_checkpoint is True:
             resume_from_checkpoint = checkpoint.get_last_checkpoint(args.output_dir)
             if resume_from_checkpoint is None:

@@ -207,3 +207,22 @@ def test_a_torch_compute_loss_override_runs_in_the_step(tmp_path, native):
     jt_logs = [h for h in ours.state.log_history if "loss" in h]
     np.testing.assert_allclose([h["loss"] for h in jt_logs], [h["loss"] for h in hf_logs], rtol=1e-5)
     np.testing.assert_allclose(ours.evaluate()["eval_loss"], hf.evaluate()["eval_loss"], rtol=1e-5)
+
+
+def test_gradient_checkpointing_rematerialises_each_layer_with_the_same_numbers():
+    torch.manual_seed(0)
+    base = transformers.LlamaForCausalLM(tiny_llama_config(num_hidden_layers=4, hidden_size=64, intermediate_size=512))
+    rows = token_rows(8, length=64, ragged_labels=True)
+    example = {k: np.stack([r[k] for r in rows[:4]]) for k in rows[0]}  # one device's rows
+    results = {}
+    for on in (False, True):
+        args = _args(TrainingArguments, scratch_dir(), gradient_checkpointing=on, max_steps=2, num_train_epochs=1)
+        args.gradient_accumulation_steps = 1
+        trainer = Trainer(model=copy.deepcopy(base), args=args, train_dataset=rows)
+        trainer.train()
+        temp = trainer.compile_train_step(example, 2).memory_analysis().temp_size_in_bytes
+        logs = [h for h in trainer.state.log_history if "loss" in h]
+        results[on] = ([h["loss"] for h in logs], [h["grad_norm"] for h in logs], temp)
+        assert trainer.nnx_model.gradient_checkpointing is on
+    assert results[True][:2] == results[False][:2]
+    assert results[True][2] < results[False][2]

@@ -84,6 +84,37 @@ def _weights_kept(model: torch.nn.Module):
             module._buffers.update(buffers)
 
 
+def _jax_checkpoint(function, *args):
+    """transformers' `_gradient_checkpointing_func` under the bridge: the layer's call rematerialised by
+    `jax.checkpoint` (its activations recomputed in the backward pass, not stored)."""
+    env = torchax_compat.environment()
+    arrays = {i: env.t2j_iso(a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)}
+
+    def layer(arrays):
+        call_args = [env.j2t_iso(arrays[i]) if i in arrays else a for i, a in enumerate(args)]
+        return env.t2j_iso(function(*call_args))
+
+    return env.j2t_iso(jax.checkpoint(layer)(arrays))
+
+
+@contextlib.contextmanager
+def _rematerialised(model: torch.nn.Module, on: bool):
+    """Each layer transformers checkpoints (`GradientCheckpointingLayer` with `gradient_checkpointing` set)
+    rematerialised with jax.checkpoint for one call; torch's own function is put back after."""
+    layers = [m for m in model.modules() if on and getattr(m, "gradient_checkpointing", False) is True]
+    saved = [(m, m.__dict__.get("_gradient_checkpointing_func")) for m in layers]
+    for layer in layers:
+        layer._gradient_checkpointing_func = _jax_checkpoint
+    try:
+        yield
+    finally:
+        for layer, function in saved:
+            if function is None:
+                layer.__dict__.pop("_gradient_checkpointing_func", None)
+            else:
+                layer._gradient_checkpointing_func = function
+
+
 @contextlib.contextmanager
 def _torch_mode(model: torch.nn.Module, training: bool):
     """The torch model in train or eval mode for one call; each submodule's own flag is put back. The flags are
@@ -143,6 +174,8 @@ class TorchModel(nnx.Module):
         # differentiated trace whose model state came in from outside it.
         self.random = nnx.data({"key": RandomKey(jax.random.key(0))})
         self.deterministic = not torch_model.training
+        # Static, so a compiled step knows it: the Trainer refreshes it after gradient_checkpointing_enable().
+        self.gradient_checkpointing = bool(getattr(torch_model, "is_gradient_checkpointing", False))
 
     def __getattr__(self, name: str):
         if name.startswith("_") or name == "torch_model":
@@ -164,8 +197,9 @@ class TorchModel(nnx.Module):
         env = torchax_compat.environment()
         torch_io = holds_torch((args, kwargs))
         flat = {name: var for tree in (self.params, self.frozen, self.buffers) for name, var in _flatten(tree).items()}
+        remat = self.gradient_checkpointing and not self.deterministic
         with env, _torch_mode(self.torch_model, not self.deterministic), _weights_kept(self.torch_model):
-            with env.override_property(prng=self.random["key"][...]):
+            with env.override_property(prng=self.random["key"][...]), _rematerialised(self.torch_model, remat):
                 tensors = {name: env.j2t_iso(var[...]) for name, var in flat.items()}
                 if not torch_io:
                     args, kwargs = env.j2t_iso((args, kwargs))

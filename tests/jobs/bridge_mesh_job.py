@@ -22,7 +22,8 @@ torch.manual_seed(0)
 model = transformers.LlamaForCausalLM(tiny_llama_config(hidden_size=64, intermediate_size=128))
 args = TrainingArguments(
     output_dir=scratch_dir(),
-    per_device_train_batch_size=8 // jax.device_count(),
+    # HF's per-device batch is per data-parallel rank: `tensor` devices share their rows.
+    per_device_train_batch_size=8 // (jax.device_count() // (mesh or {}).get("tensor", 1)),
     learning_rate=3e-3,
     max_steps=4,
     logging_steps=1,
