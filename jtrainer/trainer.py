@@ -736,10 +736,14 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
             self._forget_optimizer()
             self._train_state = None
             self._check_layout()
-        if args.activation_checkpointing and hasattr(self.model, "gradient_checkpointing_enable"):
-            self.model.gradient_checkpointing_enable(args.activation_checkpointing_kwargs)
         if bridge.is_bridged(self.nnx_model):  # transformers' flag, set here or by the script: each layer remat
-            self.nnx_model.gradient_checkpointing = bool(getattr(self.model, "is_gradient_checkpointing", False))
+            from jtrainer.bridge.module import checkpointing_enabled
+
+            if args.activation_checkpointing:
+                self.nnx_model.gradient_checkpointing_enable(args.activation_checkpointing_kwargs)
+            self.nnx_model.gradient_checkpointing = checkpointing_enabled(self.nnx_model.torch_model)
+        elif args.activation_checkpointing and hasattr(self.model, "gradient_checkpointing_enable"):
+            self.model.gradient_checkpointing_enable(args.activation_checkpointing_kwargs)
         if resume_from_checkpoint is True:
             resume_from_checkpoint = checkpoint.get_last_checkpoint(args.output_dir)
             if resume_from_checkpoint is None:

@@ -279,3 +279,37 @@ def test_auto_find_batch_size_on_a_target_finds_the_batch_that_fits(capsys):
     assert args.per_device_train_batch_size * args.gradient_accumulation_steps == 64
     assert "auto_find_batch_size: per_device_train_batch_size 64 does not fit v5litepod-16" in printed
     assert result["step_bytes_per_device"] <= 16 * 2**30
+
+
+def test_check_sizes_a_transformers_model_through_the_bridge_without_weights(capsys):
+    """`bridge: true`: transformers' own Gemma3 (a family jtrainer has no native model of), built on torch's
+    meta device (no weights allocated) and cross-compiled for v5litepod-16."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import importlib.util
+
+    if importlib.util.find_spec("torchax") is None:
+        pytest.skip("torchax is not installed")
+    import torch
+    import transformers
+
+    args = [CONFIG, *SMALL, "--bridge", "--model_type", "gemma3_text", "--head_dim", "64", "--eval_strategy", "no"]
+    model_args, data_args, training_args, _ = parse_train_args(args, "check")
+    result = run_check(model_args, data_args, training_args, "v5litepod-16")
+    printed = capsys.readouterr().out
+    config = transformers.AutoConfig.for_model(
+        "gemma3_text",
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=4096,
+    )
+    with torch.device("meta"):
+        expected = transformers.AutoModelForCausalLM.from_config(config).num_parameters()
+    assert result["fits"] and result["devices"] == 16 and result["parameters"] == expected
+    assert result["memory_per_device"]["parameters"] == pytest.approx(expected * 4 / 16, rel=0.05)
+    assert "compiled for v5litepod-16" in printed and "fits                       yes" in printed

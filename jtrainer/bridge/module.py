@@ -10,6 +10,7 @@ torch's random ops (dropout), which the train step reseeds per micro-batch.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any
 
 import jax
@@ -55,8 +56,14 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def to_array(tensor: torch.Tensor) -> jax.Array:
-    """A torch CPU tensor as a jax array of the same dtype (bfloat16 included)."""
+def to_array(tensor: torch.Tensor) -> jax.Array | jax.ShapeDtypeStruct:
+    """A torch CPU tensor as a jax array of the same dtype (bfloat16 included); a meta tensor (a model built on
+    torch's meta device) as its shape and dtype only."""
+    if tensor.is_meta:
+        torchax_compat.environment()  # torchax is imported there, with its fixes
+        from torchax.ops import mappings
+
+        return jax.ShapeDtypeStruct(tuple(tensor.shape), mappings.t2j_dtype(tensor.dtype))
     return torchax_compat.environment().t2j_copy(tensor.detach())
 
 
@@ -84,9 +91,18 @@ def _weights_kept(model: torch.nn.Module):
             module._buffers.update(buffers)
 
 
-def _jax_checkpoint(function, *args):
+def checkpointing_enabled(model: torch.nn.Module) -> bool:
+    """transformers' activation-checkpointing flag (`is_gradient_checkpointing` before transformers 5.23)."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(model), name):
+            return bool(getattr(model, name))
+    return False
+
+
+def _jax_checkpoint(function, *args, policy: str | None = None):
     """transformers' `_gradient_checkpointing_func` under the bridge: the layer's call rematerialised by
-    `jax.checkpoint` (its activations recomputed in the backward pass, not stored)."""
+    `jax.checkpoint` (its activations recomputed in the backward pass, not stored; `policy`: one of
+    `jax.checkpoint_policies` by name, what to keep)."""
     env = torchax_compat.environment()
     arrays = {i: env.t2j_iso(a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)}
 
@@ -94,17 +110,18 @@ def _jax_checkpoint(function, *args):
         call_args = [env.j2t_iso(arrays[i]) if i in arrays else a for i, a in enumerate(args)]
         return env.t2j_iso(function(*call_args))
 
-    return env.j2t_iso(jax.checkpoint(layer)(arrays))
+    keep = getattr(jax.checkpoint_policies, policy) if policy else None
+    return env.j2t_iso(jax.checkpoint(layer, policy=keep)(arrays))
 
 
 @contextlib.contextmanager
-def _rematerialised(model: torch.nn.Module, on: bool):
+def _rematerialised(model: torch.nn.Module, on: bool, policy: str | None):
     """Each layer transformers checkpoints (`GradientCheckpointingLayer` with `gradient_checkpointing` set)
     rematerialised with jax.checkpoint for one call; torch's own function is put back after."""
     layers = [m for m in model.modules() if on and getattr(m, "gradient_checkpointing", False) is True]
     saved = [(m, m.__dict__.get("_gradient_checkpointing_func")) for m in layers]
     for layer in layers:
-        layer._gradient_checkpointing_func = _jax_checkpoint
+        layer._gradient_checkpointing_func = functools.partial(_jax_checkpoint, policy=policy)
     try:
         yield
     finally:
@@ -175,7 +192,8 @@ class TorchModel(nnx.Module):
         self.random = nnx.data({"key": RandomKey(jax.random.key(0))})
         self.deterministic = not torch_model.training
         # Static, so a compiled step knows it: the Trainer refreshes it after gradient_checkpointing_enable().
-        self.gradient_checkpointing = bool(getattr(torch_model, "is_gradient_checkpointing", False))
+        self.gradient_checkpointing = checkpointing_enabled(torch_model)
+        self.remat_policy: str | None = None
 
     def __getattr__(self, name: str):
         if name.startswith("_") or name == "torch_model":
@@ -186,6 +204,14 @@ class TorchModel(nnx.Module):
     def device(self) -> torch.device:
         """The device torch code inside the step puts new tensors on (HF's `model.device`)."""
         return torchax_compat.DEVICE
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None) -> None:
+        """transformers' switch, for the step: each checkpointed layer rematerialised by jax.checkpoint. A
+        `policy` (a name in jax.checkpoint_policies, jtrainer's remat option) is the step's; the rest goes to torch."""
+        kwargs = dict(gradient_checkpointing_kwargs or {})
+        self.remat_policy = kwargs.pop("policy", None)
+        self.torch_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs or None)
+        self.gradient_checkpointing = True
 
     def named_arrays(self) -> dict[str, jax.Array]:
         """Every weight and buffer by HF's name."""
@@ -199,7 +225,10 @@ class TorchModel(nnx.Module):
         flat = {name: var for tree in (self.params, self.frozen, self.buffers) for name, var in _flatten(tree).items()}
         remat = self.gradient_checkpointing and not self.deterministic
         with env, _torch_mode(self.torch_model, not self.deterministic), _weights_kept(self.torch_model):
-            with env.override_property(prng=self.random["key"][...]), _rematerialised(self.torch_model, remat):
+            with (
+                env.override_property(prng=self.random["key"][...]),
+                _rematerialised(self.torch_model, remat, self.remat_policy),
+            ):
                 tensors = {name: env.j2t_iso(var[...]) for name, var in flat.items()}
                 if not torch_io:
                     args, kwargs = env.j2t_iso((args, kwargs))

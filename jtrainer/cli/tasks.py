@@ -52,6 +52,13 @@ class ModelArguments:
         default=False,
         metadata={"help": "Llama family: run the decoder layers as one scan (compile time independent of depth)."},
     )
+    bridge: bool = field(
+        default=False,
+        metadata={
+            "help": "Train transformers' own PyTorch model (any model_type transformers has) through the torch "
+            "bridge instead of jtrainer's native family (needs jtrainer[torch])."
+        },
+    )
 
 
 @dataclass
@@ -125,8 +132,15 @@ def _check_model(model_args: ModelArguments) -> dict | None:
             f"tokenizer_name={m.tokenizer_name!r} holds no tokenizer (tokenizer.json or tokenizer_config.json): "
             "save one there with tokenizer.save_pretrained."
         )
+    if m.bridge:
+        _check_bridge(m)
     if m.model_name_or_path:
-        return check_model_folder(m.model_name_or_path, tokenizer_elsewhere=bool(m.tokenizer_name), task=m.task)
+        return check_model_folder(
+            m.model_name_or_path, tokenizer_elsewhere=bool(m.tokenizer_name), task=m.task, bridge=m.bridge
+        )
+    if m.bridge:
+        _at_least(m, 1, *_SIZE_FIELDS)
+        return None
     if m.model_type not in MODEL_TYPES:
         raise BadInput(f"model_type={m.model_type!r}: use one of {', '.join(MODEL_TYPES)}.")
     check_fresh_model(m)
@@ -195,14 +209,31 @@ def read_model_config(folder: str) -> dict:
     return config
 
 
-def check_model_folder(folder: str, tokenizer_elsewhere: bool = False, task: str = "causal_lm") -> dict:
-    """What a model folder must hold for the job: a config of a family jtrainer has for the task (no custom code),
-    safetensors weights and, unless tokenizer_name is set, a tokenizer. Returns its config.json."""
+def _check_bridge(model_args: ModelArguments) -> None:
+    """bridge: torch and torchax installed; a fresh model's model_type one transformers has."""
+    from transformers import CONFIG_MAPPING
+
+    from jtrainer import bridge
+
+    try:
+        bridge.check_installed()
+    except ImportError as error:
+        raise BadInput(f"bridge: {error}") from None
+    if not model_args.model_name_or_path and model_args.model_type not in CONFIG_MAPPING:
+        raise BadInput(f"model_type={model_args.model_type!r} is not a transformers model type (bridge: true).")
+
+
+def check_model_folder(
+    folder: str, tokenizer_elsewhere: bool = False, task: str = "causal_lm", bridge: bool = False
+) -> dict:
+    """What a model folder must hold for the job: a config of a family jtrainer has for the task (any
+    transformers family with `bridge`; no custom code), safetensors weights and, unless tokenizer_name is set, a
+    tokenizer. Returns its config.json."""
     from jtrainer.models.hf_io import WEIGHTS_INDEX_NAME, WEIGHTS_NAME
 
     config = read_model_config(folder)
     families = auto_class(task).models
-    if config["model_type"] not in families:
+    if not bridge and config["model_type"] not in families:
         raise BadInput(
             f"model_name_or_path={folder!r} is a {config['model_type']!r} model, which jtrainer has no {task} model "
             f"for: use one of {', '.join(sorted(families))} (or set --task)."
@@ -356,6 +387,19 @@ def fresh_config(model_args: ModelArguments, vocab_size: int, special: dict[str,
             decoder_start_token_id=pad,
             **special,
         )
+    if m.bridge:  # any transformers family, by the size fields modern decoders share
+        return transformers.AutoConfig.for_model(
+            kind,
+            vocab_size=vocab_size,
+            hidden_size=m.hidden_size,
+            intermediate_size=m.intermediate_size,
+            num_hidden_layers=m.num_hidden_layers,
+            num_attention_heads=m.num_attention_heads,
+            num_key_value_heads=m.num_key_value_heads,
+            max_position_embeddings=m.max_position_embeddings,
+            **({"head_dim": width} if m.head_dim is not None else {}),
+            **special,
+        )
     raise BadInput(f"model_type={kind!r}: use one of {', '.join(MODEL_TYPES)}.")
 
 
@@ -384,6 +428,10 @@ def build_model(
         config = AutoConfig.from_pretrained(storage.fetched(model_args.model_name_or_path))
     else:
         config = fresh_config(model_args, vocab_size, special)
+    if model_args.bridge:
+        from jtrainer.bridge import torch_models
+
+        return torch_models.build(model_args.task, config, model_args.model_name_or_path, seed, abstract)
     options = _scan_option(model_args, config)
     if abstract:
         return nnx.eval_shape(lambda: auto.from_config(config, seed=seed, **options))
