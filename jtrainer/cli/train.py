@@ -151,7 +151,7 @@ def _train_job(model_args: ModelArguments, data_args: DataArguments, training_ar
         compute_metrics=compute_metrics,
     )
     result = trainer.train(resume_from_checkpoint=resume)
-    if not params_finite(trainer.model):
+    if not params_finite(trainer.nnx_model):
         raise Diverged(
             f"training diverged: the trained weights hold NaN or Inf (train loss {result.training_loss}), so "
             f"nothing is exported to {training_args.output_dir}: lower --learning_rate or set --max_grad_norm, "
@@ -179,6 +179,14 @@ def _train_job(model_args: ModelArguments, data_args: DataArguments, training_ar
         from jtrainer.generation import generate
 
         prompt = tokenizer(data_args.sample_prompt)["input_ids"] or [tokenizer.eos_token_id]
-        ids = generate(trainer.model, [prompt], max_new_tokens=data_args.sample_tokens, do_sample=False)
+        if model_args.bridge:  # transformers' own generate, on the torch model holding the trained weights
+            import torch
+
+            with torch.no_grad():
+                ids = trainer.model.generate(
+                    torch.tensor([prompt]), max_new_tokens=data_args.sample_tokens, do_sample=False
+                ).numpy()
+        else:
+            ids = generate(trainer.model, [prompt], max_new_tokens=data_args.sample_tokens, do_sample=False)
         say("jtrainer: sample:\n" + tokenizer.decode(ids[0], skip_special_tokens=True))
     return summary
