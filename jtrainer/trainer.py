@@ -60,7 +60,8 @@ from jtrainer.hpsearch import HyperparameterSearchMixin
 from jtrainer.hub import HubMixin
 from jtrainer.losses import LabelSmoother, check_class_labels, count_label_tokens
 from jtrainer.metrics_io import MetricsMixin
-from jtrainer.models.base import PretrainedMixin, set_neftune
+from jtrainer.models.base import PretrainedMixin
+from jtrainer.models.base import set_neftune as set_native_neftune
 from jtrainer.optimizer_setup import OptimizerMixin
 from jtrainer.overrides import check_loader, check_optimizer_override, check_overrides, overrides
 from jtrainer.saving import SavingMixin
@@ -276,6 +277,14 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
     def model(self, model: Any) -> None:
         self._model = model
         self.nnx_model = bridge.as_nnx(model)
+
+    def _set_neftune(self, alpha: float | None) -> None:
+        """NEFTune noise on the input embeddings in training steps (None: off): transformers' own forward hook on
+        a torch model (its noise drawn from the step's JAX key), jtrainer's Embed on a native one."""
+        if bridge.is_bridged(self.nnx_model):
+            self.nnx_model.set_neftune(alpha)
+        else:
+            set_native_neftune(self.nnx_model, alpha)
 
     def _check_layout(self) -> None:
         """Every sharding error (mesh vs heads, dimensions vs axis sizes) is raised here, before compiling."""
@@ -760,7 +769,7 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
             startup.enable_compilation_cache(startup.run_cache_dir(args))
             self.neftune_noise_alpha = args.neftune_noise_alpha
             if self.neftune_noise_alpha is not None:
-                set_neftune(self.nnx_model, self.neftune_noise_alpha)
+                self._set_neftune(self.neftune_noise_alpha)
             try:
                 with sigterm_notice() as preemption:
                     if args.auto_find_batch_size:
@@ -775,7 +784,7 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
                 raise
             finally:
                 if self.neftune_noise_alpha is not None:  # as HF, the noise is for training only
-                    set_neftune(self.nnx_model, None)
+                    self._set_neftune(None)
 
     def _train_with_batch_size_search(
         self, resume_from_checkpoint, trial, ignore_keys_for_eval, preemption: PreemptionNotice

@@ -226,3 +226,47 @@ def test_gradient_checkpointing_rematerialises_each_layer_with_the_same_numbers(
         assert trainer.nnx_model.gradient_checkpointing is on
     assert results[True][:2] == results[False][:2]
     assert results[True][2] < results[False][2]
+
+
+@pytest.mark.parametrize("name", ["t5", "whisper"])
+def test_seq2seq_predict_with_generate_gives_transformers_ids(tmp_path, name):
+    """Seq2SeqTrainer.predict with predict_with_generate, greedy and with beams, after training: the generated
+    ids (and the loss) of transformers' Seq2SeqTrainer on the same model and rows."""
+    from jtrainer import Seq2SeqTrainer, Seq2SeqTrainingArguments
+
+    torch.manual_seed(0)
+    model, rows = _case(name)
+    ours_model = copy.deepcopy(model)
+    over = dict(predict_with_generate=True, generation_max_length=8, max_steps=3, per_device_eval_batch_size=4)
+    hf = transformers.Seq2SeqTrainer(
+        model=model,
+        args=_args(transformers.Seq2SeqTrainingArguments, tmp_path / "hf", **over),
+        train_dataset=torch_rows(rows),
+    )
+    ours = Seq2SeqTrainer(
+        model=ours_model, args=_args(Seq2SeqTrainingArguments, tmp_path / "jt", **over), train_dataset=rows
+    )
+    hf.train()
+    ours.train()
+    for beams in (1, 2):
+        expected = hf.predict(torch_rows(rows[:6]), num_beams=beams)
+        got = ours.predict(rows[:6], num_beams=beams)
+        np.testing.assert_array_equal(got.predictions, expected.predictions)
+        np.testing.assert_allclose(got.metrics["test_loss"], expected.metrics["test_loss"], rtol=1e-5)
+
+
+def test_neftune_adds_transformers_noise_in_training_steps_only():
+    torch.manual_seed(0)
+    base = transformers.LlamaForCausalLM(tiny_llama_config())
+    rows = token_rows(16, ragged_labels=True)
+
+    def run(alpha):
+        args = _args(TrainingArguments, scratch_dir(), max_steps=2, neftune_noise_alpha=alpha)
+        trainer = Trainer(model=copy.deepcopy(base), args=args, train_dataset=rows, eval_dataset=rows[:4])
+        trainer.train()
+        embeddings = trainer.model.get_input_embeddings()
+        assert not hasattr(embeddings, "neftune_noise_alpha") and not embeddings._forward_hooks  # removed after
+        return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+    quiet, noisy, again = run(None), run(5.0), run(5.0)
+    assert noisy == again and noisy[0] != quiet[0]

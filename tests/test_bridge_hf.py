@@ -152,10 +152,37 @@ def _case(name):
             for _ in range(30)
         ]
         return transformers.ViTForImageClassification(config), rows
+    if name == "t5":
+        config = transformers.T5Config(
+            vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, dropout_rate=0.0,
+            decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
+        )  # fmt: skip
+        rows = _class_rows(30, lambda rng, n: {"labels": np.where(rng.rand(6) < 0.2, -100, rng.randint(2, VOCAB, 6))})
+        return transformers.T5ForConditionalGeneration(config), rows
+    if name == "whisper":
+        config = transformers.WhisperConfig(
+            vocab_size=VOCAB, num_mel_bins=8, d_model=32, encoder_layers=2, decoder_layers=2,
+            encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
+            max_source_positions=16, max_target_positions=32, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+            decoder_start_token_id=1, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+        )  # fmt: skip
+        rng = np.random.RandomState(0)
+        rows = [
+            {
+                "input_features": rng.randn(8, 32).astype(np.float32),
+                "labels": np.where(rng.rand(6) < 0.2, -100, rng.randint(3, VOCAB, 6)),
+            }
+            for _ in range(30)
+        ]
+        return transformers.WhisperForConditionalGeneration(config), rows
     raise ValueError(name)
 
 
-CASES = ["llama", "qwen3", "gemma3", "phi3", "gpt2", "bert-sequence", "bert-token", "bert-qa", "bert-choice", "vit"]
+CASES = [
+    "llama", "qwen3", "gemma3", "phi3", "gpt2",
+    "bert-sequence", "bert-token", "bert-qa", "bert-choice", "vit",
+    "t5", "whisper",
+]  # fmt: skip
 
 
 def _without_gradient(model, rows) -> set[str]:

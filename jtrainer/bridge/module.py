@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from typing import Any
 
 import jax
@@ -21,6 +22,9 @@ from flax import nnx
 from jtrainer.bridge import layout, torchax_compat
 from jtrainer.bridge.unlowered import unlowered_op
 from jtrainer.models.outputs import Outputs
+
+
+_NEFTUNE_HOOKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # embeddings -> NEFTune's hook handle
 
 
 class Frozen(nnx.Variable):
@@ -212,6 +216,20 @@ class TorchModel(nnx.Module):
         self.remat_policy = kwargs.pop("policy", None)
         self.torch_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs or None)
         self.gradient_checkpointing = True
+
+    def set_neftune(self, alpha: float | None) -> None:
+        """HF's NEFTune: transformers' `neftune_post_forward_hook` on the input embeddings (None: removed). Its
+        uniform noise is drawn from the step's key under torchax, so it is a function of (seed, step)."""
+        from transformers.integrations.neftune import neftune_post_forward_hook
+
+        embeddings = self.torch_model.get_input_embeddings()
+        handle = _NEFTUNE_HOOKS.pop(embeddings, None)
+        if handle is not None:
+            handle.remove()
+            del embeddings.neftune_noise_alpha
+        if alpha is not None:
+            embeddings.neftune_noise_alpha = float(alpha)
+            _NEFTUNE_HOOKS[embeddings] = embeddings.register_forward_hook(neftune_post_forward_hook)
 
     def named_arrays(self) -> dict[str, jax.Array]:
         """Every weight and buffer by HF's name."""
