@@ -23,7 +23,6 @@ from jtrainer.bridge import layout, torchax_compat
 from jtrainer.bridge.unlowered import unlowered_op
 from jtrainer.models.outputs import Outputs
 
-
 _NEFTUNE_HOOKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # embeddings -> NEFTune's hook handle
 
 
