@@ -15,6 +15,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
@@ -319,6 +320,25 @@ def put_global(batch: dict[str, np.ndarray], mesh: Mesh, row_dim: int, global_ro
         shape[row_dim] = global_rows
         out[key] = jax.make_array_from_process_local_data(shardings[key], local, tuple(shape))
     return out
+
+
+def place(tree: Any, shardings: Any) -> Any:
+    """Arrays every process holds whole (a torch model's weights, built alike by each process) laid out on their
+    shardings; on several processes each builds its own shards from its copy (no transfer between hosts)."""
+
+    def one(value, target: NamedSharding):
+        if target.is_fully_addressable:
+            return jax.device_put(value, target, may_alias=False)
+        if isinstance(value, jax.Array) and not value.is_fully_addressable:
+            return jax.device_put(value, target)  # already global: resharded by XLA
+        if jnp.issubdtype(value.dtype, jax.dtypes.prng_key):  # a key: its data placed, then wrapped again
+            if target.spec != P():
+                raise ValueError(f"Random keys are placed replicated, not by {target.spec}.")
+            return jax.random.wrap_key_data(one(jax.random.key_data(value), target), impl=jax.random.key_impl(value))
+        host = np.asarray(jax.device_get(value))
+        return jax.make_array_from_callback(host.shape, target, lambda index: host[index])
+
+    return jax.tree.map(one, tree, shardings)
 
 
 @contextlib.contextmanager

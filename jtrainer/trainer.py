@@ -598,8 +598,8 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         params = nnx.to_pure_dict(params)
         shardings = self._state_shardings(tx, params)
         # Copies: the step donates its buffers and the user's model keeps its own.
-        params = jax.device_put(params, shardings.params, may_alias=False)
-        rest = jax.device_put(rest, shardings.model_state, may_alias=False)
+        params = sharding.place(params, shardings.params)
+        rest = sharding.place(rest, shardings.model_state)
         return jax.jit(self._train_state_init(tx), out_shardings=shardings)(params, rest), shardings
 
     def _train_state_init(self, tx: optax.GradientTransformation) -> Callable[..., TrainState]:

@@ -40,3 +40,18 @@ def test_fsdp_and_tensor_parallel_from_the_tp_plan_equal_one_device():
             assert specs["params.model.layers.0.mlp.up_proj.weight"] == "P('fsdp',)" or "fsdp" in str(
                 specs["params.model.layers.0.mlp.up_proj.weight"]
             )
+
+
+def test_two_processes_equal_one(tmp_path):
+    """`jtrainer launch` with 2 processes x 4 CPU devices (fsdp 8) equals one process with 8; after train() each
+    process's torch model holds the whole trained weights (gathered from both processes)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JTRAINER_")}
+    env.update(JAX_PLATFORMS="cpu")
+    out = tmp_path / "launched.json"
+    launch = [sys.executable, "-m", "jtrainer.cli", "launch", "--num_processes", "2", "--devices_per_process", "4"]
+    run = subprocess.run([*launch, JOB, '{"fsdp": 8}', str(out)], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    launched, single = json.loads(out.read_text()), _run('{"fsdp": 8}', 8)
+    assert launched["losses"] == pytest.approx(single["losses"], rel=1e-5)
+    for name, total in single["weights"].items():
+        assert launched["weights"][name] == pytest.approx(total, rel=1e-5), name

@@ -71,7 +71,12 @@ def to_array(tensor: torch.Tensor) -> jax.Array | jax.ShapeDtypeStruct:
 
 
 def to_tensor(array) -> torch.Tensor:
-    """A jax array as a torch CPU tensor of the same dtype (bfloat16 through its bits: numpy has none)."""
+    """A jax array as a torch CPU tensor of the same dtype (bfloat16 through its bits: numpy has none). An array
+    spread over several processes is gathered whole onto each of them (a collective: every process calls it)."""
+    if isinstance(array, jax.Array) and not array.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        array = multihost_utils.process_allgather(array, tiled=True)
     host = np.asarray(jax.device_get(array))
     if host.dtype == jax.numpy.bfloat16:
         return torch.from_numpy(host.view(np.uint16).copy()).view(torch.bfloat16)

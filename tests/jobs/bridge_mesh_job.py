@@ -1,6 +1,8 @@
 """transformers' Llama through the torch bridge on a mesh of this process's CPU devices (XLA_FLAGS sets how many;
 argv[1]: a mesh_shape as JSON, or "one" for one device), 8 rows a step: prints the logged losses, the trained
-weights' absolute sums, the train step's compile count and the parameters' PartitionSpecs as JSON."""
+weights' absolute sums, the train step's compile count and the parameters' PartitionSpecs as JSON (and writes
+them to argv[2] from process 0, if given: under `jtrainer launch`, the torch model of every process holds the
+trained weights)."""
 
 import json
 import os
@@ -41,13 +43,15 @@ specs = {
     for name, value in jax.tree_util.tree_flatten_with_path(trainer._train_state.params)[0]
     for name in [jax.tree_util.keystr(name, simple=True, separator=".")]
 }
-print(
-    json.dumps(
-        {
-            "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
-            "weights": {k: float(np.abs(v.detach().numpy()).sum()) for k, v in model.named_parameters()},
-            "compiles": len(compiles),
-            "specs": specs,
-        }
-    )
+result = json.dumps(
+    {
+        "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+        "weights": {k: float(np.abs(v.detach().numpy()).sum()) for k, v in model.named_parameters()},
+        "compiles": len(compiles),
+        "specs": specs,
+    }
 )
+print(result)
+if len(sys.argv) > 2 and jax.process_index() == 0:
+    with open(sys.argv[2], "w") as f:
+        f.write(result)
