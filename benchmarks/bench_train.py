@@ -1,4 +1,5 @@
-"""jtrainer vs transformers.Trainer (torch, CPU) vs a bare loop over the same jitted step.
+"""jtrainer vs transformers.Trainer (torch, CPU) vs a bare loop over the same jitted step vs the torch bridge
+(jtrainer's step on transformers' own PyTorch Llama, through torchax).
 
     python benchmarks/bench_train.py                      # tiny and small Llama, 3 alternating repeats
     python benchmarks/bench_train.py --configs small --repeats 5 --steps 30
@@ -63,7 +64,7 @@ CONFIGS = {
     ),
 }
 SHAPE_KEYS = ("seq", "batch")
-SYSTEMS = ("jtrainer", "hf", "bare")
+SYSTEMS = ("jtrainer", "hf", "bare", "bridge")
 
 
 def _rows(cfg, n, accelerator, seed=0):
@@ -153,6 +154,36 @@ def worker_jtrainer(cfg, folder, steps, accelerator):
     return start, stamps, _jax_extras(model, cfg)
 
 
+def worker_bridge(cfg, folder, steps, accelerator):
+    """jtrainer's step on transformers' own PyTorch Llama (the torch bridge, through torchax)."""
+    import jax
+    import torch
+    import transformers
+
+    from jtrainer import Trainer, TrainerCallback, TrainingArguments
+
+    stamps = []
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step in (1, 2, steps):
+                jax.block_until_ready(trainer._train_state)  # only to time these steps
+            stamps.append(time.perf_counter())
+
+    start = time.perf_counter()
+    # fp32 master weights, as every system (bf16 compute comes from the arguments on the accelerator)
+    model = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with tempfile.TemporaryDirectory() as out:
+        trainer = Trainer(
+            model,
+            _train_args(TrainingArguments, out, cfg, steps, accelerator),
+            train_dataset=_rows(cfg, steps * cfg["batch"], accelerator),
+            callbacks=[Clock()],
+        )
+        trainer.train()
+    return start, stamps, _jax_extras(trainer.nnx_model, cfg)
+
+
 def worker_hf(cfg, folder, steps, accelerator):
     import torch
     import transformers
@@ -229,7 +260,7 @@ def run_worker(system, config, steps, accelerator):
     folder = weights_folder(config)
     if not os.path.isfile(os.path.join(folder, "config.json")):
         _weights(cfg, folder)
-    worker = {"jtrainer": worker_jtrainer, "hf": worker_hf, "bare": worker_bare}[system]
+    worker = {"jtrainer": worker_jtrainer, "hf": worker_hf, "bare": worker_bare, "bridge": worker_bridge}[system]
     start, stamps, extras = worker(cfg, folder, steps, accelerator)
     steady = (stamps[-1] - stamps[1]) / (len(stamps) - 2)
     tokens = cfg["batch"] * cfg["seq"]
@@ -327,6 +358,16 @@ def report(config, ns, results):
         print(
             f"a/b  jtrainer / transformers.Trainer tokens/s: "
             f"{med['jtrainer']['tokens_per_second'] / med['hf']['tokens_per_second']:.2f}x"
+        )
+    if "bridge" in med and "jtrainer" in med:
+        print(
+            f"d/a  bridge (transformers' model) / jtrainer's native model tokens/s: "
+            f"{med['bridge']['tokens_per_second'] / med['jtrainer']['tokens_per_second']:.2f}x"
+        )
+    if "bridge" in med and "hf" in med:
+        print(
+            f"d/b  bridge / transformers.Trainer tokens/s: "
+            f"{med['bridge']['tokens_per_second'] / med['hf']['tokens_per_second']:.2f}x"
         )
     if "jtrainer" in med and "bare" in med:
         print(
