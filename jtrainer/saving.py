@@ -247,6 +247,12 @@ class SavingMixin(TrainerParts):
 
     def _restore_torch_checkpoint(self, folder: str, fresh) -> TrainState:
         """A transformers.Trainer checkpoint: its weights, AdamW state and schedule step (torch_checkpoint)."""
+        if bridge.is_bridged(self.nnx_model):
+            raise torch_checkpoint.TorchCheckpointError(
+                f"resume_from_checkpoint={folder} (a transformers.Trainer checkpoint) for a PyTorch model trained "
+                "through the torch bridge is not supported yet: load its weights with from_pretrained(folder) and "
+                "train afresh, or resume from a jtrainer checkpoint."
+            )
         name = optim.check_optimizer_name(self.args.optim)
         if name not in torch_checkpoint.ADAMW_NAMES:
             raise torch_checkpoint.TorchCheckpointError(
