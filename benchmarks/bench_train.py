@@ -127,38 +127,9 @@ def _jax_extras(model, cfg) -> dict:
     }
 
 
-def worker_jtrainer(cfg, folder, steps, accelerator):
+def _jtrainer_run(load_model, cfg, steps, accelerator):
+    """Time jtrainer's Trainer on the model `load_model()` returns (its loading timed too)."""
     import jax
-
-    from jtrainer import Trainer, TrainerCallback, TrainingArguments
-    from jtrainer.models import LlamaForCausalLM
-
-    stamps = []
-
-    class Clock(TrainerCallback):
-        def on_step_end(self, args, state, control, **kw):
-            if state.global_step in (1, 2, steps):
-                jax.block_until_ready(trainer._train_state)  # only to time these steps
-            stamps.append(time.perf_counter())
-
-    start = time.perf_counter()
-    model = LlamaForCausalLM.from_pretrained(folder)
-    with tempfile.TemporaryDirectory() as out:
-        trainer = Trainer(
-            model,
-            _train_args(TrainingArguments, out, cfg, steps, accelerator),
-            train_dataset=_rows(cfg, steps * cfg["batch"], accelerator),
-            callbacks=[Clock()],
-        )
-        trainer.train()
-    return start, stamps, _jax_extras(model, cfg)
-
-
-def worker_bridge(cfg, folder, steps, accelerator):
-    """jtrainer's step on transformers' own PyTorch Llama (the torch bridge, through torchax)."""
-    import jax
-    import torch
-    import transformers
 
     from jtrainer import Trainer, TrainerCallback, TrainingArguments
 
@@ -171,8 +142,7 @@ def worker_bridge(cfg, folder, steps, accelerator):
             stamps.append(time.perf_counter())
 
     start = time.perf_counter()
-    # fp32 master weights, as every system (bf16 compute comes from the arguments on the accelerator)
-    model = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model = load_model()
     with tempfile.TemporaryDirectory() as out:
         trainer = Trainer(
             model,
@@ -182,6 +152,24 @@ def worker_bridge(cfg, folder, steps, accelerator):
         )
         trainer.train()
     return start, stamps, _jax_extras(trainer.nnx_model, cfg)
+
+
+def worker_jtrainer(cfg, folder, steps, accelerator):
+    from jtrainer.models import LlamaForCausalLM
+
+    return _jtrainer_run(lambda: LlamaForCausalLM.from_pretrained(folder), cfg, steps, accelerator)
+
+
+def worker_bridge(cfg, folder, steps, accelerator):
+    """jtrainer's step on transformers' own PyTorch Llama (the torch bridge, through torchax), fp32 master weights
+    as every system (bf16 compute comes from the arguments on the accelerator)."""
+    import torch
+    import transformers
+
+    def load():
+        return transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32)
+
+    return _jtrainer_run(load, cfg, steps, accelerator)
 
 
 def worker_hf(cfg, folder, steps, accelerator):

@@ -16,32 +16,9 @@ if importlib.util.find_spec("torchax") is None:  # imported by jtrainer.bridge, 
 transformers = pytest.importorskip("transformers")
 
 from conftest import tiny_llama_config, token_rows, torch_rows  # noqa: E402
+from test_parity_hf_trainer import _args  # noqa: E402,F401  (the side-by-side arguments; test_bridge imports it)
 
 VOCAB = 64
-
-
-def _args(cls, out, **over):
-    kw = dict(
-        output_dir=str(out),
-        per_device_train_batch_size=4,
-        gradient_accumulation_steps=2,
-        learning_rate=3e-3,
-        weight_decay=0.1,
-        warmup_steps=2,
-        lr_scheduler_type="linear",
-        max_grad_norm=0.5,
-        num_train_epochs=2,
-        logging_steps=1,
-        train_sampling_strategy="sequential",
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
-        seed=0,
-        use_cpu=True,
-        optim="adamw_torch",
-    )
-    kw.update(over)
-    return cls(**kw)
 
 
 def _padded_lm_rows(n, length=24, seed=0):

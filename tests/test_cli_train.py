@@ -65,17 +65,22 @@ def test_main_job_rejects_bad_values(capsys):
     assert "'galore_adamw' is not supported by jtrainer" in capsys.readouterr().err
 
 
-def test_a_diverged_run_exports_nothing_and_says_so(tmp_path, capsys):
-    """A learning rate that sends the weights to NaN: no all-NaN export, no perplexity, exit code 1, one line."""
-    from jtrainer.cli import main
-
+def _small_train_argv(tmp_path, out) -> list[str]:
+    """`jtrainer train` of a tiny model on four small text files (written under tmp_path) into `out`."""
     text = tmp_path / "text"
     text.mkdir()
     for i in range(4):
         (text / f"f{i}.txt").write_text(" ".join(f"w{(i + j) % 30}" for j in range(400)))
-    out = tmp_path / "run"
     small = "--hidden_size 32 --intermediate_size 64 --num_hidden_layers 1 --block_size 16 --tokenizer_vocab_size 300"
-    argv = ["train", "--text_dir", str(text), "--output_dir", str(out), *small.split(), "--disable_tqdm", "true"]
+    return ["train", "--text_dir", str(text), "--output_dir", str(out), *small.split(), "--disable_tqdm", "true"]
+
+
+def test_a_diverged_run_exports_nothing_and_says_so(tmp_path, capsys):
+    """A learning rate that sends the weights to NaN: no all-NaN export, no perplexity, exit code 1, one line."""
+    from jtrainer.cli import main
+
+    out = tmp_path / "run"
+    argv = _small_train_argv(tmp_path, out)
     assert main([*argv, "--max_steps", "3", "--learning_rate", "1e12", "--max_grad_norm", "0"]) == 1
     printed = capsys.readouterr()
     said = [line for line in printed.err.splitlines() if line.startswith("jtrainer train: ")]
@@ -95,13 +100,8 @@ def test_bridge_trains_a_transformers_family_jtrainer_has_no_native_model_of(tmp
 
     from jtrainer.cli import main
 
-    text = tmp_path / "text"
-    text.mkdir()
-    for i in range(4):
-        (text / f"f{i}.txt").write_text(" ".join(f"w{(i + j) % 30}" for j in range(400)))
     out = tmp_path / "run"
-    small = "--hidden_size 32 --intermediate_size 64 --num_hidden_layers 1 --block_size 16 --tokenizer_vocab_size 300"
-    argv = ["train", "--text_dir", str(text), "--output_dir", str(out), *small.split(), "--disable_tqdm", "true"]
+    argv = _small_train_argv(tmp_path, out)
     assert main([*argv, "--max_steps", "3", "--bridge", "--model_type", "qwen3", "--head_dim", "8"]) == 0
     printed = capsys.readouterr().out
     assert "held-out perplexity" in printed and "jtrainer: sample:" in printed

@@ -263,33 +263,36 @@ def clm(tmp_path_factory, glue):
     return folder
 
 
+CLM_ARGS = [  # run_clm.py's arguments in both of its tests (plus --output_dir)
+    "--model_name_or_path",
+    "model",
+    "--train_file",
+    "train.txt",
+    "--validation_file",
+    "validation.txt",
+    "--do_train",
+    "--do_eval",
+    "--block_size",
+    "16",
+    "--per_device_train_batch_size",
+    "4",
+    "--per_device_eval_batch_size",
+    "4",
+    "--max_steps",
+    "4",
+    "--seed",
+    "0",
+    "--report_to",
+    "none",
+    "--train_sampling_strategy",
+    "sequential",
+]
+
+
 def test_run_clm_fine_tunes_with_resized_embeddings_and_torchs_numbers(clm):
     """run_clm's path: resize_token_embeddings for a larger tokenizer, its torch-style
     preprocess_logits_for_metrics (`logits.argmax(dim=-1)`), perplexity; the same numbers as torch."""
-    args = [
-        "--model_name_or_path",
-        "model",
-        "--train_file",
-        "train.txt",
-        "--validation_file",
-        "validation.txt",
-        "--do_train",
-        "--do_eval",
-        "--block_size",
-        "16",
-        "--per_device_train_batch_size",
-        "4",
-        "--per_device_eval_batch_size",
-        "4",
-        "--max_steps",
-        "4",
-        "--seed",
-        "0",
-        "--report_to",
-        "none",
-        "--train_sampling_strategy",
-        "sequential",
-    ]
+    args = CLM_ARGS
     _both(clm, "run_clm", args, "out")
     expected, got = _results(clm, "out_hf"), _results(clm, "out_jtrainer")
     assert set(got) == set(expected)
@@ -431,30 +434,7 @@ def test_run_summarization_trains_and_generates_with_torchs_numbers(tmp_path):
 def test_run_clm_with_only_the_trainer_imports_changed_trains_transformers_model(clm):
     """The torch bridge on run_clm.py: transformers' LlamaForCausalLM, resized embeddings, its torch-style
     preprocess_logits_for_metrics (in the step through torchax), perplexity; torch's numbers."""
-    args = [
-        "--model_name_or_path",
-        "model",
-        "--train_file",
-        "train.txt",
-        "--validation_file",
-        "validation.txt",
-        "--do_train",
-        "--do_eval",
-        "--block_size",
-        "16",
-        "--per_device_train_batch_size",
-        "4",
-        "--per_device_eval_batch_size",
-        "4",
-        "--max_steps",
-        "4",
-        "--seed",
-        "0",
-        "--report_to",
-        "none",
-        "--train_sampling_strategy",
-        "sequential",
-    ]
+    args = CLM_ARGS
     for which in ("hf", "bridge"):
         run = _script(clm, "run_clm", which, [*args, "--output_dir", f"bridge_{which}"])
         assert run.returncode == 0, run.stderr[-3000:]

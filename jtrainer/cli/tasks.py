@@ -335,20 +335,19 @@ def fresh_config(model_args: ModelArguments, vocab_size: int, special: dict[str,
     m, special = model_args, dict(special or {})
     kind = m.model_type
     width = head_dim(m)
+    decoder = dict(  # the size fields of the Llama family, which most transformers decoders share
+        vocab_size=vocab_size,
+        hidden_size=m.hidden_size,
+        intermediate_size=m.intermediate_size,
+        num_hidden_layers=m.num_hidden_layers,
+        num_attention_heads=m.num_attention_heads,
+        num_key_value_heads=m.num_key_value_heads,
+        max_position_embeddings=m.max_position_embeddings,
+        **({"head_dim": width} if m.head_dim is not None else {}),
+        **special,
+    )
     if kind in LLAMA_FAMILY:
-        cls = transformers.AutoConfig.for_model(kind).__class__
-        return cls(
-            vocab_size=vocab_size,
-            hidden_size=m.hidden_size,
-            intermediate_size=m.intermediate_size,
-            num_hidden_layers=m.num_hidden_layers,
-            num_attention_heads=m.num_attention_heads,
-            num_key_value_heads=m.num_key_value_heads,
-            max_position_embeddings=m.max_position_embeddings,
-            tie_word_embeddings=True,
-            **({"head_dim": width} if m.head_dim is not None else {}),
-            **special,
-        )
+        return transformers.AutoConfig.for_model(kind, tie_word_embeddings=True, **decoder)
     if m.head_dim is not None and kind in ("gpt2", "bert"):
         raise BadInput(f"head_dim={m.head_dim}: {kind} heads are hidden_size / num_attention_heads wide; unset it.")
     if kind == "gpt2":
@@ -388,18 +387,7 @@ def fresh_config(model_args: ModelArguments, vocab_size: int, special: dict[str,
             **special,
         )
     if m.bridge:  # any transformers family, by the size fields modern decoders share
-        return transformers.AutoConfig.for_model(
-            kind,
-            vocab_size=vocab_size,
-            hidden_size=m.hidden_size,
-            intermediate_size=m.intermediate_size,
-            num_hidden_layers=m.num_hidden_layers,
-            num_attention_heads=m.num_attention_heads,
-            num_key_value_heads=m.num_key_value_heads,
-            max_position_embeddings=m.max_position_embeddings,
-            **({"head_dim": width} if m.head_dim is not None else {}),
-            **special,
-        )
+        return transformers.AutoConfig.for_model(kind, **decoder)
     raise BadInput(f"model_type={kind!r}: use one of {', '.join(MODEL_TYPES)}.")
 
 
