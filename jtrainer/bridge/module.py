@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from flax import nnx
 
+from jtrainer import sharding
 from jtrainer.bridge import layout, torchax_compat
 from jtrainer.bridge.unlowered import unlowered_op
 from jtrainer.models.outputs import Outputs
@@ -140,6 +141,42 @@ def _rematerialised(model: torch.nn.Module, on: bool, policy: str | None):
                 layer._gradient_checkpointing_func = function
 
 
+_ACTIVATION_AXES = {2: ("batch", "length"), 3: ("batch", "length", "act_embed")}
+
+
+def _constrained(value):
+    """An activation [batch, length, ...] laid out as the native models lay theirs out (rows over data/fsdp,
+    positions over sequence), under the Trainer's mesh and rules; anything else as it is."""
+    import torchax.tensor
+
+    if isinstance(value, (tuple, list)) and value:
+        return type(value)([_constrained(value[0]), *value[1:]])
+    if not isinstance(value, torchax.tensor.Tensor) or value.ndim not in _ACTIVATION_AXES:
+        return value
+    return value.apply_jax(sharding.constrain, _ACTIVATION_AXES[value.ndim])
+
+
+@contextlib.contextmanager
+def _activations_laid_out(model: torch.nn.Module):
+    """Forward hooks, for one call, on the input embeddings, each layer transformers checkpoints (the decoder and
+    encoder layers) and the output embeddings: their outputs constrained like the native models' activations.
+    Without them XLA lays activations out after the fsdp-split weights and may hold every data shard's rows on
+    each device."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    targets = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    for name in ("get_input_embeddings", "get_output_embeddings"):
+        module = getattr(model, name, lambda: None)()
+        if isinstance(module, torch.nn.Module):
+            targets.append(module)
+    handles = [m.register_forward_hook(lambda module, args, output: _constrained(output)) for m in targets]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 @contextlib.contextmanager
 def _torch_mode(model: torch.nn.Module, training: bool):
     """The torch model in train or eval mode for one call; each submodule's own flag is put back. The flags are
@@ -218,7 +255,11 @@ class TorchModel(nnx.Module):
         `policy` (a name in jax.checkpoint_policies, jtrainer's remat option) is the step's; the rest goes to torch."""
         kwargs = dict(gradient_checkpointing_kwargs or {})
         self.remat_policy = kwargs.pop("policy", None)
-        self.torch_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs or None)
+        enable = getattr(self.torch_model, "activation_checkpointing_enable", None)  # transformers >= 5.23's name
+        if enable is None:
+            self.torch_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs or None)
+        else:
+            enable(kwargs or None)
         self.gradient_checkpointing = True
 
     def set_neftune(self, alpha: float | None) -> None:
@@ -246,7 +287,12 @@ class TorchModel(nnx.Module):
         torch_io = holds_torch((args, kwargs))
         flat = {name: var for tree in (self.params, self.frozen, self.buffers) for name, var in _flatten(tree).items()}
         remat = self.gradient_checkpointing and not self.deterministic
-        with env, _torch_mode(self.torch_model, not self.deterministic), _weights_kept(self.torch_model):
+        with (
+            env,
+            _torch_mode(self.torch_model, not self.deterministic),
+            _weights_kept(self.torch_model),
+            _activations_laid_out(self.torch_model),
+        ):
             with (
                 env.override_property(prng=self.random["key"][...]),
                 _rematerialised(self.torch_model, remat, self.remat_policy),
