@@ -34,9 +34,14 @@ def is_hf_dataset(dataset: Any) -> bool:
     return type(dataset).__module__.startswith("datasets.")
 
 
+def call_signature(model: Any) -> inspect.Signature:
+    """The model's keyword inputs: a torch module's `forward` (HF's signature check), an nnx module's call."""
+    return inspect.signature(getattr(model, "forward", None) or model.__call__)
+
+
 def model_signature_columns(model: Any) -> list[str]:
-    """The keyword inputs a model's `__call__` takes, plus HF's label columns (as `_set_signature_columns`)."""
-    params = inspect.signature(getattr(model, "forward", None) or model.__call__).parameters  # torch: forward
+    """The keyword inputs a model takes (`call_signature`), plus HF's label columns (as `_set_signature_columns`)."""
+    params = call_signature(model).parameters
     names = [n for n, p in params.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
     return list(dict.fromkeys(names + ["label", "label_ids", "labels"]))
 

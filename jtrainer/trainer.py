@@ -87,11 +87,6 @@ logger = logging.getLogger(__name__)
 hf_logger = logging.getLogger("transformers.trainer")
 
 
-def _call_signature(model: Any) -> inspect.Signature:
-    """The model's keyword inputs: a torch module's `forward` (HF's signature check), an nnx module's call."""
-    return inspect.signature(getattr(model, "forward", None) or model.__call__)
-
-
 def _is_causal_lm(model: Any) -> bool:
     if hasattr(model, "loss_shifts_labels"):
         return bool(model.loss_shifts_labels)
@@ -118,12 +113,12 @@ def _accepts_loss_kwargs(model: Any) -> bool:
     """HF's model_accepts_loss_kwargs: the model's own flag, else whether its call takes **kwargs."""
     if hasattr(model, "accepts_loss_kwargs"):
         return bool(model.accepts_loss_kwargs)
-    params = _call_signature(model).parameters.values()
+    params = data.call_signature(model).parameters.values()
     return any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params)
 
 
 def _takes_labels(model: Any, label_names: list[str]) -> bool:
-    params = _call_signature(model).parameters
+    params = data.call_signature(model).parameters
     return label_names[0] in params or any(p.kind == p.VAR_KEYWORD for p in params.values())
 
 
@@ -140,7 +135,7 @@ def _check_deterministic_backend() -> None:
 def _default_label_names(model: Any) -> list[str]:
     """HF's find_labels: the model's arguments named like labels (QA models: also start/end positions). A model
     taking none (its loss left to the Trainer) keeps ["labels"]."""
-    params = _call_signature(model).parameters
+    params = data.call_signature(model).parameters
     qa = "QuestionAnswering" in type(model).__name__
     found = [p for p in params if "label" in p or (qa and p in ("start_positions", "end_positions"))]
     return found or ["labels"]

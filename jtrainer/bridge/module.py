@@ -276,16 +276,14 @@ class TorchModel(nnx.Module):
             embeddings.neftune_noise_alpha = float(alpha)
             _NEFTUNE_HOOKS[embeddings] = embeddings.register_forward_hook(neftune_post_forward_hook)
 
-    def named_arrays(self) -> dict[str, jax.Array]:
-        """Every weight and buffer by HF's name."""
-        return {
-            name: var[...] for tree in (self.params, self.frozen, self.buffers) for name, var in _flatten(tree).items()
-        }
+    def _named_variables(self) -> dict[str, nnx.Variable]:
+        """Every weight and buffer variable by HF's name."""
+        return {name: var for tree in (self.params, self.frozen, self.buffers) for name, var in _flatten(tree).items()}
 
     def __call__(self, *args, **kwargs):
         env = torchax_compat.environment()
         torch_io = holds_torch((args, kwargs))
-        flat = {name: var for tree in (self.params, self.frozen, self.buffers) for name, var in _flatten(tree).items()}
+        flat = self._named_variables()
         remat = self.gradient_checkpointing and not self.deterministic
         with (
             env,
@@ -320,12 +318,9 @@ class TorchModel(nnx.Module):
             node[leaf] = Buffer(env.t2j_iso(tensors[name]))
         return outputs if torch_io else outputs_to_jax(env, outputs)
 
-    def write_to_torch(self, params: dict | None = None) -> None:
-        """Copy the weights (`params`, a pure dict shaped like this module's, or its own) into the torch model."""
-        arrays = dict(self.named_arrays())
-        if params is not None:
-            arrays.update(_flatten(params))
+    def write_to_torch(self) -> None:
+        """Copy this module's weights and buffers into the torch model."""
         state = dict(self.torch_model.named_parameters()) | dict(self.torch_model.named_buffers())
         with torch.no_grad():
-            for name, value in arrays.items():
-                state[name].copy_(to_tensor(value))
+            for name, var in self._named_variables().items():
+                state[name].copy_(to_tensor(var[...]))
