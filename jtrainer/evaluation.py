@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import math
-import sys
 import time
 from typing import Any
 
@@ -177,7 +176,7 @@ class EvaluationMixin(TrainerParts):
         if key not in compiled_steps.EVAL_STEPS:
             placement = PreprocessPlacement()
             preprocess, in_torch = self.preprocess_logits_for_metrics, None
-            if preprocess is not None and "torch" in sys.modules and bridge.check_installed(required=False):
+            if preprocess is not None and bridge.runs_torch_code():
                 from jtrainer.bridge.torch_code import function_in_torch
 
                 in_torch = function_in_torch(preprocess)  # torch code (HF's contract) inside the step, via torchax

@@ -425,12 +425,11 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         model, after jax.numpy for a native one); code that runs neither way (numpy conversions, float()) fails
         here with its name, as does a non-scalar loss."""
         candidates = [spec]
-        if bridge.is_torch_module(self.model) or "torch" in sys.modules:
-            bridge.check_installed()
+        if bridge.runs_torch_code():
             from jtrainer.bridge.torch_code import compute_loss_in_torch
 
             in_torch = dataclasses.replace(spec, compute_loss=compute_loss_in_torch(self.compute_loss))
-            candidates = [in_torch, spec] if bridge.is_torch_module(self.model) else [spec, in_torch]
+            candidates = [in_torch, spec] if bridge.is_bridged(self.nnx_model) else [spec, in_torch]
         errors = []
         for candidate in candidates:
             try:

@@ -39,6 +39,12 @@ def check_installed(required: bool = True) -> bool:
     return True
 
 
+def runs_torch_code() -> bool:
+    """Whether a user's torch-written function can run inside the step: the script has torch (it imported it)
+    and torchax is installed. A script with torch but no torchax keeps jtrainer's torch-free paths."""
+    return "torch" in sys.modules and check_installed(required=False)
+
+
 def as_nnx(model: Any):
     """The nnx module the step runs: `model` itself when it is one, a `TorchModel` of it when it is torch's."""
     if not is_torch_module(model):
