@@ -270,3 +270,27 @@ def test_neftune_adds_transformers_noise_in_training_steps_only():
 
     quiet, noisy, again = run(None), run(5.0), run(5.0)
     assert noisy == again and noisy[0] != quiet[0]
+
+
+def test_torch_without_torchax_keeps_a_jax_compute_loss_override_working(monkeypatch):
+    """A script with torch installed but not torchax: a native model's jax.numpy compute_loss override runs as
+    before (the torch path is not tried), instead of failing for want of the bridge."""
+    import jax.numpy as jnp
+
+    from jtrainer.models.llama import LlamaForCausalLM
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchax" else find_spec(name))
+
+    class MeanLogitTrainer(Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            outputs = model(input_ids=inputs["input_ids"])
+            loss = jnp.mean(outputs.logits**2)
+            return (loss, outputs) if return_outputs else loss
+
+    args = _args(TrainingArguments, scratch_dir(), max_steps=1)
+    trainer = MeanLogitTrainer(
+        model=LlamaForCausalLM.from_config(tiny_llama_config()), args=args, train_dataset=token_rows(8)
+    )
+    trainer.train()
+    assert [h for h in trainer.state.log_history if "loss" in h]
