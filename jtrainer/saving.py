@@ -18,8 +18,9 @@ from flax import nnx
 from transformers.trainer_callback import ExportableState, TrainerState
 from transformers.trainer_utils import SaveStrategy
 
-from jtrainer import bridge, checkpoint, host_rng, optim, storage, torch_checkpoint
-from jtrainer.state import LoopState, TrainState
+from jtrainer import bridge, checkpoint, host_rng, optim, sharding, storage, torch_checkpoint
+from jtrainer.bridge import adapters
+from jtrainer.state import Frozen, LoopState, TrainState
 from jtrainer.trainer_parts import TrainerParts
 
 logger = logging.getLogger(__name__)
@@ -182,7 +183,7 @@ class SavingMixin(TrainerParts):
             params = checkpoint.read_params(written)
             hf_io.write_weights(hf_io.hf_tensors_from_params(self.model, params), local)
 
-        train_state = None if self.args.save_only_model else self._train_state
+        train_state = None if self.args.save_only_model else self._saved_part(self._train_state)
         hf_logger.info(f"Saving model checkpoint to {folder}")
         self._pending_checkpoint = checkpoint.save_checkpoint(
             folder,
@@ -224,7 +225,7 @@ class SavingMixin(TrainerParts):
                 f"Can't find a valid checkpoint at {folder}: it has no train state (saved with save_only_model?)."
             )
         else:
-            train_state = checkpoint.restore_train_state(folder, like, fresh)
+            train_state = self._restore_train_state(folder, like, fresh)
         self.state = load_trainer_state(folder)
         if self.state.best_model_checkpoint is not None and not storage.isdir(self.state.best_model_checkpoint):
             logger.warning(
@@ -244,6 +245,28 @@ class SavingMixin(TrainerParts):
         if not self.args.ignore_data_skip:
             skip = (self.state.global_step % updates_per_epoch) * self.args.gradient_accumulation_steps
         return train_state, epochs_trained, skip
+
+    def _saved_part(self, state: TrainState | None) -> TrainState | None:
+        """What a checkpoint keeps of a train state: all of it, but a peft model's frozen base model, which the
+        model given holds (transformers.Trainer's peft checkpoints hold the adapters only, too)."""
+        if state is None or not adapters.is_peft_model(self.model):
+            return state
+        _, kept = nnx.split_state(state.model_state, Frozen, ...)
+        return state.replace(model_state=kept)
+
+    def _restore_train_state(self, folder: str, like: TrainState, fresh=None) -> TrainState:
+        """checkpoint.restore_train_state of `_saved_part`; a peft model's frozen base comes back from `like`
+        (concrete) or from the model, placed on `like`'s shardings (abstract)."""
+        saved_fresh = None if fresh is None else (lambda: self._saved_part(fresh()))
+        restored = checkpoint.restore_train_state(folder, self._saved_part(like), saved_fresh)
+        if not adapters.is_peft_model(self.model):
+            return restored
+        frozen, _ = nnx.split_state(like.model_state, Frozen, ...)
+        if any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(frozen)):
+            _, _, rest = nnx.split(self.nnx_model, nnx.Param, ...)
+            held, _ = nnx.split_state(rest, Frozen, ...)
+            frozen = sharding.place(held, jax.tree.map(lambda leaf: leaf.sharding, frozen))
+        return restored.replace(model_state=nnx.merge_state(frozen, restored.model_state))
 
     def _restore_torch_checkpoint(self, folder: str, fresh) -> TrainState:
         """A transformers.Trainer checkpoint: its weights, AdamW state and schedule step (torch_checkpoint)."""
@@ -336,7 +359,7 @@ class SavingMixin(TrainerParts):
         best = self.state.best_model_checkpoint
         hf_logger.info(f"Loading best model from {best} (score: {self.state.best_metric}).")
         if self._train_state is not None and storage.isdir(storage.join(best, checkpoint.TRAIN_STATE_DIR)):
-            self._train_state = checkpoint.restore_train_state(best, self._train_state)
+            self._train_state = self._restore_train_state(best, self._train_state)
             self._sync_model()
         else:
             from jtrainer.models import hf_io

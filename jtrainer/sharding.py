@@ -21,6 +21,8 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jtrainer.state import Frozen
+
 DATA, FSDP, TENSOR, SEQUENCE = "data", "fsdp", "tensor", "sequence"
 MESH_AXES = (DATA, FSDP, TENSOR, SEQUENCE)
 BATCH_AXES = (DATA, FSDP)
@@ -249,10 +251,11 @@ def _unflatten(flat: dict[tuple, Any]) -> dict:
     return out
 
 
-def param_specs(model: nnx.Module, mesh: Mesh, rules: dict[str, Any]) -> dict:
-    """PartitionSpecs of the model's parameters, as a pure dict shaped like nnx.to_pure_dict(params)."""
+def param_specs(model: nnx.Module, mesh: Mesh, rules: dict[str, Any], of: Any = nnx.Param) -> dict:
+    """PartitionSpecs of the model's parameters (or of its variables of type `of`), as a pure dict shaped like
+    nnx.to_pure_dict(params)."""
     flat = {}
-    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+    for path, var in nnx.to_flat_state(nnx.state(model, of)):
         shape = tuple(var.shape)
         logical = _logical_axes(var)
         name = ".".join(map(str, path))
@@ -263,6 +266,18 @@ def param_specs(model: nnx.Module, mesh: Mesh, rules: dict[str, Any]) -> dict:
                 raise ValueError(f"Parameter {name} has shape {shape} but {len(logical)} logical axes {logical}.")
             flat[path] = logical_to_spec(logical, rules, mesh, shape, name)
     return _unflatten(flat)
+
+
+def model_state_shardings(model: nnx.Module, mesh: Mesh, rules: dict[str, Any]) -> Any:
+    """Shardings of the model's non-parameter state, shaped like it: frozen weights (`state.Frozen`) laid out as
+    parameters are (a peft model's base model is most of the model), the rest (buffers, keys) replicated."""
+    _, _, rest = nnx.split(model, nnx.Param, ...)
+    frozen = flatten_specs(param_specs(model, mesh, rules, of=Frozen))
+    flat = nnx.to_flat_state(rest)
+    leaves = [NamedSharding(mesh, frozen[path]) if path in frozen else replicated(mesh) for path, _ in flat]
+    treedef = jax.tree.structure(rest)
+    assert treedef.num_leaves == len(leaves), "one array per model-state variable"
+    return jax.tree.unflatten(treedef, leaves)
 
 
 def named(mesh: Mesh, specs: Any) -> Any:

@@ -9,12 +9,17 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import jax
-from flax import struct
+from flax import nnx, struct
 from transformers.trainer_callback import ExportableState, TrainerControl, TrainerState
 
 from jtrainer import host_rng
 
-__all__ = ["LoopState", "TrainState", "TrainerState", "TrainerControl", "ExportableState"]
+__all__ = ["Frozen", "LoopState", "TrainState", "TrainerState", "TrainerControl", "ExportableState"]
+
+
+class Frozen(nnx.Variable):
+    """A weight no optimizer updates (a torch parameter with `requires_grad=False`: a peft model's base model).
+    It is model state, laid out over the mesh as parameters are; a peft model's checkpoints leave it out."""
 
 
 @struct.dataclass

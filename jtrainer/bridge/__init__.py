@@ -50,6 +50,9 @@ def as_nnx(model: Any):
     if not is_torch_module(model):
         return model
     check_installed()
+    from jtrainer.bridge import adapters
     from jtrainer.bridge.module import TorchModel
 
+    if adapters.is_peft_model(model):
+        adapters.check_supported(model)
     return TorchModel(model)

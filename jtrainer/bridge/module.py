@@ -23,12 +23,9 @@ from jtrainer import sharding
 from jtrainer.bridge import layout, torchax_compat
 from jtrainer.bridge.unlowered import unlowered_op
 from jtrainer.models.outputs import Outputs
+from jtrainer.state import Frozen  # requires_grad=False: transformers.Trainer's optimizer never sees it
 
 _NEFTUNE_HOOKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # embeddings -> NEFTune's hook handle
-
-
-class Frozen(nnx.Variable):
-    """A parameter with `requires_grad=False`: transformers.Trainer's optimizer never sees it."""
 
 
 class Buffer(nnx.Variable):
@@ -225,12 +222,12 @@ class TorchModel(nnx.Module):
             (trainable if parameter.requires_grad else frozen)[name] = parameter
         plan = dict(getattr(torch_model, "tp_plan", None) or {})  # transformers' tensor-parallel plan
 
-        def param(name, tensor):
+        def param(name, tensor, kind=nnx.Param):  # frozen weights are laid out as trainable ones
             axes = layout.logical_axes(name, tensor.ndim, plan)
-            return nnx.Param(to_array(tensor)) if axes is None else nnx.Param(to_array(tensor), logical_axes=axes)
+            return kind(to_array(tensor)) if axes is None else kind(to_array(tensor), logical_axes=axes)
 
         self.params = nnx.data(_nest({n: param(n, p) for n, p in trainable.items()}))
-        self.frozen = nnx.data(_nest({n: Frozen(to_array(p)) for n, p in frozen.items()}))
+        self.frozen = nnx.data(_nest({n: param(n, p, Frozen) for n, p in frozen.items()}))
         self.buffers = nnx.data(_nest({n: Buffer(to_array(b)) for n, b in torch_model.named_buffers()}))
         # In a plain dict, as the buffers: replaced (not mutated) after a call, which nnx allows inside a
         # differentiated trace whose model state came in from outside it.
