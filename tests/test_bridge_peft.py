@@ -217,7 +217,8 @@ def test_lora_resume_and_best_model(tmp_path):
         np.testing.assert_array_equal(_trainable(resumed)[key], value, err_msg=key)
 
     best = copy.deepcopy(model)
-    trainer = run(best, tmp_path / "b", load_best_model_at_end=True, metric_for_best_model="loss", greater_is_better=True)
+    best_args = dict(load_best_model_at_end=True, metric_for_best_model="loss", greater_is_better=True)
+    trainer = run(best, tmp_path / "b", **best_args)
     trainer.train()  # the worse (higher) eval loss is "best": step 4's, not the last
     assert trainer.state.best_model_checkpoint.endswith("checkpoint-4")
     at_best = peft.PeftModel.from_pretrained(pristine, trainer.state.best_model_checkpoint)

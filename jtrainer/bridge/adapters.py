@@ -15,8 +15,8 @@ from typing import Any
 # with torch (tests/test_bridge_peft.py). Others are refused by name rather than trained on trust.
 # (LoRA's variants DoRA and rsLoRA are LORA.) BOFT and AdaLoRA call torch ops torchax cannot run; AdaLoRA also
 # needs update_and_allocate called between steps, which transformers.Trainer does not do.
-TRAINED = frozenset(
-    {"LORA", "IA3", "LOHA", "LOKR", "VERA", "OFT", "FOURIERFT", "LN_TUNING", "PROMPT_TUNING", "P_TUNING", "PREFIX_TUNING"}
+TRAINED = frozenset({"LORA", "IA3", "LOHA", "LOKR", "VERA", "OFT", "FOURIERFT", "LN_TUNING"}) | frozenset(
+    {"PROMPT_TUNING", "P_TUNING", "PREFIX_TUNING"}  # prompt learning: virtual tokens before the rows
 )
 
 
