@@ -16,8 +16,9 @@ if importlib.util.find_spec("torchax") is None:
 JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "jobs", "bridge_mesh_job.py")
 
 
-def _run(mesh: str, devices: int) -> dict:
+def _run(mesh: str, devices: int, **env_over) -> dict:
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+    env.update(env_over)
     out = subprocess.run([sys.executable, JOB, mesh], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -40,6 +41,24 @@ def test_fsdp_and_tensor_parallel_from_the_tp_plan_equal_one_device():
             assert specs["params.model.layers.0.mlp.up_proj.weight"] == "P('fsdp',)" or "fsdp" in str(
                 specs["params.model.layers.0.mlp.up_proj.weight"]
             )
+
+
+def test_lora_adapters_and_frozen_base_on_the_mesh_equal_one_device():
+    """A peft LoRA Llama: the frozen base laid out by the tp plan as trainable weights are (model state, not
+    replicated), the adapters by the same rules (A shares its layer's input axis, B its output axis)."""
+    pytest.importorskip("peft")
+    one = _run("one", 1, JOB_PEFT="1")
+    got = _run('{"fsdp": 2, "tensor": 4}', 8, JOB_PEFT="1")
+    assert got["compiles"] == 1
+    assert got["losses"] == pytest.approx(one["losses"], rel=1e-5)
+    for name, total in one["weights"].items():
+        assert got["weights"][name] == pytest.approx(total, rel=1e-5), name
+    specs, layer = got["specs"], "base_model.model.model.layers.0.self_attn"
+    assert specs[f"frozen.{layer}.q_proj.base_layer.weight"] == "P('tensor', 'fsdp')"
+    assert specs[f"frozen.{layer}.o_proj.base_layer.weight"] == "P('fsdp', 'tensor')"
+    assert specs[f"params.{layer}.q_proj.lora_A.default.weight"] == "P(None, 'fsdp')"
+    assert specs[f"params.{layer}.q_proj.lora_B.default.weight"] == "P('tensor', None)"
+    assert "fsdp" in specs["frozen.base_model.model.model.layers.0.mlp.up_proj.weight"]
 
 
 def test_two_processes_equal_one(tmp_path):

@@ -6,6 +6,7 @@ the plan does not name are fsdp-split on their largest dimension (`sharding.defa
 from __future__ import annotations
 
 import fnmatch
+import re
 
 # The logical axes of a torch Linear's weight [out, in] and bias [out], or an Embedding's weight [rows, dim],
 # under each of transformers' tensor-parallel styles.
@@ -29,8 +30,22 @@ def plan_style(module_name: str, plan: dict[str, str]) -> str | None:
     return None
 
 
+# peft's names: a PeftModel's weights sit under `base_model.model.`; a LoRA-wrapped Linear keeps its own weight as
+# `<module>.base_layer.weight` and adds `<module>.lora_A.<adapter>.weight` [r, in], `.lora_B.<adapter>.weight` [out, r].
+_PEFT_PREFIX = "base_model.model."
+_LORA = re.compile(r"^(?P<module>.+)\.lora_(?P<side>[AB])\.[^.]+\.weight$")
+
+
 def logical_axes(name: str, ndim: int, plan: dict[str, str]) -> tuple[str | None, ...] | None:
-    """A weight's logical axes by its HF name, or None (fsdp on its largest dimension) where the plan is silent."""
+    """A weight's logical axes by its HF name, or None (fsdp on its largest dimension) where the plan is silent.
+    Under peft, a wrapped layer's base weight is laid out as the layer's, and LoRA's factors share its input
+    (A) or output (B) axis, so adapters follow the same rules as the weights they adapt."""
+    name = name.removeprefix(_PEFT_PREFIX).replace(".base_layer.", ".")
+    lora = _LORA.match(name)
+    if lora is not None:
+        out_axis, in_axis = logical_axes(f"{lora['module']}.weight", 2, plan) or (None, None)
+        axes = (None, in_axis) if lora["side"] == "A" else (out_axis, None)
+        return axes if ndim == 2 and axes != (None, None) else None
     module_name, _, leaf = name.rpartition(".")
     style = plan_style(module_name, plan)
     axes = _STYLES.get(style or "", {}).get(leaf)

@@ -2,7 +2,8 @@
 argv[1]: a mesh_shape as JSON, or "one" for one device), 8 rows a step: prints the logged losses, the trained
 weights' absolute sums, the train step's compile count and the parameters' PartitionSpecs as JSON (and writes
 them to argv[2] from process 0, if given: under `jtrainer launch`, the torch model of every process holds the
-trained weights)."""
+trained weights). With JOB_PEFT=1 the Llama is wrapped in a peft LoRA model (the adapters trained, the base model
+frozen), and the frozen weights' PartitionSpecs are printed too."""
 
 import json
 import os
@@ -22,6 +23,11 @@ from jtrainer import Trainer, TrainingArguments  # noqa: E402
 mesh = None if sys.argv[1] == "one" else json.loads(sys.argv[1])
 torch.manual_seed(0)
 model = transformers.LlamaForCausalLM(tiny_llama_config(hidden_size=64, intermediate_size=128))
+if os.environ.get("JOB_PEFT") == "1":
+    import peft
+
+    lora = peft.LoraConfig(r=8, target_modules=["q_proj", "v_proj", "o_proj"], init_lora_weights=False)
+    model = peft.get_peft_model(model, lora)
 args = TrainingArguments(
     output_dir=scratch_dir(),
     # HF's per-device batch is per data-parallel rank: `tensor` devices share their rows.
@@ -39,8 +45,9 @@ trainer = Trainer(model=model, args=args, train_dataset=token_rows(32, ragged_la
 with count_compiles() as compiles:
     trainer.train()
 specs = {
-    name: str(value.sharding.spec)
-    for name, value in jax.tree_util.tree_flatten_with_path(trainer._train_state.params)[0]
+    name.removesuffix(".value"): str(value.sharding.spec)  # model state's names end in their Variable's value
+    for tree in (trainer._train_state.params, trainer._train_state.model_state)
+    for name, value in jax.tree_util.tree_flatten_with_path(tree)[0]
     for name in [jax.tree_util.keystr(name, simple=True, separator=".")]
 }
 result = json.dumps(
