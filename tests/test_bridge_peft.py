@@ -117,9 +117,10 @@ def _trainable(model) -> dict[str, np.ndarray]:
 
 @pytest.mark.parametrize("name", ["llama", "gemma3"])
 def test_lora_same_run_as_transformers_trainer(tmp_path, name):
-    """LoRA r=8 on q/k/v/o, side by side with transformers.Trainer + peft: losses, grad norms and adapters equal;
-    the base model untouched; save_model writes peft's folder, which PeftModel.from_pretrained loads into the
-    torch-trained model's logits; checkpoints hold adapters and their optimizer state only."""
+    """LoRA r=8 on q/k/v/o, side by side with transformers.Trainer + peft (Llama with gradient checkpointing):
+    losses, grad norms and adapters equal; the base model untouched; save_model writes peft's folder, which
+    PeftModel.from_pretrained loads into the torch-trained model's logits; checkpoints hold adapters and their
+    optimizer state only; merge_and_unload afterwards gives a plain transformers model of the same logits."""
     from jtrainer import Trainer, TrainingArguments
 
     torch.manual_seed(0)
@@ -129,16 +130,20 @@ def test_lora_same_run_as_transformers_trainer(tmp_path, name):
     model = _lora(base)
     ours_model = copy.deepcopy(model)
     rows = _padded_lm_rows(30)
+    remat = dict(gradient_checkpointing=name == "llama")
     hf = transformers.Trainer(
-        model=model, args=_args(transformers.TrainingArguments, tmp_path / "hf"), train_dataset=torch_rows(rows)
+        model=model,
+        args=_args(transformers.TrainingArguments, tmp_path / "hf", **remat),
+        train_dataset=torch_rows(rows),
     )
     hf.train()
     ours = Trainer(
         model=ours_model,
-        args=_args(TrainingArguments, tmp_path / "jt", save_strategy="steps", save_steps=4),
+        args=_args(TrainingArguments, tmp_path / "jt", save_strategy="steps", save_steps=4, **remat),
         train_dataset=rows,
     )
     ours.train()
+    assert ours.nnx_model.gradient_checkpointing is remat["gradient_checkpointing"]
 
     hf_logs = [h for h in hf.state.log_history if "loss" in h]
     jt_logs = [h for h in ours.state.log_history if "loss" in h]
@@ -190,6 +195,34 @@ def test_lora_same_run_as_transformers_trainer(tmp_path, name):
     assert sum(int(np.prod(x.shape)) for x in saved_arrays) < 3 * adapter_count + 64
     with open(checkpoint_4 / "adapter_config.json") as f:
         assert json.load(f)["r"] == 8
+
+    with torch.no_grad():
+        adapted = ours_model.eval()(input_ids=ids).logits.numpy()
+        merged = ours_model.merge_and_unload()
+        assert type(merged) is type(pristine)
+        np.testing.assert_allclose(merged(input_ids=ids).logits.numpy(), adapted, atol=1e-5)
+
+
+def test_neftune_with_a_peft_model():
+    """NEFTune on a peft model: transformers' hook on the base model's input embeddings in training steps only."""
+    from conftest import scratch_dir
+
+    from jtrainer import Trainer, TrainingArguments
+
+    torch.manual_seed(0)
+    model = _lora(_causal("llama"))
+    rows = _padded_lm_rows(16)
+
+    def run(alpha):
+        args = _args(TrainingArguments, scratch_dir(), max_steps=2, neftune_noise_alpha=alpha)
+        trainer = Trainer(model=copy.deepcopy(model), args=args, train_dataset=rows)
+        trainer.train()
+        embeddings = trainer.model.get_base_model().get_input_embeddings()
+        assert not hasattr(embeddings, "neftune_noise_alpha") and not embeddings._forward_hooks  # removed after
+        return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+    quiet, noisy, again = run(None), run(5.0), run(5.0)
+    assert noisy == again and noisy[0] != quiet[0]
 
 
 def test_lora_resume_and_best_model(tmp_path):

@@ -20,7 +20,7 @@ import torch
 from flax import nnx
 
 from jtrainer import sharding
-from jtrainer.bridge import layout, torchax_compat
+from jtrainer.bridge import adapters, layout, torchax_compat
 from jtrainer.bridge.unlowered import unlowered_op
 from jtrainer.models.outputs import Outputs
 from jtrainer.state import Frozen  # requires_grad=False: transformers.Trainer's optimizer never sees it
@@ -98,7 +98,9 @@ def _weights_kept(model: torch.nn.Module):
 
 
 def checkpointing_enabled(model: torch.nn.Module) -> bool:
-    """transformers' activation-checkpointing flag (`is_gradient_checkpointing` before transformers 5.23)."""
+    """transformers' activation-checkpointing flag (`is_gradient_checkpointing` before transformers 5.23); a peft
+    model's is its base model's."""
+    model = adapters.inspected(model)
     for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
         if hasattr(type(model), name):
             return bool(getattr(model, name))
