@@ -75,6 +75,14 @@ def _causal(name):
             **small, **heads, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0, pad_token_id=0, eos_token_id=2
         )
         return transformers.Phi3ForCausalLM(config)
+    moe = dict(num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.05)
+    if name == "mixtral":  # transformers' default experts implementation: torch._grouped_mm, plus the aux loss
+        return transformers.MixtralForCausalLM(transformers.MixtralConfig(**small, **heads, num_local_experts=4, **moe))
+    if name == "qwen3-moe":
+        config = transformers.Qwen3MoeConfig(
+            **small, **heads, head_dim=8, num_experts=4, moe_intermediate_size=24, decoder_sparse_step=1, **moe
+        )
+        return transformers.Qwen3MoeForCausalLM(config)
     if name == "gpt2":
         config = transformers.GPT2Config(
             vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0
@@ -85,7 +93,7 @@ def _causal(name):
 
 def _case(name):
     """(torch model, training rows) of each side-by-side case."""
-    if name in ("llama", "qwen3", "gemma3", "phi3", "gpt2"):
+    if name in ("llama", "qwen3", "gemma3", "phi3", "gpt2", "mixtral", "qwen3-moe"):
         return _causal(name), _padded_lm_rows(30)
     if name == "bert-sequence":
         return _bert("BertForSequenceClassification", num_labels=3), _class_rows(
@@ -156,7 +164,7 @@ def _case(name):
 
 
 CASES = [
-    "llama", "qwen3", "gemma3", "phi3", "gpt2",
+    "llama", "qwen3", "gemma3", "phi3", "gpt2", "mixtral", "qwen3-moe",
     "bert-sequence", "bert-token", "bert-qa", "bert-choice", "vit",
     "t5", "whisper",
 ]  # fmt: skip
@@ -167,6 +175,8 @@ def _without_gradient(model, rows) -> set[str]:
     LayerNorm's bias adds the same to every position, attention scores not with a key bias. Their updates are
     AdamW's normalisation of rounding noise in either framework, not a result to compare."""
     exact = copy.deepcopy(model).double()
+    if getattr(exact.config, "_experts_implementation", None) == "grouped_mm":  # torch's has no float64 kernel
+        exact.set_experts_implementation("batched_mm")
     batch = {k: torch.tensor(np.stack([r[k] for r in rows])) for k in rows[0]}
     batch = {k: v.double() if v.is_floating_point() else v for k, v in batch.items()}
     exact(**batch).loss.backward()

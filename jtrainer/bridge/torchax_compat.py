@@ -13,6 +13,9 @@ fails once torchax no longer needs it:
    fast path, a JAX client option, an environment variable) is put back.
 3. Its `scaled_dot_product_attention` gives NaN for a query whose keys are all masked (torch gives 0): right
    padding inside a sliding window turns a whole padded row NaN, and NaN reaches the gradients through 0 * NaN.
+4. It has no lowering for `aten::_grouped_mm`, the grouped matmul of transformers' default experts implementation
+   (Mixtral, Qwen3-MoE, gpt-oss, DeepSeek): here it is `jax.lax.ragged_dot` (tokens sorted by expert, one group of
+   rows per expert), differentiated by JAX.
 """
 
 from __future__ import annotations
@@ -125,6 +128,36 @@ def _sdpa_on_tensors(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
     return torchax.tensor.Tensor(out, env)
 
 
+def _grouped_mm(lhs, rhs, offs=None, bias=None, out_dtype=None):
+    """torch's `_grouped_mm` on jax arrays. With `offs` (cumulative row ends, one per group) a 2-D `lhs` [rows,
+    k] is multiplied group by group with `rhs` [groups, k, n]; without, it is a (batched) matmul."""
+    if offs is None:
+        out = jnp.matmul(lhs, rhs)
+    elif lhs.ndim == 2 and rhs.ndim == 3:
+        ends = offs.astype(jnp.int32)
+        sizes = jnp.diff(ends, prepend=jnp.zeros((1,), jnp.int32))
+        out = jax.lax.ragged_dot(lhs, rhs, sizes, preferred_element_type=jnp.float32)
+    else:
+        raise NotImplementedError(
+            f"torch._grouped_mm of a {lhs.ndim}-D by a {rhs.ndim}-D tensor with offsets: the bridge lowers the "
+            "grouped rows of transformers' experts (2-D by 3-D) only."
+        )
+    if bias is not None:
+        out = out + bias
+    dtype = lhs.dtype if out_dtype is None else out_dtype
+    return out.astype(dtype)
+
+
+def _grouped_mm_on_tensors(lhs, rhs, offs=None, bias=None, out_dtype=None):
+    import torchax.tensor
+    from torchax.ops import mappings
+
+    env = lhs._env
+    arrays = env.t2j_iso((lhs, rhs, offs, bias))
+    dtype = None if out_dtype is None else mappings.t2j_dtype(out_dtype)
+    return torchax.tensor.Tensor(_grouped_mm(*arrays, out_dtype=dtype), env)
+
+
 @functools.cache
 def environment():
     """torchax's environment with the fixes above (imported on first use: torch and torchax load here)."""
@@ -148,4 +181,5 @@ def environment():
     torchax.view.View.device = property(lambda self: DEVICE)
     for op in (torch.nn.functional.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention):
         env.override_op_definition(op, _sdpa_on_tensors)
+    env.override_op_definition(torch.ops.aten._grouped_mm.default, _grouped_mm_on_tensors)
     return env
