@@ -1,7 +1,8 @@
 """The one place a Mesh is built; logical axis rules -> PartitionSpecs for parameters, batches and activations.
 
 Mesh axes: `data` (replicated parameters, split batch: DDP), `fsdp` (split batch and split parameters, gradients
-and optimizer state: ZeRO-3), `tensor` (Megatron column/row splits of heads and MLP), `sequence` (split sequence
+and optimizer state: ZeRO-3), `expert` (a mixture of experts' experts split over it; like `data` for the rest of
+the model: split batch), `tensor` (Megatron column/row splits of heads and MLP), `sequence` (split sequence
 length: context parallel). One jit-compiled step runs on any combination; XLA inserts the collectives.
 """
 
@@ -23,9 +24,9 @@ from jax.sharding import PartitionSpec as P
 
 from jtrainer.state import Frozen
 
-DATA, FSDP, TENSOR, SEQUENCE = "data", "fsdp", "tensor", "sequence"
-MESH_AXES = (DATA, FSDP, TENSOR, SEQUENCE)
-BATCH_AXES = (DATA, FSDP)
+DATA, FSDP, EXPERT, TENSOR, SEQUENCE = "data", "fsdp", "expert", "tensor", "sequence"
+MESH_AXES = (DATA, FSDP, EXPERT, TENSOR, SEQUENCE)
+BATCH_AXES = (DATA, FSDP, EXPERT)
 
 # Logical axis name -> mesh axis (or axes, or None: replicated). Users override entries with
 # `TrainingArguments(logical_axis_rules={"mlp": None, ...})`.
@@ -40,6 +41,7 @@ DEFAULT_RULES: dict[str, Any] = {
     "kv": None,  # key/value projections are replicated over `tensor` (GQA models have few kv heads)
     "norm": None,
     "layers": None,
+    "expert": EXPERT,  # the experts dimension of a mixture of experts' stacked weights
 }
 
 # Parameters with fewer elements than this are replicated when they carry no annotation.
@@ -118,16 +120,17 @@ def mesh_devices() -> list:
 
 
 def make_mesh(sizes: dict[str, int] | None = None, devices: Sequence[Any] | None = None) -> Mesh:
-    """A 4-axis mesh laid out for the machine (`device_grid`); `data` is outermost, so on many hosts and
+    """A 5-axis mesh laid out for the machine (`device_grid`); `data` is outermost, so on many hosts and
     slices it spans them (the DCN axis) by default."""
     devices = list(devices if devices is not None else mesh_devices())
-    sizes = sizes or {DATA: len(devices), FSDP: 1, TENSOR: 1, SEQUENCE: 1}
+    sizes = sizes or {DATA: len(devices)}
+    sizes = {axis: sizes.get(axis, 1) for axis in MESH_AXES}
     grid = device_grid([sizes[a] for a in MESH_AXES], devices)
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
 def device_grid(shape: list[int], devices: list) -> np.ndarray:
-    """The devices arranged as the mesh `shape` [data, fsdp, tensor, sequence] along the interconnect.
+    """The devices arranged as the mesh `shape` [data, fsdp, expert, tensor, sequence] along the interconnect.
 
     One process: `mesh_utils.create_device_mesh`, which follows the chips' torus (TPU) so each mesh axis runs
     over neighbouring chips. Several processes (hosts, slices): `create_hybrid_device_mesh` with each process a
@@ -148,9 +151,9 @@ def device_grid(shape: list[int], devices: list) -> np.ndarray:
             over_fsdp = granules // over_data
             if shape[1] % over_fsdp or (over_fsdp > 1 and shape[0] // over_data > 1):
                 return plain
-            inner = [shape[0] // over_data, shape[1] // over_fsdp, shape[2], shape[3]]
+            inner = [shape[0] // over_data, shape[1] // over_fsdp, *shape[2:]]
             grid = mesh_utils.create_hybrid_device_mesh(
-                inner, [over_data, over_fsdp, 1, 1], devices, process_is_granule=True, allow_split_physical_axes=True
+                inner, [over_data, over_fsdp] + [1] * len(shape[2:]), devices, process_is_granule=True, allow_split_physical_axes=True
             )
     except (ValueError, NotImplementedError, AssertionError, KeyError, AttributeError):
         return plain
@@ -158,8 +161,9 @@ def device_grid(shape: list[int], devices: list) -> np.ndarray:
 
 
 def _rows_contiguous(grid: np.ndarray) -> bool:
-    """Whether every process's devices take one contiguous run of the batch axes (data x fsdp, flattened)."""
-    per_row = grid.reshape(grid.shape[0] * grid.shape[1], -1)
+    """Whether every process's devices take one contiguous run of the batch axes (data x fsdp x expert,
+    flattened)."""
+    per_row = grid.reshape(math.prod(grid.shape[: len(BATCH_AXES)]), -1)
     if any(len({d.process_index for d in row}) > 1 for row in per_row):
         return False  # tensor / sequence shards of one row on several processes: rows are shared, not split
     owners = [row[0].process_index for row in per_row]
@@ -305,7 +309,7 @@ def batch_shardings(mesh: Mesh, batch: dict[str, np.ndarray], row_dim: int) -> d
 
 
 def data_parallel_size(mesh: Mesh) -> int:
-    return mesh.shape[DATA] * mesh.shape[FSDP]
+    return math.prod(mesh.shape[axis] for axis in BATCH_AXES)
 
 
 def check_length_divisible(length: int | None, mesh: Mesh) -> None:

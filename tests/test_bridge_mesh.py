@@ -47,8 +47,8 @@ def test_lora_adapters_and_frozen_base_on_the_mesh_equal_one_device():
     """A peft LoRA Llama: the frozen base laid out by the tp plan as trainable weights are (model state, not
     replicated), the adapters by the same rules (A shares its layer's input axis, B its output axis)."""
     pytest.importorskip("peft")
-    one = _run("one", 1, JOB_PEFT="1")
-    got = _run('{"fsdp": 2, "tensor": 4}', 8, JOB_PEFT="1")
+    one = _run("one", 1, JOB_MODEL="lora")
+    got = _run('{"fsdp": 2, "tensor": 4}', 8, JOB_MODEL="lora")
     assert got["compiles"] == 1
     assert got["losses"] == pytest.approx(one["losses"], rel=1e-5)
     for name, total in one["weights"].items():
@@ -59,6 +59,20 @@ def test_lora_adapters_and_frozen_base_on_the_mesh_equal_one_device():
     assert specs[f"params.{layer}.q_proj.lora_A.default.weight"] == "P(None, 'fsdp')"
     assert specs[f"params.{layer}.q_proj.lora_B.default.weight"] == "P('tensor', None)"
     assert "fsdp" in specs["frozen.base_model.model.model.layers.0.mlp.up_proj.weight"]
+
+
+def test_mixture_of_experts_over_the_expert_axis_equals_one_device():
+    """Mixtral (8 experts, top-2, router aux loss): its stacked expert weights split over `expert` (from its own
+    ep_plan), rows over fsdp x expert; 8 devices equal one device."""
+    one = _run("one", 1, JOB_MODEL="mixtral")
+    got = _run('{"fsdp": 2, "expert": 4}', 8, JOB_MODEL="mixtral")
+    assert got["compiles"] == 1
+    assert got["losses"] == pytest.approx(one["losses"], rel=1e-5)
+    for name, total in one["weights"].items():
+        assert got["weights"][name] == pytest.approx(total, rel=1e-5), name
+    experts = "params.model.layers.0.mlp.experts"
+    assert got["specs"][f"{experts}.gate_up_proj"] == "P('expert', None, 'fsdp')"
+    assert got["specs"][f"{experts}.down_proj"] == "P('expert', 'fsdp', None)"
 
 
 def test_two_processes_equal_one(tmp_path):

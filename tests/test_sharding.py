@@ -62,11 +62,12 @@ class Args:
 
 
 def test_mesh_shape_sources_and_errors():
-    assert sharding.resolve_mesh_shape(Args(), 8) == {"data": 8, "fsdp": 1, "tensor": 1, "sequence": 1}
+    assert sharding.resolve_mesh_shape(Args(), 8) == {"data": 8, "fsdp": 1, "expert": 1, "tensor": 1, "sequence": 1}
     assert sharding.resolve_mesh_shape(Args(fsdp="full_shard"), 8)["fsdp"] == 8
     assert sharding.resolve_mesh_shape(Args(mesh_shape='{"data": 2, "fsdp": -1, "tensor": 2}'), 8) == {
         "data": 2,
         "fsdp": 2,
+        "expert": 1,
         "tensor": 2,
         "sequence": 1,
     }
@@ -74,6 +75,7 @@ def test_mesh_shape_sources_and_errors():
     assert sharding.resolve_mesh_shape(Args(parallelism_config=pc), 8) == {
         "data": 2,
         "fsdp": 2,
+        "expert": 1,
         "tensor": 1,
         "sequence": 2,
     }

@@ -236,7 +236,7 @@ def test_the_mesh_follows_the_torus_keeps_each_hosts_rows_together_and_puts_slic
     for i in range(sizes["data"]):  # several slices: the data axis runs over them (DCN), fsdp inside one
         assert len({getattr(d, "slice_index", 0) for d in grid[i].reshape(-1)}) == 1
     if slices > 1:
-        assert [grid[i, 0, 0, 0].slice_index for i in range(sizes["data"])] == list(range(slices))
+        assert [grid[i, 0, 0, 0, 0].slice_index for i in range(sizes["data"])] == list(range(slices))
     if ring:  # inside a v5e host (a 2x2 block) the chips run along the torus (mesh_utils), not by device id
         host = list(rows[:4, 0]) if sizes["tensor"] == 1 else list(rows[0])
         for a, b in zip(host, host[1:]):

@@ -1,7 +1,8 @@
 """Where a transformers model's weights go on the mesh: logical axes from its own tensor-parallel plan
-(`model.tp_plan`: colwise / rowwise linear layers, row-split embeddings), which the rules table of
-`jtrainer.sharding` maps to mesh axes like a native model's ('mlp'/'vocab' -> tensor, 'embed' -> fsdp). Weights
-the plan does not name are fsdp-split on their largest dimension (`sharding.default_spec`). Pure: no torch."""
+(`model.tp_plan`: colwise / rowwise linear layers, row-split embeddings) and expert-parallel plan (`model.ep_plan`:
+the stacked weights of a mixture of experts, experts first), which the rules table of `jtrainer.sharding` maps to
+mesh axes like a native model's ('mlp'/'vocab' -> tensor, 'embed' -> fsdp, 'expert' -> expert). Weights the plans
+do not name are fsdp-split on their largest dimension (`sharding.default_spec`). Pure: no torch."""
 
 from __future__ import annotations
 
@@ -36,16 +37,32 @@ _PEFT_PREFIX = "base_model.model."
 _LORA = re.compile(r"^(?P<module>.+)\.lora_(?P<side>[AB])\.[^.]+\.weight$")
 
 
-def logical_axes(name: str, ndim: int, plan: dict[str, str]) -> tuple[str | None, ...] | None:
-    """A weight's logical axes by its HF name, or None (fsdp on its largest dimension) where the plan is silent.
+def _expert_axes(name: str, shape: tuple[int, ...], hidden_size: int | None) -> tuple[str | None, ...] | None:
+    """A mixture of experts' stacked weight [experts, a, b]: experts over 'expert', the model's hidden dimension
+    over 'embed' and the experts' own over 'mlp' (torch's [out, in] order where both have the hidden size)."""
+    if len(shape) != 3:
+        return None
+    rest = ["embed" if size == hidden_size else "mlp" for size in shape[1:]]
+    if rest[0] == rest[1]:  # not told apart by size: down_proj is [hidden, mlp], the others [mlp, hidden]
+        rest = ["embed", "mlp"] if "down" in name.rpartition(".")[2] else ["mlp", "embed"]
+    return ("expert", *rest)
+
+
+def logical_axes(
+    name: str, shape: tuple[int, ...], plan: dict[str, str], hidden_size: int | None = None
+) -> tuple[str | None, ...] | None:
+    """A weight's logical axes by its HF name, or None (fsdp on its largest dimension) where the plans are silent.
     Under peft, a wrapped layer's base weight is laid out as the layer's, and LoRA's factors share its input
     (A) or output (B) axis, so adapters follow the same rules as the weights they adapt."""
+    ndim = len(shape)
     name = name.removeprefix(_PEFT_PREFIX).replace(".base_layer.", ".")
     lora = _LORA.match(name)
     if lora is not None:
-        out_axis, in_axis = logical_axes(f"{lora['module']}.weight", 2, plan) or (None, None)
+        out_axis, in_axis = logical_axes(f"{lora['module']}.weight", (0, 0), plan) or (None, None)
         axes = (None, in_axis) if lora["side"] == "A" else (out_axis, None)
         return axes if ndim == 2 and axes != (None, None) else None
+    if plan_style(name, plan) == "grouped_gemm":  # ep_plan names the stacked parameter itself
+        return _expert_axes(name, shape, hidden_size)
     module_name, _, leaf = name.rpartition(".")
     style = plan_style(module_name, plan)
     axes = _STYLES.get(style or "", {}).get(leaf)

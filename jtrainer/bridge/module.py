@@ -222,10 +222,12 @@ class TorchModel(nnx.Module):
         trainable, frozen = {}, {}
         for name, parameter in torch_model.named_parameters():  # tied weights once, under their first name
             (trainable if parameter.requires_grad else frozen)[name] = parameter
-        plan = dict(getattr(torch_model, "tp_plan", None) or {})  # transformers' tensor-parallel plan
+        # transformers' tensor- and expert-parallel plans
+        plan = dict(getattr(torch_model, "tp_plan", None) or {}) | dict(getattr(torch_model, "ep_plan", None) or {})
+        hidden_size = getattr(getattr(torch_model, "config", None), "hidden_size", None)
 
         def param(name, tensor, kind=nnx.Param):  # frozen weights are laid out as trainable ones
-            axes = layout.logical_axes(name, tensor.ndim, plan)
+            axes = layout.logical_axes(name, tuple(tensor.shape), plan, hidden_size)
             return kind(to_array(tensor)) if axes is None else kind(to_array(tensor), logical_axes=axes)
 
         self.params = nnx.data(_nest({n: param(n, p) for n, p in trainable.items()}))

@@ -27,7 +27,7 @@ from jtrainer.cli.console import say
 # Fields honoured through a JAX mechanism rather than the torch one HF uses (none of them is in IGNORED_FIELDS).
 EMULATED: dict[str, str] = {
     "fsdp": "parameters and optimizer state split over the mesh's fsdp axis (GSPMD)",
-    "parallelism_config": "mapped onto the mesh's data/fsdp/tensor/sequence axes",
+    "parallelism_config": "mapped onto the mesh's data/fsdp/tensor/sequence axes (expert: mesh_shape)",
     "gradient_checkpointing": "jax.checkpoint (remat) around every block",
     "gradient_checkpointing_kwargs": "remat policy from jax.checkpoint_policies",
     "activation_checkpointing": "jax.checkpoint (remat) around every block",

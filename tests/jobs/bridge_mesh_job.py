@@ -2,8 +2,9 @@
 argv[1]: a mesh_shape as JSON, or "one" for one device), 8 rows a step: prints the logged losses, the trained
 weights' absolute sums, the train step's compile count and the parameters' PartitionSpecs as JSON (and writes
 them to argv[2] from process 0, if given: under `jtrainer launch`, the torch model of every process holds the
-trained weights). With JOB_PEFT=1 the Llama is wrapped in a peft LoRA model (the adapters trained, the base model
-frozen), and the frozen weights' PartitionSpecs are printed too."""
+trained weights). JOB_MODEL=lora: the Llama wrapped in a peft LoRA model (the adapters trained, the base model frozen;
+the frozen weights' PartitionSpecs are printed too); JOB_MODEL=mixtral: a Mixtral of 8 experts, top-2, with its
+router auxiliary loss."""
 
 import json
 import os
@@ -22,8 +23,15 @@ from jtrainer import Trainer, TrainingArguments  # noqa: E402
 
 mesh = None if sys.argv[1] == "one" else json.loads(sys.argv[1])
 torch.manual_seed(0)
+kind = os.environ.get("JOB_MODEL", "llama")
 model = transformers.LlamaForCausalLM(tiny_llama_config(hidden_size=64, intermediate_size=128))
-if os.environ.get("JOB_PEFT") == "1":
+if kind == "mixtral":
+    config = tiny_llama_config(hidden_size=32, intermediate_size=48).to_dict()
+    moe = dict(num_local_experts=8, num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.05)
+    config = {k: config[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")}
+    heads = dict(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = transformers.MixtralForCausalLM(transformers.MixtralConfig(**config, **heads, **moe))
+if kind == "lora":
     import peft
 
     lora = peft.LoraConfig(r=8, target_modules=["q_proj", "v_proj", "o_proj"], init_lora_weights=False)
