@@ -110,7 +110,8 @@ class TrainingArguments(transformers.TrainingArguments):
         default=None,
         metadata={
             "help": 'Device mesh axis sizes, e.g. {"data": 2, "fsdp": -1, "tensor": 2} (-1: the remaining devices). '
-            "Axes: data, fsdp, expert, tensor, sequence. Unset: from parallelism_config or fsdp, else all devices on data."
+            "Axes: data, fsdp, expert, tensor, sequence. Unset: from parallelism_config or fsdp, else all devices "
+            "on data."
         },
     )
     logical_axis_rules: dict | str | None = field(

@@ -152,8 +152,9 @@ def device_grid(shape: list[int], devices: list) -> np.ndarray:
             if shape[1] % over_fsdp or (over_fsdp > 1 and shape[0] // over_data > 1):
                 return plain
             inner = [shape[0] // over_data, shape[1] // over_fsdp, *shape[2:]]
+            over_processes = [over_data, over_fsdp] + [1] * len(shape[2:])
             grid = mesh_utils.create_hybrid_device_mesh(
-                inner, [over_data, over_fsdp] + [1] * len(shape[2:]), devices, process_is_granule=True, allow_split_physical_axes=True
+                inner, over_processes, devices, process_is_granule=True, allow_split_physical_axes=True
             )
     except (ValueError, NotImplementedError, AssertionError, KeyError, AttributeError):
         return plain
