@@ -203,6 +203,25 @@ def test_lora_same_run_as_transformers_trainer(tmp_path, name):
         np.testing.assert_allclose(merged(input_ids=ids).logits.numpy(), adapted, atol=1e-5)
 
 
+def test_lora_dropout_inside_rematerialised_layers_draws_the_same_masks():
+    """peft's LoRA dropout inside layers transformers checkpoints: with gradient checkpointing the step draws the
+    masks it draws without (the key passes through jax.checkpoint), so the losses are the same."""
+    from conftest import scratch_dir
+
+    from jtrainer import Trainer, TrainingArguments
+
+    torch.manual_seed(0)
+    model = _lora(_causal("llama"), lora_dropout=0.3)
+    rows = _padded_lm_rows(16)
+    losses = {}
+    for remat in (False, True):
+        args = _args(TrainingArguments, scratch_dir(), max_steps=3, gradient_checkpointing=remat)
+        trainer = Trainer(model=copy.deepcopy(model), args=args, train_dataset=rows)
+        trainer.train()
+        losses[remat] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    np.testing.assert_allclose(losses[True], losses[False], rtol=1e-6)
+
+
 def test_neftune_with_a_peft_model():
     """NEFTune on a peft model: transformers' hook on the base model's input embeddings in training steps only."""
     from conftest import scratch_dir

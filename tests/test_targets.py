@@ -313,3 +313,18 @@ def test_check_sizes_a_transformers_model_through_the_bridge_without_weights(cap
     assert result["fits"] and result["devices"] == 16 and result["parameters"] == expected
     assert result["memory_per_device"]["parameters"] == pytest.approx(expected * 4 / 16, rel=0.05)
     assert "compiled for v5litepod-16" in printed and "fits                       yes" in printed
+
+    # The same model with a LoRA adapter (r=8 on q/v): the base frozen (its own row, no optimizer state for it),
+    # the adapters the only parameters.
+    pytest.importorskip("peft")
+    lora = ["--use_peft", "--lora_r", "8", "--lora_target_modules", "q_proj", "v_proj"]
+    model_args, data_args, training_args, _ = parse_train_args(args + lora, "check")
+    adapted = run_check(model_args, data_args, training_args, "v5litepod-16")
+    printed = capsys.readouterr().out
+    per_layer = 8 * (256 + 4 * 64) + 8 * (256 + 2 * 64)  # q: [256 -> 256], v: [256 -> 128], A [r, in] + B [out, r]
+    assert adapted["fits"] and adapted["trainable_parameters"] == 2 * per_layer
+    assert adapted["parameters"] == expected + 2 * per_layer
+    memory = adapted["memory_per_device"]
+    assert memory["frozen weights (no gradients)"] == pytest.approx(expected * 4 / 16, rel=0.05)
+    assert memory["optimizer state"] < 2 * 4 * 2 * per_layer  # AdamW's moments of the adapters only (replicated)
+    assert f"({2 * per_layer:,} trainable)" in printed

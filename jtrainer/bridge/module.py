@@ -114,12 +114,20 @@ def _jax_checkpoint(function, *args, policy: str | None = None):
     env = torchax_compat.environment()
     arrays = {i: env.t2j_iso(a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)}
 
-    def layer(arrays):
-        call_args = [env.j2t_iso(arrays[i]) if i in arrays else a for i, a in enumerate(args)]
-        return env.t2j_iso(function(*call_args))
+    # The key torch's random ops (dropout) draw from goes in and out of the rematerialised function explicitly:
+    # drawn inside it, torchax's rotated key would leak the checkpoint's tracer; as an input, the recomputation
+    # in the backward pass draws the same masks.
+    def layer(arrays, key):
+        outer, env.param.prng = env.param.prng, key
+        try:
+            call_args = [env.j2t_iso(arrays[i]) if i in arrays else a for i, a in enumerate(args)]
+            return env.t2j_iso(function(*call_args)), env.param.prng
+        finally:
+            env.param.prng = outer
 
     keep = getattr(jax.checkpoint_policies, policy) if policy else None
-    return env.j2t_iso(jax.checkpoint(layer, policy=keep)(arrays))
+    outputs, env.param.prng = jax.checkpoint(layer, policy=keep)(arrays, env.param.prng)
+    return env.j2t_iso(outputs)
 
 
 @contextlib.contextmanager

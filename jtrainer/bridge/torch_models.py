@@ -14,16 +14,43 @@ AUTO_CLASSES = {
 }
 
 
-def build(task: str, config, folder: str | None, seed: int, abstract: bool = False):
-    """The task's transformers model of `config`: its weights from `folder`, or fresh from `seed`. `abstract`:
-    built on torch's meta device and wrapped with shapes only (no weights allocated), for `jtrainer check`."""
+# peft's task type of each task: which PeftModel class wraps the model.
+PEFT_TASKS = {"causal_lm": "CAUSAL_LM", "sequence_classification": "SEQ_CLS", "seq2seq": "SEQ_2_SEQ_LM"}
+
+
+def lora_config(model_args):
+    """The peft LoraConfig of the command's LoRA options (TRL's names: lora_r, lora_alpha, ...)."""
+    import peft
+
+    targets = model_args.lora_target_modules
+    return peft.LoraConfig(
+        r=model_args.lora_r,
+        lora_alpha=model_args.lora_alpha,
+        lora_dropout=model_args.lora_dropout,
+        target_modules=targets[0] if targets == ["all-linear"] else targets,
+        task_type=PEFT_TASKS[model_args.task],
+    )
+
+
+def build(task: str, config, folder: str | None, seed: int, abstract: bool = False, lora=None):
+    """The task's transformers model of `config`: its weights from `folder`, or fresh from `seed`; with `lora` (a
+    peft config) wrapped in a peft model whose adapters train. `abstract`: built on torch's meta device and
+    wrapped with shapes only (no weights allocated), for `jtrainer check`."""
     auto = AUTO_CLASSES[task]
     if abstract:
         with torch.device("meta"):
-            return TorchModel(auto.from_config(config))
+            return TorchModel(_adapted(auto.from_config(config), lora))
     if folder:
         from jtrainer import storage
 
-        return auto.from_pretrained(storage.fetched(folder))
+        return _adapted(auto.from_pretrained(storage.fetched(folder)), lora)
     torch.manual_seed(seed)
-    return auto.from_config(config)
+    return _adapted(auto.from_config(config), lora)
+
+
+def _adapted(model, lora):
+    if lora is None:
+        return model
+    import peft
+
+    return peft.get_peft_model(model, lora)

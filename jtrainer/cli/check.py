@@ -18,11 +18,13 @@ from typing import Any
 
 import jax
 import numpy as np
+from flax import nnx
 
 from jtrainer import args as args_module
 from jtrainer import batch_size, targets
 from jtrainer.cli import tasks
 from jtrainer.cli.console import say
+from jtrainer.state import Frozen
 
 # Fields honoured through a JAX mechanism rather than the torch one HF uses (none of them is in IGNORED_FIELDS).
 EMULATED: dict[str, str] = {
@@ -157,16 +159,21 @@ def compile_step(model_args, data_args, training_args, target: targets.Target | 
                 eval_compiled = trainer.compile_eval_step(eval_example, steps)
     analysis = compiled.memory_analysis()
     (state_info, _), _ = compiled.args_info
-    (state_shardings, batch_shardings), _ = compiled.input_shardings
+    (state_shardings, _), _ = compiled.input_shardings
+    # Frozen weights (a peft model's base model): model state, laid out as parameters, without optimizer state.
+    frozen_info, _ = nnx.split_state(state_info.model_state, Frozen, ...)
+    frozen_shardings, _ = nnx.split_state(state_shardings.model_state, Frozen, ...)
     memory = None
     if analysis is not None:
         params = _per_device_bytes(state_info.params, state_shardings.params)
         optimizer = _per_device_bytes(state_info.opt_state, state_shardings.opt_state)
+        frozen = _per_device_bytes(frozen_info, frozen_shardings)
         code = int(analysis.generated_code_size_in_bytes)
         memory = {
             "parameters": params,
+            **({"frozen weights (no gradients)": frozen} if frozen else {}),
             "optimizer state": optimizer,
-            "batch and other state": int(analysis.argument_size_in_bytes) - params - optimizer,
+            "batch and other state": int(analysis.argument_size_in_bytes) - params - frozen - optimizer,
             "temporaries (activations, gradients)": int(analysis.temp_size_in_bytes),
             "outputs not in place": int(analysis.output_size_in_bytes - analysis.alias_size_in_bytes),
             "generated code": code,
@@ -187,7 +194,8 @@ def compile_step(model_args, data_args, training_args, target: targets.Target | 
             }
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state_info.params))
+    trainable = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state_info.params))
+    n_params = trainable + sum(int(np.prod(x.shape)) for x in jax.tree.leaves(frozen_info))
     tokens = args.gradient_accumulation_steps * args.per_device_train_batch_size * data_args.block_size
     tokens *= sharding.data_parallel_size(trainer.mesh)
     return {
@@ -195,6 +203,7 @@ def compile_step(model_args, data_args, training_args, target: targets.Target | 
         "devices": trainer.mesh.devices.size,
         "device_kind": trainer.mesh.devices.flat[0].device_kind,
         "parameters": n_params,
+        "trainable_parameters": trainable,
         "tokens_per_step": tokens,
         "memory_per_device": memory,
         "step_bytes_per_device": None if memory is None else sum(memory.values()),
@@ -204,7 +213,8 @@ def compile_step(model_args, data_args, training_args, target: targets.Target | 
         # XLA's cost analysis counts a loop's body once; the micro-batch scan runs its body GA times.
         "flops_per_step_per_device": float((cost or {}).get("flops", 0.0)) * args.gradient_accumulation_steps,
         "bytes_accessed_per_device": float((cost or {}).get("bytes accessed", 0.0)) * args.gradient_accumulation_steps,
-        "model_flops_per_step": 6 * n_params * tokens,
+        # 6ND; frozen weights (LoRA's base) take no weight gradients: 2N forward + 2N input gradients + 2 x trainable.
+        "model_flops_per_step": (4 * n_params + 2 * trainable) * tokens,
     }
 
 
@@ -266,7 +276,11 @@ def run_check(
         say(f"  {ADVICE}")
         return {"fields": report, "fits": False}
     say(f"jtrainer check: train step compiled for {where}, mesh {numbers['mesh']} on {numbers['devices']} device(s)")
-    say(f"  parameters                 {numbers['parameters']:,}")
+    trainable = numbers["trainable_parameters"]
+    say(
+        f"  parameters                 {numbers['parameters']:,}"
+        + (f" ({trainable:,} trainable)" if trainable != numbers["parameters"] else "")
+    )
     say(f"  tokens per step            {numbers['tokens_per_step']:,}")
     budget, needed = numbers["device_memory_bytes"], numbers["step_bytes_per_device"]
     if numbers["memory_per_device"] is not None:

@@ -9,6 +9,7 @@ each family's config names. The data is text files (the default: Python's standa
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -58,6 +59,20 @@ class ModelArguments:
             "help": "Train transformers' own PyTorch model (any model_type transformers has) through the torch "
             "bridge instead of jtrainer's native family (needs jtrainer[torch])."
         },
+    )
+    # peft LoRA on a bridge model, with TRL's names for the same options.
+    use_peft: bool = field(
+        default=False,
+        metadata={
+            "help": "Train a peft LoRA adapter on the (bridge) model, its base weights frozen (needs jtrainer[peft])."
+        },
+    )
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank (use_peft)."})
+    lora_alpha: int = field(default=32, metadata={"help": "LoRA scaling numerator: updates scaled by alpha / r."})
+    lora_dropout: float = field(default=0.05, metadata={"help": "Dropout on LoRA's input (use_peft)."})
+    lora_target_modules: list[str] | None = field(
+        default=None,
+        metadata={"help": "Module names LoRA adapts (e.g. q_proj v_proj, or all-linear); unset: peft's per model."},
     )
 
 
@@ -134,6 +149,8 @@ def _check_model(model_args: ModelArguments) -> dict | None:
         )
     if m.bridge:
         _check_bridge(m)
+    elif m.use_peft:
+        raise BadInput("use_peft: LoRA adapters train on transformers' own models: set bridge: true as well.")
     if m.model_name_or_path:
         return check_model_folder(
             m.model_name_or_path, tokenizer_elsewhere=bool(m.tokenizer_name), task=m.task, bridge=m.bridge
@@ -219,6 +236,10 @@ def _check_bridge(model_args: ModelArguments) -> None:
         bridge.check_installed()
     except ImportError as error:
         raise BadInput(f"bridge: {error}") from None
+    if model_args.use_peft and importlib.util.find_spec("peft") is None:
+        raise BadInput('use_peft: peft is not installed: pip install "jtrainer[peft]".')
+    if model_args.use_peft and model_args.lora_r < 1:
+        raise BadInput(f"lora_r={model_args.lora_r}: a LoRA rank is at least 1.")
     if not model_args.model_name_or_path and model_args.model_type not in CONFIG_MAPPING:
         raise BadInput(f"model_type={model_args.model_type!r} is not a transformers model type (bridge: true).")
 
@@ -419,7 +440,8 @@ def build_model(
     if model_args.bridge:
         from jtrainer.bridge import torch_models
 
-        return torch_models.build(model_args.task, config, model_args.model_name_or_path, seed, abstract)
+        lora = torch_models.lora_config(model_args) if model_args.use_peft else None
+        return torch_models.build(model_args.task, config, model_args.model_name_or_path, seed, abstract, lora)
     options = _scan_option(model_args, config)
     if abstract:
         return nnx.eval_shape(lambda: auto.from_config(config, seed=seed, **options))
