@@ -270,12 +270,6 @@ class SavingMixin(TrainerParts):
 
     def _restore_torch_checkpoint(self, folder: str, fresh) -> TrainState:
         """A transformers.Trainer checkpoint: its weights, AdamW state and schedule step (torch_checkpoint)."""
-        if bridge.is_bridged(self.nnx_model):
-            raise torch_checkpoint.TorchCheckpointError(
-                f"resume_from_checkpoint={folder} (a transformers.Trainer checkpoint) for a PyTorch model trained "
-                "through the torch bridge is not supported yet: load its weights with from_pretrained(folder) and "
-                "train afresh, or resume from a jtrainer checkpoint."
-            )
         name = optim.check_optimizer_name(self.args.optim)
         if name not in torch_checkpoint.ADAMW_NAMES:
             raise torch_checkpoint.TorchCheckpointError(
@@ -291,10 +285,16 @@ class SavingMixin(TrainerParts):
             )
         params = nnx.to_pure_dict(nnx.state(self.nnx_model, nnx.Param))
         saved_state = load_trainer_state(folder)
+        if bridge.is_bridged(self.nnx_model):
+            from jtrainer.bridge.resume import TorchModelLayout
+
+            layout = TorchModelLayout(self.nnx_model)
+        else:
+            layout = torch_checkpoint.NativeLayout(self.model)
         train_state, self._torch_rng_state = torch_checkpoint.restore(
             folder,
             args=self.args,
-            model=self.model,
+            layout=layout,
             mesh=self.mesh,
             rules=self.axis_rules,
             decay_mask=self._decay_mask_tree(params),

@@ -15,6 +15,7 @@ import dataclasses
 import logging
 import os
 import re
+from typing import Protocol
 
 import jax
 import numpy as np
@@ -30,6 +31,8 @@ SCHEDULER_NAME = "scheduler.pt"
 TRAINING_ARGS_NAME = "training_args.bin"
 TRAINER_STATE_NAME = "trainer_state.json"
 WEIGHT_NAMES = ("model.safetensors", "model.safetensors.index.json")
+# A peft model's checkpoint holds its adapter instead (transformers.Trainer saves a PeftModel with peft's files).
+ADAPTER_NAMES = ("adapter_model.safetensors", "adapter_model.bin")
 # jtrainer's optimizers that are torch.optim.AdamW (HF's names): the ones whose moments optimizer.pt holds as is.
 ADAMW_NAMES = ("adamw_torch", "adamw_torch_fused", "adamw_torch_xla", "adamw_torch_npu_fused")
 
@@ -57,7 +60,7 @@ def missing_files(folder: str) -> list[str]:
     """What a torch checkpoint lacks to be resumed (HF's get_last_checkpoint takes it by name alone; jtrainer
     skips one a crash left half-written)."""
     missing = [n for n in (TRAINER_STATE_NAME, OPTIMIZER_NAME) if not storage.isfile(storage.join(folder, n))]
-    if not any(storage.isfile(storage.join(folder, n)) for n in WEIGHT_NAMES):
+    if not any(storage.isfile(storage.join(folder, n)) for n in WEIGHT_NAMES + ADAPTER_NAMES):
         missing.append(WEIGHT_NAMES[0])
     return missing
 
@@ -142,7 +145,7 @@ def torch_parameter_order(torch, folder: str) -> tuple[list[str], dict[str, tupl
     return order, dict(named), frozenset(n for n, _ in named if n in decayed)
 
 
-def read_adamw(folder: str) -> TorchAdamW:
+def read_adamw(folder: str, layout: ModelLayout) -> TorchAdamW:
     """optimizer.pt and scheduler.pt of `folder` as a TorchAdamW; refuses anything but HF's default AdamW groups."""
     torch = _torch(folder)
     saved = _load(torch, os.path.join(folder, OPTIMIZER_NAME))
@@ -153,12 +156,13 @@ def read_adamw(folder: str) -> TorchAdamW:
             f"{folder}/{OPTIMIZER_NAME} is not torch.optim.AdamW's state (amsgrad and maximize off): jtrainer resumes "
             "the moments of HF's adamw_torch optimizers only."
         )
-    order, shapes, decayed = torch_parameter_order(torch, folder)
+    order, shapes, decayed = layout.parameter_order(torch, folder)
     indices = [i for g in groups for i in g["params"]]
     if len(indices) != len(order) or len(first["params"]) not in (len(decayed), len(order)):
         raise TorchCheckpointError(
-            f"{folder}/{OPTIMIZER_NAME} has {len(indices)} parameters in its groups, the model of its config.json "
-            f"{len(order)}: the optimizer was not built by transformers.Trainer.create_optimizer."
+            f"{folder}/{OPTIMIZER_NAME} has {len(indices)} parameters in its groups, the model "
+            f"{len(order)} trainable ones: the optimizer was not built by transformers.Trainer.create_optimizer "
+            "for this model."
         )
     exp_avg, exp_avg_sq, steps = {}, {}, set()
     for position, index in enumerate(indices):
@@ -221,21 +225,19 @@ def read_rng_state(folder: str, process_index: int, process_count: int) -> host_
     )
 
 
-def _moment_tree(model, params_like, moments: dict[str, np.ndarray], kind: str, folder: str):
-    """A tree like the parameters holding torch's moments in jtrainer's layout (kernels transposed, stacked
-    layers stacked), each placed on the sharding of the fresh moment it replaces."""
-    from jtrainer.models import hf_io
+def _moment_tree(layout: ModelLayout, params_like, moments: dict[str, np.ndarray], kind: str, folder: str):
+    """A tree like the parameters holding torch's moments in jtrainer's layout (`layout.moment`), each placed on
+    the sharding of the fresh moment it replaces."""
 
     def one(tree_path, fresh):
-        path = hf_io.param_path(tree_path)
-        label = ".".join(map(str, path))
-        for name, _ in hf_io.hf_names(model, path):
-            if name not in moments:
-                raise TorchCheckpointError(
-                    f"{folder}/{OPTIMIZER_NAME} has no {kind} for {name} (parameter {label}): the checkpoint is "
-                    "not of this model."
-                )
-        value = hf_io.param_from_hf(model, path, moments)
+        label = ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in tree_path)
+        missing = [name for name in layout.torch_names(tree_path) if name not in moments]
+        if missing:
+            raise TorchCheckpointError(
+                f"{folder}/{OPTIMIZER_NAME} has no {kind} for {missing[0]} (parameter {label}): the checkpoint is "
+                "not of this model."
+            )
+        value = layout.moment(tree_path, moments)
         if value.shape != fresh.shape:
             raise TorchCheckpointError(
                 f"{folder}/{OPTIMIZER_NAME}: the {kind} of parameter {label} has shape {value.shape} here, the "
@@ -247,7 +249,7 @@ def _moment_tree(model, params_like, moments: dict[str, np.ndarray], kind: str, 
     return jax.tree_util.tree_map_with_path(one, params_like)
 
 
-def adamw_state_from_torch(opt_state, model, params_like, saved: TorchAdamW, folder: str):
+def adamw_state_from_torch(opt_state, layout: ModelLayout, params_like, saved: TorchAdamW, folder: str):
     """The optimizer state `opt_state` (fresh, jtrainer's AdamW) holding torch's moments and update count."""
     found = []
 
@@ -257,8 +259,8 @@ def adamw_state_from_torch(opt_state, model, params_like, saved: TorchAdamW, fol
         found.append(node)
         return node._replace(
             count=jax.device_put(np.asarray(saved.step, node.count.dtype), node.count.sharding),
-            mu=_moment_tree(model, params_like, saved.exp_avg, "exp_avg", folder),
-            nu=_moment_tree(model, params_like, saved.exp_avg_sq, "exp_avg_sq", folder),
+            mu=_moment_tree(layout, params_like, saved.exp_avg, "exp_avg", folder),
+            nu=_moment_tree(layout, params_like, saved.exp_avg_sq, "exp_avg_sq", folder),
         )
 
     opt_state = jax.tree.map(replace, opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
@@ -269,18 +271,60 @@ def adamw_state_from_torch(opt_state, model, params_like, saved: TorchAdamW, fol
     return opt_state
 
 
-def _hf_decayed(model, decay_mask) -> frozenset[str]:
-    """jtrainer's decay mask (a tree of bools like the parameters) as HF parameter names."""
-    from jtrainer.models import hf_io
+class ModelLayout(Protocol):
+    """How a checkpoint's torch names meet the model the Trainer trains (jtrainer's own, or a torch model
+    through the bridge: `jtrainer.bridge.resume`)."""
 
-    names = set()
-    for tree_path, decays in jax.tree_util.tree_flatten_with_path(decay_mask)[0]:
-        if decays:
-            names.update(name for name, _ in hf_io.hf_names(model, hf_io.param_path(tree_path)))
-    return frozenset(names)
+    def parameter_order(self, torch, folder: str) -> tuple[list[str], dict[str, tuple[int, ...]], frozenset[str]]:
+        """optimizer.pt's parameter names by index (HF's decayed group first), their shapes and the decayed ones."""
+
+    def torch_names(self, tree_path) -> list[str]:
+        """The torch names a parameter of the train state (its tree path) is made of."""
+
+    def moment(self, tree_path, moments: dict[str, np.ndarray]) -> np.ndarray:
+        """A parameter's moment in jtrainer's layout, from torch's moments by name."""
+
+    def decayed(self, decay_mask) -> frozenset[str]:
+        """jtrainer's decay mask (a tree of bools like the parameters) as torch names."""
+
+    def load_weights(self, folder: str, mesh, rules) -> None:
+        """The checkpoint's weights into the model (a fresh train state then starts from them)."""
 
 
-def restore(folder: str, *, args, model, mesh, rules, decay_mask, fresh, max_steps_saved: int):
+class NativeLayout:
+    """jtrainer's own model: HF names and layouts through `jtrainer.models.hf_io`; the checkpoint's model class
+    (its config.json, built on the meta device) gives optimizer.pt's order."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def parameter_order(self, torch, folder):
+        return torch_parameter_order(torch, folder)
+
+    def torch_names(self, tree_path):
+        from jtrainer.models import hf_io
+
+        return [name for name, _ in hf_io.hf_names(self.model, hf_io.param_path(tree_path))]
+
+    def moment(self, tree_path, moments):
+        from jtrainer.models import hf_io
+
+        return hf_io.param_from_hf(self.model, hf_io.param_path(tree_path), moments)
+
+    def decayed(self, decay_mask):
+        names = set()
+        for tree_path, decays in jax.tree_util.tree_flatten_with_path(decay_mask)[0]:
+            if decays:
+                names.update(self.torch_names(tree_path))
+        return frozenset(names)
+
+    def load_weights(self, folder, mesh, rules):
+        from jtrainer.models import hf_io
+
+        hf_io.load_weights(self.model, folder, mesh=mesh, rules=rules)
+
+
+def restore(folder: str, *, args, layout: ModelLayout, mesh, rules, decay_mask, fresh, max_steps_saved: int):
     """HF's _load_from_checkpoint, _load_optimizer_and_scheduler and _load_rng_state for a transformers.Trainer
     `folder`: the model's weights are loaded (placed on `mesh`), and the fresh train state `fresh()` takes torch's
     AdamW moments and count, the saved param groups' hyperparameters (as torch loads them) and the scheduler's
@@ -291,24 +335,23 @@ def restore(folder: str, *, args, model, mesh, rules, decay_mask, fresh, max_ste
     does not give the saved rate. Anything else that cannot continue as torch would is refused by name.
     """
     from jtrainer import optim
-    from jtrainer.models import hf_io
 
     with storage.local_folder(folder) as local:
         missing = missing_files(local)
         if missing:
             raise TorchCheckpointError(f"{folder} (a transformers.Trainer checkpoint) lacks {', '.join(missing)}.")
-        saved = read_adamw(local)
-        ours = _hf_decayed(model, decay_mask)
+        saved = read_adamw(local, layout)
+        ours = layout.decayed(decay_mask)
         if ours != saved.decayed:
             differ = sorted(ours ^ saved.decayed)
             raise TorchCheckpointError(
                 f"{folder}: the parameters jtrainer decays differ from the checkpoint's decayed group "
                 f"({', '.join(differ[:4])}{' ...' if len(differ) > 4 else ''}): the model is not the checkpoint's."
             )
-        hf_io.load_weights(model, local, mesh=mesh, rules=rules)
+        layout.load_weights(local, mesh, rules)
         rng = read_rng_state(local, args.process_index, jax.process_count())
     state = fresh()
-    opt_state = adamw_state_from_torch(state.opt_state, model, state.params, saved, folder)
+    opt_state = adamw_state_from_torch(state.opt_state, layout, state.params, saved, folder)
     warmup = args.get_warmup_steps(max_steps_saved)
     values = {
         "weight_decay": saved.weight_decay,

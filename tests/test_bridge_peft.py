@@ -278,3 +278,38 @@ def test_lora_resume_and_best_model(tmp_path):
     for name, value in best.state_dict().items():
         if "lora_" in name:
             np.testing.assert_array_equal(value.numpy(), wanted[name.replace(".default", "")].numpy(), err_msg=name)
+
+
+@pytest.mark.parametrize("adapted", [True, False], ids=["lora", "full"])
+def test_resuming_a_transformers_trainer_checkpoint_through_the_bridge(tmp_path, adapted):
+    """transformers.Trainer trains 4 steps (a PeftModel, or the plain torch model) saving at 2; jtrainer resumes
+    its checkpoint-2 on a fresh copy of the model given to it and continues as torch did: the logs of steps 3-4
+    and the weights of checkpoint-4."""
+    from safetensors.numpy import load_file
+
+    from jtrainer import Trainer, TrainingArguments
+
+    torch.manual_seed(0)
+    model = _lora(_causal("llama")) if adapted else _causal("llama")
+    fresh = copy.deepcopy(model)
+    rows = _padded_lm_rows(24)
+    kw = dict(max_steps=4, save_strategy="steps", save_steps=2, num_train_epochs=1, gradient_accumulation_steps=1)
+    hf_out = tmp_path / "hf"
+    transformers.Trainer(
+        model=model, args=_args(transformers.TrainingArguments, hf_out, **kw), train_dataset=torch_rows(rows)
+    ).train()
+
+    ours = Trainer(model=fresh, args=_args(TrainingArguments, tmp_path / "jt", **kw), train_dataset=rows)
+    ours.train(resume_from_checkpoint=str(hf_out / "checkpoint-2"))
+    theirs = transformers.TrainerState.load_from_json(str(hf_out / "checkpoint-4" / "trainer_state.json"))
+    expected = [(h["step"], h["learning_rate"], h["loss"]) for h in theirs.log_history if "loss" in h]
+    got = [(h["step"], h["learning_rate"], h["loss"]) for h in ours.state.log_history if "loss" in h]
+    assert [g[0] for g in got] == [1, 2, 3, 4]
+    for (step, lr, loss), (_, g_lr, g_loss) in zip(expected, got, strict=True):
+        assert g_lr == pytest.approx(lr, rel=1e-12) and g_loss == pytest.approx(loss, rel=1e-5), step
+    weights = "adapter_model.safetensors" if adapted else "model.safetensors"
+    want = load_file(str(hf_out / "checkpoint-4" / weights))
+    have = {n.replace(".default", ""): p.detach().numpy() for n, p in fresh.named_parameters()}
+    assert want
+    for name, value in want.items():
+        np.testing.assert_allclose(have[name], value, rtol=1e-4, atol=2e-6, err_msg=name)

@@ -327,6 +327,12 @@ class TorchModel(nnx.Module):
             node[leaf] = Buffer(env.t2j_iso(tensors[name]))
         return outputs if torch_io else outputs_to_jax(env, outputs)
 
+    def read_from_torch(self) -> None:
+        """This module's weights and buffers from the torch model (after torch code loaded weights into it)."""
+        state = dict(self.torch_model.named_parameters()) | dict(self.torch_model.named_buffers())
+        for name, var in self._named_variables().items():
+            var.value = to_array(state[name])
+
     def write_to_torch(self) -> None:
         """Copy this module's weights and buffers into the torch model."""
         state = dict(self.torch_model.named_parameters()) | dict(self.torch_model.named_buffers())
