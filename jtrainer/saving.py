@@ -265,7 +265,8 @@ class SavingMixin(TrainerParts):
         if any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(frozen)):
             _, _, rest = nnx.split(self.nnx_model, nnx.Param, ...)
             held, _ = nnx.split_state(rest, Frozen, ...)
-            frozen = sharding.place(held, jax.tree.map(lambda leaf: leaf.sharding, frozen))
+            placed = sharding.place(held, jax.tree.map(lambda leaf: leaf.sharding, frozen))
+            frozen = jax.tree.map(lambda value, leaf: value.astype(leaf.dtype), placed, frozen)
         return restored.replace(model_state=nnx.merge_state(frozen, restored.model_state))
 
     def _restore_torch_checkpoint(self, folder: str, fresh) -> TrainState:

@@ -23,7 +23,7 @@ from flax import nnx
 from jtrainer.losses import IGNORE_INDEX, count_label_tokens, shift_labels, token_cross_entropy_sum
 from jtrainer.mixed_precision import loss_scale
 from jtrainer.optim import current_learning_rate, schedule_count
-from jtrainer.state import TrainState
+from jtrainer.state import Frozen, TrainState
 
 # What JAX raises for code written for torch or the host (a torch method or function on a traced array, a numpy
 # conversion, float() or a Python branch on a traced value: jax's tracer errors are TypeErrors). Only these move a
@@ -109,11 +109,23 @@ def reseed_streams(model_state, key: jax.Array):
     return jax.tree_util.tree_map_with_path(reseed, model_state)
 
 
+def cast_frozen(model_state, dtype):
+    """The model state with its frozen weights (`state.Frozen`: a peft model's base) in `dtype` (None: as they
+    are), as parameters are cast for compute; the rest (buffers, keys) as it is."""
+    if dtype is None:
+        return model_state
+    frozen, rest = nnx.split_state(model_state, Frozen, ...)
+    if not jax.tree.leaves(frozen):
+        return model_state
+    return nnx.merge_state(_cast_floats(frozen, dtype), rest)
+
+
 @contextlib.contextmanager
 def bound_model(graphdef, params, model_state, compute_dtype=None, rng=None):
     """The nnx model with these parameters, for one traced call (NEFTune's key set for its duration)."""
     if rng is not None:
         model_state = reseed_streams(model_state, rng)
+    model_state = cast_frozen(model_state, compute_dtype)
     model = nnx.merge(graphdef, _cast_floats(params, compute_dtype), model_state)
     noisy = [] if rng is None else [m for _, m in nnx.iter_graph(model) if getattr(m, "neftune_noise_alpha", None)]
     for i, module in enumerate(noisy):  # NEFTune: the step's key, handed over for this call only

@@ -66,7 +66,7 @@ from jtrainer.models.base import set_neftune as set_native_neftune
 from jtrainer.optimizer_setup import OptimizerMixin
 from jtrainer.overrides import check_loader, check_optimizer_override, check_overrides, overrides
 from jtrainer.saving import SavingMixin
-from jtrainer.state import LoopState, TrainState
+from jtrainer.state import Frozen, LoopState, TrainState
 from jtrainer.step import (
     UNTRACEABLE,
     LossMode,
@@ -75,6 +75,7 @@ from jtrainer.step import (
     active_base_spec,
     apply_model,
     bound_model,
+    cast_frozen,
     graphdef_in_mode,
     make_train_step,
     split_outputs,
@@ -600,13 +601,14 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
     def _train_state_init(self, tx: optax.GradientTransformation) -> Callable[..., TrainState]:
         """The pure (params, model_state) -> fresh TrainState function (also traced abstractly by `jtrainer check`)."""
         seed = self.args.seed
+        frozen_dtype = self.args.compute_dtype(True)  # frozen weights (peft's base) held as they compute
 
         def init(params, rest):
             return TrainState(
                 step=jnp.zeros((), jnp.int32),
                 params=params,
                 opt_state=tx.init(params),
-                model_state=rest,
+                model_state=cast_frozen(rest, frozen_dtype),
                 rng=jax.random.key_data(jax.random.key(seed)),
             )
 
@@ -718,7 +720,9 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         if self._train_state is not None:
             _, params, _ = nnx.split(self.nnx_model, nnx.Param, ...)
             nnx.replace_by_pure_dict(params, jax.tree.map(jnp.copy, self._model_params()))
-            nnx.update(self.nnx_model, params, jax.tree.map(jnp.copy, self._train_state.model_state))
+            # Frozen weights (peft's base) never change, and the model keeps its own (full-precision) ones.
+            _, changing = nnx.split_state(self._train_state.model_state, Frozen, ...)
+            nnx.update(self.nnx_model, params, jax.tree.map(jnp.copy, changing))
             held = self._torch_holds
             fresh = held is not None and held[0] is self._train_state and held[1] == self._optimizer_eval_mode
             if bridge.is_bridged(self.nnx_model) and not fresh:  # the user's torch model holds them too

@@ -222,6 +222,32 @@ def test_lora_dropout_inside_rematerialised_layers_draws_the_same_masks():
     np.testing.assert_allclose(losses[True], losses[False], rtol=1e-6)
 
 
+def test_bf16_holds_the_frozen_base_in_bfloat16_and_leaves_the_torch_base_alone():
+    """bf16=True: the base computes in bfloat16 like the adapters, and is held so (half its memory); the
+    adapters keep float32 masters; the torch model's base weights are not touched."""
+    import jax
+    import jax.numpy as jnp
+    from conftest import scratch_dir
+    from flax import nnx
+
+    from jtrainer import Trainer, TrainingArguments
+    from jtrainer.state import Frozen
+
+    torch.manual_seed(0)
+    model = _lora(_causal("llama"))
+    base = {k: v.clone() for k, v in model.state_dict().items() if "lora_" not in k}
+    args = _args(TrainingArguments, scratch_dir(), max_steps=2, bf16=True)
+    trainer = Trainer(model=model, args=args, train_dataset=_padded_lm_rows(16))
+    trainer.train()
+    state = trainer._train_state
+    frozen = [v for _, v in nnx.to_flat_state(state.model_state) if isinstance(v, Frozen)]
+    assert frozen and all(v[...].dtype == jnp.bfloat16 for v in frozen)
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state.params))
+    for key, value in model.state_dict().items():
+        if key in base:
+            torch.testing.assert_close(value, base[key], rtol=0, atol=0)
+
+
 def test_neftune_with_a_peft_model():
     """NEFTune on a peft model: transformers' hook on the base model's input embeddings in training steps only."""
     from conftest import scratch_dir

@@ -334,8 +334,9 @@ class TorchModel(nnx.Module):
             var.value = to_array(state[name])
 
     def write_to_torch(self) -> None:
-        """Copy this module's weights and buffers into the torch model."""
+        """Copy this module's trainable weights and buffers into the torch model (frozen weights never change:
+        a peft model's base is not gathered and copied at each save)."""
         state = dict(self.torch_model.named_parameters()) | dict(self.torch_model.named_buffers())
         with torch.no_grad():
-            for name, var in self._named_variables().items():
+            for name, var in (_flatten(self.params) | _flatten(self.buffers)).items():
                 state[name].copy_(to_tensor(var[...]))
