@@ -4,12 +4,16 @@
     python benchmarks/bench_train.py                      # tiny and small Llama, 3 alternating repeats
     python benchmarks/bench_train.py --configs small --repeats 5 --steps 30
     python benchmarks/bench_train.py --accelerator --configs 1b --repeats 1 --no-startup   # on a GPU: bf16, MFU
+    python benchmarks/bench_train.py --systems bridge hf --lora 16 --no-startup   # peft LoRA: bridge vs torch
 
 The same job in each system: a Llama of the config (weights saved once by PyTorch transformers and loaded by
 each), the same random token rows, batch and sequence length, AdamW (weight decay 0.01) with clipping at 1.0,
 a linear schedule. Each run is a fresh subprocess (so peak memory is its own and nothing is warm); runs
 alternate between systems. Printed per system: median steady-state tokens/s and step time (steps after the
 first two), time to the end of the first step, peak resident memory; then the ratios a/b and a/c.
+
+`--lora R` wraps transformers' model of the `bridge` and `hf` systems in a peft LoRA adapter of rank R on the
+attention projections (the base frozen): LoRA fine-tuning through the bridge against transformers.Trainer + peft.
 
 `--accelerator` runs on the default JAX backend (and torch on CUDA) rather than the CPU, every system in bf16
 (fp32 master weights), with rows that carry no attention mask (as packed pretraining data: causal attention
@@ -160,6 +164,17 @@ def worker_jtrainer(cfg, folder, steps, accelerator):
     return _jtrainer_run(lambda: LlamaForCausalLM.from_pretrained(folder), cfg, steps, accelerator)
 
 
+def _with_lora(model):
+    """The model in a peft LoRA adapter of rank BENCH_LORA (set by --lora) on q/k/v/o, or as it is."""
+    rank = int(os.environ.get("BENCH_LORA", "0"))
+    if not rank:
+        return model
+    import peft
+
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    return peft.get_peft_model(model, peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets))
+
+
 def worker_bridge(cfg, folder, steps, accelerator):
     """jtrainer's step on transformers' own PyTorch Llama (the torch bridge, through torchax), fp32 master weights
     as every system (bf16 compute comes from the arguments on the accelerator)."""
@@ -167,7 +182,7 @@ def worker_bridge(cfg, folder, steps, accelerator):
     import transformers
 
     def load():
-        return transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        return _with_lora(transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32))
 
     return _jtrainer_run(load, cfg, steps, accelerator)
 
@@ -184,7 +199,7 @@ def worker_hf(cfg, folder, steps, accelerator):
             stamps.append(time.perf_counter())
 
     start = time.perf_counter()
-    model = transformers.LlamaForCausalLM.from_pretrained(folder)
+    model = _with_lora(transformers.LlamaForCausalLM.from_pretrained(folder))
 
     class Rows(torch.utils.data.Dataset):
         def __init__(self, rows):
@@ -282,11 +297,14 @@ def main():
         action="store_true",
         help="run on the default JAX backend and torch's CUDA, in bf16, and report MFU",
     )
+    parser.add_argument("--lora", type=int, default=0, help="LoRA rank for the bridge and hf systems (0: full)")
     parser.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
     parser.add_argument("--config", help=argparse.SUPPRESS)
     ns = parser.parse_args()
     if ns.worker:
         return run_worker(ns.worker, ns.config, ns.steps, ns.accelerator)
+    if ns.lora:
+        os.environ["BENCH_LORA"] = str(ns.lora)  # the workers' environment
     for config in ns.configs:
         # The throughput runs share one warm compilation cache (steady state is what they measure); `startup`
         # measures the cache itself.

@@ -151,6 +151,7 @@ def test_lora_same_run_as_transformers_trainer(tmp_path, name):
     for ref, got in zip(hf_logs, jt_logs):
         np.testing.assert_allclose(got["loss"], ref["loss"], rtol=1e-5, err_msg=f"loss at {ref['step']}")
         np.testing.assert_allclose(got["grad_norm"], ref["grad_norm"], rtol=1e-4, err_msg=f"norm at {ref['step']}")
+    assert ours.state.total_flos == pytest.approx(hf.state.total_flos, rel=1e-6)
     trained, ours_trained = _trainable(hf.model), _trainable(ours_model)
     assert set(ours_trained) == set(trained) and all("lora_" in n for n in trained)
     for key, value in ours_trained.items():
@@ -268,6 +269,28 @@ def test_neftune_with_a_peft_model():
 
     quiet, noisy, again = run(None), run(5.0), run(5.0)
     assert noisy == again and noisy[0] != quiet[0]
+
+
+@pytest.mark.parametrize("method", ["prompt_tuning", "prefix_tuning"])
+def test_prompt_learning_same_run_as_transformers_trainer(tmp_path, method):
+    """Virtual tokens before the rows (peft pads the labels and mask for them): transformers.Trainer's losses."""
+    from jtrainer import Trainer, TrainingArguments
+
+    torch.manual_seed(0)
+    model = peft.get_peft_model(_causal("llama"), _method_config(method))
+    ours_model = copy.deepcopy(model)
+    rows = _padded_lm_rows(16)
+    kw = dict(max_steps=3)
+    hf = transformers.Trainer(
+        model=model, args=_args(transformers.TrainingArguments, tmp_path / "hf", **kw), train_dataset=torch_rows(rows)
+    )
+    hf.train()
+    ours = Trainer(model=ours_model, args=_args(TrainingArguments, tmp_path / "jt", **kw), train_dataset=rows)
+    ours.train()
+    expected = [h["loss"] for h in hf.state.log_history if "loss" in h]
+    np.testing.assert_allclose([h["loss"] for h in ours.state.log_history if "loss" in h], expected, rtol=1e-5)
+    for key, value in _trainable(ours_model).items():
+        np.testing.assert_allclose(value, _trainable(hf.model)[key], atol=1e-5, err_msg=key)
 
 
 def test_lora_resume_and_best_model(tmp_path):
