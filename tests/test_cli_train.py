@@ -110,3 +110,17 @@ def test_bridge_trains_a_transformers_family_jtrainer_has_no_native_model_of(tmp
     assert main([*argv, "--bridge", "--model_type", "no_such_family", "--output_dir", str(tmp_path / "x")]) == 1
     said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("jtrainer train: ")]
     assert len(said) == 1 and "not a transformers model type" in said[0]
+
+    # use_peft: a LoRA adapter trained on the bridge model; the output folder is peft's.
+    pytest.importorskip("peft")
+    import peft
+
+    lora_out = tmp_path / "lora"
+    lora = ["--use_peft", "--lora_r", "4", "--lora_target_modules", "q_proj", "v_proj", "--output_dir", str(lora_out)]
+    assert main([*argv, "--max_steps", "3", "--bridge", "--model_type", "qwen3", "--head_dim", "8", *lora]) == 0
+    assert "jtrainer: sample:" in capsys.readouterr().out
+    assert (lora_out / "adapter_model.safetensors").exists() and not (lora_out / "model.safetensors").exists()
+    assert peft.PeftConfig.from_pretrained(str(lora_out)).r == 4
+    assert main([*argv, "--use_peft", "--output_dir", str(tmp_path / "y")]) == 1
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("jtrainer train: ")]
+    assert len(said) == 1 and "set bridge: true" in said[0]
