@@ -12,6 +12,10 @@ try:
 except ImportError:
     _os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
+from jtrainer import versions as _versions  # noqa: E402
+
+_versions.check_transformers()
+
 from jtrainer import host_allocator  # noqa: E402
 
 host_allocator.apply_default()  # before XLA's CPU threads first allocate (see host_allocator)

@@ -21,7 +21,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import transformers
-from packaging import version
 from transformers.trainer_utils import HubStrategy, IntervalStrategy, SaveStrategy, SchedulerType
 from transformers.training_args import OptimizerNames, _convert_str_dict
 
@@ -29,13 +28,6 @@ from jtrainer import env, storage
 
 logger = logging.getLogger(__name__)
 
-# The HF fields this front end mirrors (activation_checkpointing*, ...) are those of transformers >= 5.23.
-MIN_TRANSFORMERS = "5.23"
-if version.parse(transformers.__version__) < version.parse(MIN_TRANSFORMERS):
-    raise ImportError(
-        f"jtrainer needs transformers>={MIN_TRANSFORMERS},<6 (found {transformers.__version__}): "
-        f"pip install -U 'transformers>={MIN_TRANSFORMERS},<6'."
-    )
 
 # Fields whose setting has no JAX counterpart: accepted (so HF scripts run unchanged), warned about once when
 # they differ from HF's default, and never allowed to change results. Value: why nothing happens.
