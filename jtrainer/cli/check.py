@@ -232,7 +232,8 @@ def roofline(numbers: dict[str, Any], target: targets.Target, undercounted: str 
     six_nd = numbers["model_flops_per_step"] / numbers["devices"]
     if not numbers["flops_per_step_per_device"] or undercounted:
         why = undercounted or "XLA reports no FLOPs or bytes for this target"
-        return {"step_s": six_nd / peak, "bound": "compute", "basis": f"lower bound: 6ND at peak ({why})", "mfu": None}
+        flops = "6ND" if numbers["trainable_parameters"] == numbers["parameters"] else "4ND+2TD"
+        return {"step_s": six_nd / peak, "bound": "compute", "basis": f"lower bound: {flops} at peak ({why})", "mfu": None}
     compute_s = max(numbers["flops_per_step_per_device"], six_nd) / peak
     memory_s = numbers["bytes_accessed_per_device"] / target.chip.hbm_bytes_per_s
     step_s = max(compute_s, memory_s)
@@ -314,7 +315,8 @@ def run_check(
             + (" (the chunked loss's LM head counted for one chunk)" if training_args.chunked_loss_positions() else "")
             + (" (the scanned layers counted once)" if model_args.scan_layers else "")
         )
-    say(f"  model FLOPs per step (6ND) {numbers['model_flops_per_step']:.3e}")
+    frozen = numbers["trainable_parameters"] != numbers["parameters"]  # 4ND + 2 x trainable x D: no weight grads
+    say(f"  model FLOPs per step ({'4ND+2TD' if frozen else '6ND'}) {numbers['model_flops_per_step']:.3e}")
     undercounted = "XLA counts the scanned layers once" if model_args.scan_layers else None
     estimate = roofline(numbers, target, undercounted) if target else None
     if estimate is not None and estimate["mfu"] is None:
