@@ -233,7 +233,8 @@ def roofline(numbers: dict[str, Any], target: targets.Target, undercounted: str 
     if not numbers["flops_per_step_per_device"] or undercounted:
         why = undercounted or "XLA reports no FLOPs or bytes for this target"
         flops = "6ND" if numbers["trainable_parameters"] == numbers["parameters"] else "4ND+2TD"
-        return {"step_s": six_nd / peak, "bound": "compute", "basis": f"lower bound: {flops} at peak ({why})", "mfu": None}
+        basis = f"lower bound: {flops} at peak ({why})"
+        return {"step_s": six_nd / peak, "bound": "compute", "basis": basis, "mfu": None}
     compute_s = max(numbers["flops_per_step_per_device"], six_nd) / peak
     memory_s = numbers["bytes_accessed_per_device"] / target.chip.hbm_bytes_per_s
     step_s = max(compute_s, memory_s)
