@@ -122,3 +122,23 @@ def torch_rows(rows):
 @pytest.fixture
 def llama_config():
     return tiny_llama_config()
+
+
+def bridged_loss_and_grads(torch_model, **inputs):
+    """A torch model's loss on `inputs` (torch tensors) and its trainable parameters' gradients by torch name,
+    computed through the bridge (eval mode, jitted), as floats and numpy arrays."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jtrainer.bridge.module import TorchModel
+
+    bridged = TorchModel(torch_model)
+    bridged.deterministic = True
+    graphdef, params, rest = nnx.split(bridged, nnx.Param, ...)
+    arrays = {k: jnp.asarray(v.numpy()) for k, v in inputs.items()}
+
+    def loss_of(params):
+        return nnx.merge(graphdef, params, rest)(**arrays)["loss"]
+
+    loss, grads = jax.jit(jax.value_and_grad(loss_of))(params)
+    return float(loss), {".".join(map(str, path[1:])): np.asarray(v[...]) for path, v in nnx.to_flat_state(grads)}

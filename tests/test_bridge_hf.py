@@ -183,6 +183,17 @@ def _without_gradient(model, rows) -> set[str]:
     return {n for n, p in exact.named_parameters() if p.grad is None or float(p.grad.abs().max()) < 1e-12}
 
 
+def assert_same_logs(hf, ours, steps: int) -> None:
+    """jtrainer logged transformers.Trainer's steps: losses to 1e-5, gradient norms to 1e-4, rates to 1e-6."""
+    hf_logs = [h for h in hf.state.log_history if "loss" in h]
+    jt_logs = [h for h in ours.state.log_history if "loss" in h]
+    assert [h["step"] for h in jt_logs] == [h["step"] for h in hf_logs] == list(range(1, steps + 1))
+    for ref, got in zip(hf_logs, jt_logs):
+        np.testing.assert_allclose(got["loss"], ref["loss"], rtol=1e-5, err_msg=f"loss at {ref['step']}")
+        np.testing.assert_allclose(got["grad_norm"], ref["grad_norm"], rtol=1e-4, err_msg=f"norm at {ref['step']}")
+        np.testing.assert_allclose(got["learning_rate"], ref["learning_rate"], rtol=1e-6)
+
+
 @pytest.mark.parametrize("name", CASES)
 def test_same_run_as_transformers_trainer(tmp_path, name):
     from jtrainer import Trainer, TrainingArguments
@@ -198,13 +209,7 @@ def test_same_run_as_transformers_trainer(tmp_path, name):
     ours = Trainer(model=ours_model, args=_args(TrainingArguments, tmp_path / "jt"), train_dataset=rows)
     jt_out = ours.train()
 
-    hf_logs = [h for h in hf.state.log_history if "loss" in h]
-    jt_logs = [h for h in ours.state.log_history if "loss" in h]
-    assert [h["step"] for h in jt_logs] == [h["step"] for h in hf_logs] == list(range(1, 9))
-    for ref, got in zip(hf_logs, jt_logs):
-        np.testing.assert_allclose(got["loss"], ref["loss"], rtol=1e-5, err_msg=f"loss at {ref['step']}")
-        np.testing.assert_allclose(got["grad_norm"], ref["grad_norm"], rtol=1e-4, err_msg=f"norm at {ref['step']}")
-        np.testing.assert_allclose(got["learning_rate"], ref["learning_rate"], rtol=1e-6)
+    assert_same_logs(hf, ours, steps=8)
     assert jt_out.global_step == hf_out.global_step
     assert ours.model is ours_model  # HF's trainer.model: the model given, holding the trained weights
     trained = dict(hf.model.named_parameters())

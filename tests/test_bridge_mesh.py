@@ -24,6 +24,16 @@ def _run(mesh: str, devices: int, **env_over) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _equal_to_one_device(mesh: str, **env) -> dict:
+    """The job on 8 devices with `mesh`: one compile, one device's losses and trained weights (1e-5)."""
+    one, got = _run("one", 1, **env), _run(mesh, 8, **env)
+    assert got["compiles"] == 1
+    assert got["losses"] == pytest.approx(one["losses"], rel=1e-5)
+    for name, total in one["weights"].items():
+        assert got["weights"][name] == pytest.approx(total, rel=1e-5), name
+    return got
+
+
 def test_fsdp_and_tensor_parallel_from_the_tp_plan_equal_one_device():
     one = _run("one", 1)
     for mesh in ('{"fsdp": 8}', '{"fsdp": 2, "tensor": 4}'):
@@ -47,12 +57,7 @@ def test_lora_adapters_and_frozen_base_on_the_mesh_equal_one_device():
     """A peft LoRA Llama: the frozen base laid out by the tp plan as trainable weights are (model state, not
     replicated), the adapters by the same rules (A shares its layer's input axis, B its output axis)."""
     pytest.importorskip("peft")
-    one = _run("one", 1, JOB_MODEL="lora")
-    got = _run('{"fsdp": 2, "tensor": 4}', 8, JOB_MODEL="lora")
-    assert got["compiles"] == 1
-    assert got["losses"] == pytest.approx(one["losses"], rel=1e-5)
-    for name, total in one["weights"].items():
-        assert got["weights"][name] == pytest.approx(total, rel=1e-5), name
+    got = _equal_to_one_device('{"fsdp": 2, "tensor": 4}', JOB_MODEL="lora")
     specs, layer = got["specs"], "base_model.model.model.layers.0.self_attn"
     assert specs[f"frozen.{layer}.q_proj.base_layer.weight"] == "P('tensor', 'fsdp')"
     assert specs[f"frozen.{layer}.o_proj.base_layer.weight"] == "P('fsdp', 'tensor')"
@@ -64,12 +69,7 @@ def test_lora_adapters_and_frozen_base_on_the_mesh_equal_one_device():
 def test_mixture_of_experts_over_the_expert_axis_equals_one_device():
     """Mixtral (8 experts, top-2, router aux loss): its stacked expert weights split over `expert` (from its own
     ep_plan), rows over fsdp x expert; 8 devices equal one device."""
-    one = _run("one", 1, JOB_MODEL="mixtral")
-    got = _run('{"fsdp": 2, "expert": 4}', 8, JOB_MODEL="mixtral")
-    assert got["compiles"] == 1
-    assert got["losses"] == pytest.approx(one["losses"], rel=1e-5)
-    for name, total in one["weights"].items():
-        assert got["weights"][name] == pytest.approx(total, rel=1e-5), name
+    got = _equal_to_one_device('{"fsdp": 2, "expert": 4}', JOB_MODEL="mixtral")
     experts = "params.model.layers.0.mlp.experts"
     assert got["specs"][f"{experts}.gate_up_proj"] == "P('expert', None, 'fsdp')"
     assert got["specs"][f"{experts}.down_proj"] == "P('expert', 'fsdp', None)"

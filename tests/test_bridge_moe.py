@@ -12,6 +12,8 @@ if importlib.util.find_spec("torchax") is None:
     pytest.skip("torchax is not installed", allow_module_level=True)
 transformers = pytest.importorskip("transformers")
 
+from conftest import bridged_loss_and_grads  # noqa: E402
+
 SMALL = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 AUX = dict(output_router_logits=True, router_aux_loss_coef=0.02)
 
@@ -44,12 +46,6 @@ def _model(name):
 
 @pytest.mark.parametrize("name", ["qwen2_moe", "olmoe", "gpt_oss", "deepseek_v3"])
 def test_moe_family_traces_as_torch(name):
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from jtrainer.bridge.module import TorchModel
-
     torch.manual_seed(0)
     model = _model(name)
     assert model.config._experts_implementation == "grouped_mm"
@@ -57,17 +53,9 @@ def test_moe_family_traces_as_torch(name):
     reference = model(input_ids=ids, labels=ids)
     reference.loss.backward()
     wanted = {n: p.grad.numpy() for n, p in model.named_parameters() if p.grad is not None}
-
-    bridged = TorchModel(model)
-    bridged.deterministic = True
-    graphdef, params, rest = nnx.split(bridged, nnx.Param, ...)
-
-    def loss_of(params):
-        return nnx.merge(graphdef, params, rest)(input_ids=jnp.asarray(ids), labels=jnp.asarray(ids))["loss"]
-
-    loss, grads = jax.jit(jax.value_and_grad(loss_of))(params)
-    np.testing.assert_allclose(float(loss), float(reference.loss), rtol=1e-6)
-    got = {".".join(map(str, path[1:])): np.asarray(v[...]) for path, v in nnx.to_flat_state(grads)}
     assert any("experts" in n for n in wanted)
+
+    loss, got = bridged_loss_and_grads(model, input_ids=ids, labels=ids)
+    np.testing.assert_allclose(loss, float(reference.loss), rtol=1e-6)
     for key, grad in wanted.items():
         np.testing.assert_allclose(got[key], grad, atol=1e-6, err_msg=key)

@@ -17,8 +17,8 @@ if importlib.util.find_spec("torchax") is None:  # imported by jtrainer.bridge, 
     pytest.skip("torchax is not installed", allow_module_level=True)
 transformers = pytest.importorskip("transformers")
 
-from conftest import torch_rows  # noqa: E402
-from test_bridge_hf import _causal, _padded_lm_rows  # noqa: E402
+from conftest import bridged_loss_and_grads, torch_rows  # noqa: E402
+from test_bridge_hf import _causal, _padded_lm_rows, assert_same_logs  # noqa: E402
 from test_parity_hf_trainer import _args  # noqa: E402
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -59,12 +59,7 @@ METHODS = [
 @pytest.mark.parametrize("method", METHODS)
 def test_peft_method_traces_as_torch(method):
     """Loss and every trainable tensor's gradient through the bridge equal peft's on torch (float32)."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
     from jtrainer.bridge import adapters
-    from jtrainer.bridge.module import TorchModel
 
     torch.manual_seed(0)
     model = peft.get_peft_model(_causal("llama"), _method_config(method))
@@ -80,15 +75,8 @@ def test_peft_method_traces_as_torch(method):
     wanted = {n: p.grad.numpy() for n, p in model.named_parameters() if p.requires_grad}
     assert wanted and all(np.abs(g).max() > 0 for g in wanted.values())
 
-    bridged = TorchModel(model)
-    graphdef, params, rest = nnx.split(bridged, nnx.Param, ...)
-
-    def loss_of(params):
-        return nnx.merge(graphdef, params, rest)(input_ids=jnp.asarray(ids), labels=jnp.asarray(ids))["loss"]
-
-    loss, grads = jax.jit(jax.value_and_grad(loss_of))(params)
-    np.testing.assert_allclose(float(loss), float(reference.loss), rtol=1e-6)
-    got = {".".join(map(str, path[1:])): np.asarray(v[...]) for path, v in nnx.to_flat_state(grads)}
+    loss, got = bridged_loss_and_grads(model, input_ids=ids, labels=ids)
+    np.testing.assert_allclose(loss, float(reference.loss), rtol=1e-6)
     assert set(got) == set(wanted)  # only the adapters are parameters; the base model is frozen
     for name, grad in wanted.items():
         np.testing.assert_allclose(got[name], grad, atol=2e-6, err_msg=name)
@@ -145,12 +133,7 @@ def test_lora_same_run_as_transformers_trainer(tmp_path, name):
     ours.train()
     assert ours.nnx_model.gradient_checkpointing is remat["gradient_checkpointing"]
 
-    hf_logs = [h for h in hf.state.log_history if "loss" in h]
-    jt_logs = [h for h in ours.state.log_history if "loss" in h]
-    assert [h["step"] for h in jt_logs] == [h["step"] for h in hf_logs] == list(range(1, 9))
-    for ref, got in zip(hf_logs, jt_logs):
-        np.testing.assert_allclose(got["loss"], ref["loss"], rtol=1e-5, err_msg=f"loss at {ref['step']}")
-        np.testing.assert_allclose(got["grad_norm"], ref["grad_norm"], rtol=1e-4, err_msg=f"norm at {ref['step']}")
+    assert_same_logs(hf, ours, steps=8)
     assert ours.state.total_flos == pytest.approx(hf.state.total_flos, rel=1e-6)
     trained, ours_trained = _trainable(hf.model), _trainable(ours_model)
     assert set(ours_trained) == set(trained) and all("lora_" in n for n in trained)
