@@ -325,6 +325,6 @@ def test_check_sizes_a_transformers_model_through_the_bridge_without_weights(cap
     assert adapted["fits"] and adapted["trainable_parameters"] == 2 * per_layer
     assert adapted["parameters"] == expected + 2 * per_layer
     memory = adapted["memory_per_device"]
-    assert memory["frozen weights (no gradients)"] == pytest.approx(expected * 4 / 16, rel=0.05)
+    assert memory["frozen weights (no gradients)"] == pytest.approx(expected * 2 / 16, rel=0.05)  # bf16: held so
     assert memory["optimizer state"] < 2 * 4 * 2 * per_layer  # AdamW's moments of the adapters only (replicated)
     assert f"({2 * per_layer:,} trainable)" in printed
