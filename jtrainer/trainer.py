@@ -219,7 +219,7 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
         self.optimizer, self.lr_scheduler = optimizers
         self.optimizer_cls_and_kwargs = optimizer_cls_and_kwargs
-        inspected = adapters.inspected(model)  # a peft model's base model, as HF inspects it
+        inspected = self._inspected_model
         self.label_names = list(args.label_names) if args.label_names is not None else _default_label_names(inspected)
         self.model_accepts_loss_kwargs = _accepts_loss_kwargs(inspected)
         self.label_smoother = LabelSmoother(args.label_smoothing_factor) if args.label_smoothing_factor else None
@@ -275,6 +275,11 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
     def model(self, model: Any) -> None:
         self._model = model
         self.nnx_model = bridge.as_nnx(model)
+
+    @property
+    def _inspected_model(self) -> Any:
+        """The model whose class and call HF inspects (labels, columns, loss kwargs): a peft model's base model."""
+        return adapters.inspected(self.model)
 
     def _set_neftune(self, alpha: float | None) -> None:
         """NEFTune noise on the input embeddings in training steps (None: off): transformers' own forward hook on
@@ -337,7 +342,7 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
 
     # -------------------------------------------------------------------------------------------------- data
     def _signature_columns(self) -> list[str]:
-        return data.model_signature_columns(adapters.inspected(self.model)) + self.label_names
+        return data.model_signature_columns(self._inspected_model) + self.label_names
 
     def _prepare_dataset(self, dataset: Any) -> Any:
         if self.args.remove_unused_columns:
@@ -504,13 +509,13 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
     def _default_loss_rules(self, sample: data.Batch, training: bool) -> LossSpec:
         """HF's rules for the Trainer's own loss. Without labels, evaluation and prediction still run (no loss),
         as in HF; training fails here, named."""
-        causal = _is_causal_lm(adapters.inspected(self.model))
+        causal = _is_causal_lm(self._inspected_model)
         has_labels = any(name in sample for name in self.label_names)
         smoothing = self.args.label_smoothing_factor
         common = dict(
             label_names=tuple(self.label_names),
             causal=causal,
-            count_shifted=_counts_shifted_labels(adapters.inspected(self.model)),
+            count_shifted=_counts_shifted_labels(self._inspected_model),
             compute_dtype=self.args.compute_dtype(training),
             accepts_loss_kwargs=self.model_accepts_loss_kwargs,
         )
@@ -535,7 +540,7 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
                 padding_neutral=counted,
                 **common,
             )
-        if has_labels and not _takes_labels(adapters.inspected(self.model), self.label_names):
+        if has_labels and not _takes_labels(self._inspected_model, self.label_names):
             return LossSpec(LossMode.TRAINER, padding_neutral=True, **common)
         if not has_labels and not training and getattr(getattr(self.model, "config", None), "is_encoder_decoder", 0):
             # An encoder-decoder cannot run without labels (no decoder inputs): prediction only generates.
@@ -740,7 +745,7 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
             self.model = self.call_model_init(trial)
             self._apply_chunked_loss()
             self.callback_handler.model = self.model
-            self.model_accepts_loss_kwargs = _accepts_loss_kwargs(adapters.inspected(self.model))
+            self.model_accepts_loss_kwargs = _accepts_loss_kwargs(self._inspected_model)
             self._forget_optimizer()
             self._train_state = None
             self._check_layout()
@@ -1099,7 +1104,7 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         config = getattr(self.model, "config", None)
         if config is None:
             return None
-        if "Classification" in type(adapters.inspected(self.model)).__name__:
+        if "Classification" in type(self._inspected_model).__name__:
             regression = config.num_labels == 1 or config.problem_type in ("regression", "multi_label_classification")
             return None if regression else config.num_labels
         return getattr(config, "vocab_size", None)

@@ -15,8 +15,11 @@ from typing import Any
 # with torch (tests/test_bridge_peft.py). Others are refused by name rather than trained on trust.
 # (LoRA's variants DoRA and rsLoRA are LORA.) BOFT and AdaLoRA call torch ops torchax cannot run; AdaLoRA also
 # needs update_and_allocate called between steps, which transformers.Trainer does not do.
-TRAINED = frozenset({"LORA", "IA3", "LOHA", "LOKR", "VERA", "OFT", "FOURIERFT", "LN_TUNING"}) | frozenset(
-    {"PROMPT_TUNING", "P_TUNING", "PREFIX_TUNING"}  # prompt learning: virtual tokens before the rows
+TRAINED = frozenset(
+    {
+        *("LORA", "IA3", "LOHA", "LOKR", "VERA", "OFT", "FOURIERFT", "LN_TUNING"),
+        *("PROMPT_TUNING", "P_TUNING", "PREFIX_TUNING"),  # prompt learning: virtual tokens before the rows
+    }
 )
 
 
@@ -40,15 +43,20 @@ def inspected(model: Any) -> Any:
     return model.base_model.model  # PeftMixedModel has no get_base_model
 
 
+def _method(config: Any) -> str:
+    """An adapter config's peft method ("LORA", "IA3", ...)."""
+    return str(getattr(config.peft_type, "value", config.peft_type))
+
+
 def method_names(model: Any) -> list[str]:
-    """The peft method of each adapter a peft model holds ("LORA", "IA3", ...)."""
-    return [str(getattr(c.peft_type, "value", c.peft_type)) for c in model.peft_config.values()]
+    """The peft method of each adapter a peft model holds."""
+    return [_method(config) for config in model.peft_config.values()]
 
 
 def check_supported(model: Any) -> None:
     """A one-line error for a peft method the bridge does not train exactly, before anything is compiled."""
     for name, config in model.peft_config.items():
-        method = str(getattr(config.peft_type, "value", config.peft_type))
+        method = _method(config)
         if method not in TRAINED:
             raise NotImplementedError(
                 f"The peft adapter {name!r} uses {method}, which jtrainer's torch bridge has not been verified to "

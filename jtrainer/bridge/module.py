@@ -327,16 +327,20 @@ class TorchModel(nnx.Module):
             node[leaf] = Buffer(env.t2j_iso(tensors[name]))
         return outputs if torch_io else outputs_to_jax(env, outputs)
 
+    def _torch_tensors(self) -> dict[str, torch.Tensor]:
+        """The torch model's parameters and buffers by name."""
+        return dict(self.torch_model.named_parameters()) | dict(self.torch_model.named_buffers())
+
     def read_from_torch(self) -> None:
         """This module's weights and buffers from the torch model (after torch code loaded weights into it)."""
-        state = dict(self.torch_model.named_parameters()) | dict(self.torch_model.named_buffers())
+        state = self._torch_tensors()
         for name, var in self._named_variables().items():
             var.value = to_array(state[name])
 
     def write_to_torch(self) -> None:
         """Copy this module's trainable weights and buffers into the torch model (frozen weights never change:
         a peft model's base is not gathered and copied at each save)."""
-        state = dict(self.torch_model.named_parameters()) | dict(self.torch_model.named_buffers())
+        state = self._torch_tensors()
         with torch.no_grad():
             for name, var in (_flatten(self.params) | _flatten(self.buffers)).items():
                 state[name].copy_(to_tensor(var[...]))

@@ -215,6 +215,7 @@ def compile_step(model_args, data_args, training_args, target: targets.Target | 
         "bytes_accessed_per_device": float((cost or {}).get("bytes accessed", 0.0)) * args.gradient_accumulation_steps,
         # 6ND; frozen weights (LoRA's base) take no weight gradients: 2N forward + 2N input gradients + 2 x trainable.
         "model_flops_per_step": (4 * n_params + 2 * trainable) * tokens,
+        "model_flops_name": "6ND" if trainable == n_params else "4ND+2TD",
     }
 
 
@@ -232,8 +233,7 @@ def roofline(numbers: dict[str, Any], target: targets.Target, undercounted: str 
     six_nd = numbers["model_flops_per_step"] / numbers["devices"]
     if not numbers["flops_per_step_per_device"] or undercounted:
         why = undercounted or "XLA reports no FLOPs or bytes for this target"
-        flops = "6ND" if numbers["trainable_parameters"] == numbers["parameters"] else "4ND+2TD"
-        basis = f"lower bound: {flops} at peak ({why})"
+        basis = f"lower bound: {numbers['model_flops_name']} at peak ({why})"
         return {"step_s": six_nd / peak, "bound": "compute", "basis": basis, "mfu": None}
     compute_s = max(numbers["flops_per_step_per_device"], six_nd) / peak
     memory_s = numbers["bytes_accessed_per_device"] / target.chip.hbm_bytes_per_s
@@ -316,8 +316,7 @@ def run_check(
             + (" (the chunked loss's LM head counted for one chunk)" if training_args.chunked_loss_positions() else "")
             + (" (the scanned layers counted once)" if model_args.scan_layers else "")
         )
-    frozen = numbers["trainable_parameters"] != numbers["parameters"]  # 4ND + 2 x trainable x D: no weight grads
-    say(f"  model FLOPs per step ({'4ND+2TD' if frozen else '6ND'}) {numbers['model_flops_per_step']:.3e}")
+    say(f"  model FLOPs per step ({numbers['model_flops_name']}) {numbers['model_flops_per_step']:.3e}")
     undercounted = "XLA counts the scanned layers once" if model_args.scan_layers else None
     estimate = roofline(numbers, target, undercounted) if target else None
     if estimate is not None and estimate["mfu"] is None:
