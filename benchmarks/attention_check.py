@@ -1,4 +1,4 @@
-"""cuDNN's fused attention against XLA's, as `jtrainer.models.attention` runs them on a GPU.
+"""cuDNN's fused attention (GPUs) or splash attention (TPUs) against XLA's, as `jtrainer.models.attention` runs them.
 
     python benchmarks/attention_check.py                 # Llama 3.2 1B's attention: batch 2 x 2048, 32/8 heads
     python benchmarks/attention_check.py --length 256    # smaller; on CPU: the CPU formulation vs XLA
@@ -24,10 +24,10 @@ from jtrainer.models import attention
 
 def _loss_and_grads(q, k, v, mask, window, weights, implementation):
     def loss(q, k, v):
-        if implementation == "cpu":  # the CPU formulation
+        if implementation in ("cpu", "splash"):  # the CPU formulation, or the TPU kernel
             out = attention.causal_attention(q, k, v, mask, sliding_window=window)
-        else:  # the path GPUs and TPUs take
-            out = attention._fused_attention(q, k, v, mask, q.shape[-1] ** -0.5, window)
+        else:  # jax.nn's fused attention (cuDNN or XLA)
+            out = attention._fused_attention(q, k, v, mask.dense(), q.shape[-1] ** -0.5, window, implementation)
         return jnp.sum(out.astype(jnp.float32) * weights), out
 
     return jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
@@ -65,15 +65,17 @@ def main():
     k, v = (jax.random.normal(key, (ns.batch, ns.length, ns.kv_heads, ns.head_dim), jnp.bfloat16) for key in keys[1:3])
     weights = jax.random.normal(keys[3], q.shape, jnp.float32)
     lengths = jnp.array([ns.length - ns.length // 4] + [ns.length] * (ns.batch - 1))
-    padding = (jnp.arange(ns.length)[None] < lengths[:, None])[:, None, None, :]
-    fused_name = "cudnn" if jax.default_backend() == "gpu" else "cpu"  # CPUs: jtrainer's formulation vs XLA's
+    padding = jnp.arange(ns.length)[None] < lengths[:, None]
+    # GPUs: cuDNN; TPUs: splash attention; CPUs: jtrainer's formulation (each against XLA's).
+    fused_name = {"gpu": "cudnn", "tpu": "splash"}.get(jax.default_backend(), "cpu")
     print(f"{jax.devices()[0].device_kind}: q {q.shape}, k/v {k.shape}, bf16; {fused_name} vs xla")
     print(f"{'case':<16}{'out diff':>10}{'dq diff':>10}{'dk diff':>10}{'dv diff':>10}{'fused ms':>10}{'xla ms':>10}")
-    for name, mask, window in (("causal", None, None), ("padding", padding, None), ("window 512", None, 512)):
+    none, padded = attention.TokenMask(), attention.TokenMask(padding)
+    for name, mask, window in (("causal", none, None), ("padding", padded, None), ("window 512", none, 512)):
         fused = run(fused_name, (q, k, v, weights), mask, window, ns.repeats)
         plain = run("xla", (q, k, v, weights), mask, window, ns.repeats)
-        if mask is not None:  # padded query rows are ignored by every loss: compare the others
-            rows = padding[:, 0, 0, :, None, None]
+        if mask is padded:  # padded query rows are ignored by every loss: compare the others
+            rows = padding[:, :, None, None]
             fused = (jnp.where(rows, fused[0], 0), jax.tree.map(lambda g: jnp.where(rows, g, 0), fused[1]), fused[2])
             plain = (jnp.where(rows, plain[0], 0), jax.tree.map(lambda g: jnp.where(rows, g, 0), plain[1]), plain[2])
         diffs = [relative_difference(a, b) for a, b in zip((fused[0], *fused[1]), (plain[0], *plain[1]))]

@@ -370,6 +370,11 @@ def axis_rules(rules: dict[str, Any]) -> Iterator[None]:
         _CURRENT_RULES.reset(token)
 
 
+def current_rules() -> dict[str, Any]:
+    """The logical axis rules of the step being traced (`axis_rules`), else the defaults."""
+    return _CURRENT_RULES.get() or DEFAULT_RULES
+
+
 def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
     """Constrain an activation's sharding by logical names under the current mesh (a no-op without one)."""
     rules = _CURRENT_RULES.get()

@@ -66,7 +66,7 @@ def test_cross_entropy_gradient_equals_autodiff_of_log_softmax(label_smoothing):
 
 @pytest.mark.parametrize("length,kv_heads", [(256, 2), (128, 4), (48, 1)])  # 4, 2 and 1 query blocks
 def test_causal_attention_equals_jax_nn_with_fully_masked_rows(length, kv_heads):
-    from jtrainer.models.attention import causal_attention
+    from jtrainer.models.attention import TokenMask, causal_attention
 
     keys = jax.random.split(jax.random.key(0), 4)
     q = jax.random.normal(keys[0], (2, length, 4, 8))
@@ -78,7 +78,9 @@ def test_causal_attention_equals_jax_nn_with_fully_masked_rows(length, kv_heads)
     def objective(attend):
         return lambda q, k, v: jnp.sum(attend(q, k, v) * weights)
 
-    ours = jax.jit(jax.value_and_grad(objective(lambda q, k, v: causal_attention(q, k, v, mask, 0.3)), (0, 1, 2)))
+    ours = jax.jit(
+        jax.value_and_grad(objective(lambda q, k, v: causal_attention(q, k, v, TokenMask(not_padding), 0.3)), (0, 1, 2))
+    )
     reference = jax.value_and_grad(
         objective(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask, scale=0.3)), (0, 1, 2)
     )
@@ -90,10 +92,9 @@ def test_causal_attention_is_jax_nn_off_cpu(monkeypatch):
     from jtrainer.models.attention import causal_attention
 
     q = k = v = jnp.ones((1, 128, 2, 4))
-    mask = jnp.tril(jnp.ones((128, 128), bool))[None, None]
 
     def lowered():
-        return jax.jit(jax.grad(lambda q: jnp.sum(causal_attention(q, k, v, mask)))).lower(q).as_text()
+        return jax.jit(jax.grad(lambda q: jnp.sum(causal_attention(q, k, v)))).lower(q).as_text()
 
     assert "optimization_barrier" in lowered()
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
@@ -104,7 +105,7 @@ def _attention_inputs(dtype=jnp.float32, length=64):
     keys = jax.random.split(jax.random.key(1), 3)
     q = jax.random.normal(keys[0], (2, length, 4, 16), dtype)
     k, v = (jax.random.normal(key, (2, length, 2, 16), dtype) for key in keys[1:])
-    padding = (jnp.arange(length)[None] < jnp.array([[length - 7], [length]]))[:, None, None, :]  # row 0 right-padded
+    padding = jnp.arange(length)[None] < jnp.array([[length - 7], [length]])  # row 0 right-padded
     return q, k, v, padding
 
 
@@ -116,8 +117,8 @@ def test_attention_takes_causality_itself_on_every_path(monkeypatch, window, pad
     from jtrainer.models import attention
 
     q, k, v, padding = _attention_inputs()
-    mask = padding if padded else None
-    dense = attention.causal_mask(q.shape[1], window) & (True if mask is None else mask)
+    mask = attention.TokenMask(padding if padded else None)
+    dense = attention.causal_mask(q.shape[1], window) & (padding[:, None, None, :] if padded else True)
     reference = jax.nn.dot_product_attention(q, k, v, mask=dense)
     np.testing.assert_allclose(
         attention.causal_attention(q, k, v, mask, sliding_window=window), reference, rtol=2e-5, atol=2e-5
@@ -148,16 +149,16 @@ def test_cudnn_refusal_falls_back_to_xla_unless_forced(monkeypatch, caplog):
     from jtrainer.models import attention
 
     q, k, v, padding = _attention_inputs(jnp.bfloat16)
-    dense = attention.causal_mask(q.shape[1]) & padding
+    dense = attention.causal_mask(q.shape[1]) & padding[:, None, None, :]
     reference = jax.nn.dot_product_attention(q, k, v, mask=dense)
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     attention._warned.clear()
     with caplog.at_level("WARNING", logger=attention.__name__):
         for _ in range(2):
-            out = attention.causal_attention(q, k, v, padding)
+            out = attention.causal_attention(q, k, v, attention.TokenMask(padding))
     np.testing.assert_allclose(out.astype(jnp.float32), reference.astype(jnp.float32), atol=2e-2)
     assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1
     assert "cuDNN attention refused" in caplog.records[0].message
     monkeypatch.setenv("JTRAINER_ATTENTION", "cudnn")
     with pytest.raises((RuntimeError, ValueError, NotImplementedError)):
-        attention.causal_attention(q, k, v, padding)
+        attention.causal_attention(q, k, v, attention.TokenMask(padding))

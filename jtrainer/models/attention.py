@@ -1,10 +1,17 @@
-"""Causal self-attention: cuDNN's flash attention on GPUs, XLA's on TPUs, a CPU formulation that does less.
+"""Causal self-attention, and the one place that chooses how it runs: Pallas splash attention on TPUs, cuDNN's
+flash attention on GPUs, XLA's elsewhere, a CPU formulation that does less.
+
+On TPUs (the chips the step runs on, or is compiled for by `jtrainer check --target`), attention goes to
+`splash_attention`: a blockwise kernel that never materialises the [length, length] scores, skips the blocks
+causality or a sliding window hides, and splits queries over the `sequence` mesh axis (context parallelism).
+Shapes it cannot run fall back to XLA's formulation with a warning.
 
 On GPUs, bf16/fp16 attention goes to `jax.nn.dot_product_attention(implementation="cudnn")`: a fused kernel that
 never materialises the [length, length] scores and skips the tiles causality masks out. A padding or packing
 mask travels as an additive bias (cuDNN also returns its gradient, which is dropped). Shapes cuDNN cannot run are
-refused while tracing and fall back to XLA's formulation with a warning; `JTRAINER_ATTENTION=xla` (or `cudnn`,
-which then raises instead of falling back) forces one.
+refused while tracing and fall back to XLA's formulation with a warning. `JTRAINER_ATTENTION=xla`, `cudnn` or
+`splash` (which then raise instead of falling back) forces one; `splash` off a TPU runs the kernel in Pallas'
+interpret mode (slow: for tests).
 
 On CPU, XLA runs attention as separate passes over [batch, heads, length, length] tensors, and in a small
 Llama's train step attention took a third of the time. The CPU branch here
@@ -23,34 +30,87 @@ included: there the reference gives the mean of all values, and so does this.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import jax
 import jax.numpy as jnp
 
-from jtrainer import env
+from jtrainer import env, sharding
+from jtrainer.models import splash_attention
 from jtrainer.models.linear import cpu_backend
 
 logger = logging.getLogger(__name__)
 
 _MIN_BLOCK = 64
-_IMPLEMENTATIONS = ("auto", "xla", "cudnn")
+_IMPLEMENTATIONS = ("auto", "xla", "cudnn", "splash")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TokenMask:
+    """What a query may not see besides causality, per token: `padding_BxT` (True for real tokens: a False key
+    is seen by no query; HF's attention_mask) and `segment_ids_BxT` (packed rows: a query sees only keys of its
+    own segment; 0 marks padding). Either may be None."""
+
+    padding_BxT: jax.Array | None = None
+    segment_ids_BxT: jax.Array | None = None
+
+    def dense(self) -> jax.Array | None:
+        """The same as booleans [batch, 1, T or 1, T] (None when nothing is masked)."""
+        mask = None
+        if self.padding_BxT is not None:
+            mask = self.padding_BxT.astype(bool)[:, None, None, :]
+        if self.segment_ids_BxT is not None:
+            ids = self.segment_ids_BxT
+            same = (ids[:, None, :, None] == ids[:, None, None, :]) & (ids != 0)[:, None, None, :]
+            mask = same if mask is None else mask & same
+        return mask
 
 
 def causal_attention(
-    q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, mask_Bx1xTxT=None, scale: float | None = None, sliding_window: int | None = None
+    q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, mask: TokenMask | None = None, scale: float | None = None,
+    sliding_window: int | None = None,
 ):
-    """Causal multi-head (grouped-query when K < N) attention.
+    """Causal multi-head (grouped-query when K < N) attention of T queries over the same T keys.
 
-    `mask_Bx1xTxT`: what else a query may not see (padding, other documents of a packed row), booleans of shape
-    [batch or 1, 1, T or 1, T]; it may include causality, and None means causality alone. `sliding_window`
-    (HF's): query i sees key j only when i - j < sliding_window."""
+    `mask`: padding and packing (None: causality alone). `sliding_window` (HF's): query i sees key j only when
+    i - j < sliding_window."""
     scale = q_BxTxNxH.shape[-1] ** -0.5 if scale is None else scale
-    if cpu_backend():
+    mask = mask or TokenMask()
+    chosen = implementation(q_BxTxNxH, k_BxTxKxH)
+    if chosen == "splash":
+        return splash_attention.splash_attention(
+            q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, mask.padding_BxT, mask.segment_ids_BxT, scale, sliding_window,
+            interpret=not _on_tpu(),
+        )
+    if chosen == "cpu":
         dense = causal_mask(q_BxTxNxH.shape[1], sliding_window)
-        dense = dense if mask_Bx1xTxT is None else dense & mask_Bx1xTxT
-        return _blocked_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, dense, scale)
-    return _fused_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, mask_Bx1xTxT, scale, sliding_window)
+        extra = mask.dense()
+        return _blocked_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, dense if extra is None else dense & extra, scale)
+    return _fused_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, mask.dense(), scale, sliding_window, chosen)
+
+
+def _on_tpu() -> bool:
+    """Whether the step runs on (or is compiled for, `jtrainer check --target`) TPUs: the mesh's devices say."""
+    return sharding.mesh_devices()[0].platform == "tpu"
+
+
+def implementation(q: jax.Array, k: jax.Array) -> str:
+    """How self-attention of these queries and keys runs: "splash" on TPUs, else "cpu" (the blocked CPU
+    formulation) or the fused kernel's name (`fused_implementation`); `JTRAINER_ATTENTION` overrides."""
+    requested = _requested_implementation()
+    if requested == "splash" or (requested == "auto" and _on_tpu()):
+        refusal = splash_attention.unsupported(q, k)
+        if refusal is None:
+            return "splash"
+        if requested == "splash":
+            raise ValueError(f"{env.ATTENTION.name}=splash: the splash attention kernel cannot run here: {refusal}.")
+        _warn_once(f"Splash attention cannot run {tuple(q.shape)} ({refusal}): using XLA's attention.")
+        return fused_implementation(q)
+    if cpu_backend() and requested == "auto":
+        return "cpu"
+    return fused_implementation(q)
 
 
 def causal_mask(length: int, sliding_window: int | None = None) -> jax.Array:
@@ -72,7 +132,7 @@ def _requested_implementation() -> str:
 def fused_implementation(q: jax.Array) -> str:
     """ "cudnn" for bf16/fp16 queries on a GPU, else "xla"; `JTRAINER_ATTENTION` overrides."""
     requested = _requested_implementation()
-    if requested != "auto":
+    if requested in ("xla", "cudnn"):
         return requested
     on_gpu = jax.default_backend() in ("gpu", "cuda")
     return "cudnn" if on_gpu and q.dtype in (jnp.bfloat16, jnp.float16) else "xla"
@@ -81,23 +141,27 @@ def fused_implementation(q: jax.Array) -> str:
 _warned: set[str] = set()
 
 
-def _fused_attention(q, k, v, mask, scale, sliding_window):
+def _warn_once(message: str) -> None:
+    """A fallback is warned about once, not once per layer."""
+    if message not in _warned:
+        _warned.add(message)
+        logger.warning(message)
+
+
+def _fused_attention(q, k, v, mask, scale, sliding_window, chosen: str):
     """jax.nn.dot_product_attention with causality as a mask type (cuDNN then skips the masked tiles)."""
     batch, length = q.shape[:2]
     if mask is not None:  # cuDNN takes a bias of the scores' shape, not a broadcastable one
         mask = jnp.broadcast_to(mask, (batch, 1, length, k.shape[1]))
     window = None if sliding_window is None else (sliding_window - 1, 0)
     kwargs = dict(mask=mask, scale=scale, is_causal=True, local_window_size=window)
-    if fused_implementation(q) == "cudnn":
+    if chosen == "cudnn":
         try:
             return jax.nn.dot_product_attention(q, k, v, implementation="cudnn", **kwargs)
         except (ValueError, NotImplementedError, RuntimeError) as refusal:
             if _requested_implementation() == "cudnn":
                 raise
-            message = f"cuDNN attention refused {q.shape} {q.dtype} ({refusal}): using XLA's attention."
-            if message not in _warned:  # once, not once per layer
-                _warned.add(message)
-                logger.warning(message)
+            _warn_once(f"cuDNN attention refused {q.shape} {q.dtype} ({refusal}): using XLA's attention.")
     return jax.nn.dot_product_attention(q, k, v, implementation="xla", **kwargs)
 
 

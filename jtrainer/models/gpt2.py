@@ -8,7 +8,7 @@ from flax import nnx
 from transformers import GPT2Config
 
 from jtrainer.losses import token_loss
-from jtrainer.models.attention import causal_attention
+from jtrainer.models.attention import TokenMask, causal_attention
 from jtrainer.models.base import Embed, PretrainedMixin, StaticConfig, call_block
 from jtrainer.models.layers import ACTIVATION_AXES, ACTIVATIONS, LayerNorm
 from jtrainer.models.linear import dense
@@ -38,11 +38,11 @@ class GPT2Attention(nnx.Module):
             scale /= float(layer_idx + 1)
         self.scale = scale
 
-    def __call__(self, x_BxLxD, mask_Bx1x1xL):
+    def __call__(self, x_BxLxD, mask: TokenMask):
         b, length, d = x_BxLxD.shape
         q, k, v = jnp.split(self.c_attn(x_BxLxD), 3, axis=-1)
         shape = (b, length, self.num_heads, self.head_dim)
-        out = causal_attention(q.reshape(shape), k.reshape(shape), v.reshape(shape), mask_Bx1x1xL, self.scale)
+        out = causal_attention(q.reshape(shape), k.reshape(shape), v.reshape(shape), mask, self.scale)
         return self.c_proj(out.reshape(b, length, d))
 
 
@@ -88,7 +88,7 @@ class GPT2Model(nnx.Module):
             position_ids_BxL = jnp.broadcast_to(jnp.arange(length), (b, length))
         x = self.wte(input_ids_BxL) + self.wpe(position_ids_BxL)
         # Padding only: causality is the attention's own (see `causal_attention`).
-        mask = None if attention_mask_BxL is None else attention_mask_BxL.astype(bool)[:, None, None, :]
+        mask = TokenMask(None if attention_mask_BxL is None else attention_mask_BxL.astype(bool))
         x = constrain(x, ACTIVATION_AXES)
         for block in self.h:
             x = constrain(call_block(self, block, x, mask), ACTIVATION_AXES)

@@ -21,14 +21,17 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jtrainer import sharding
+
 
 def cpu_backend() -> bool:
     """Whether the programs traced now run on CPU, which picks this module's and `attention`'s CPU formulations.
 
     The default backend decides, not `jax.lax.platform_dependent`: autodiff linearises every branch of a
     platform_dependent, which tripled a small Llama's train-step tracing time. Both formulations compute the same
-    values, so a program lowered for another platform than the default only runs at the other one's speed."""
-    return jax.default_backend() == "cpu"
+    values, so a program lowered for another platform than the default only runs at the other one's speed. A step
+    compiled here for other chips (`jtrainer check --target`: the mesh's devices are not CPUs) is not CPU code."""
+    return jax.default_backend() == "cpu" and sharding.mesh_devices()[0].platform == "cpu"
 
 
 def _weight_grad_transposing(x_NxI: jax.Array, dy_NxO: jax.Array, precision) -> jax.Array:

@@ -17,7 +17,7 @@ from flax import nnx
 from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from jtrainer.losses import chunked_token_loss, token_loss
-from jtrainer.models.attention import causal_attention
+from jtrainer.models.attention import TokenMask, causal_attention
 from jtrainer.models.base import Embed, PretrainedMixin, StaticConfig, call_block
 from jtrainer.models.layers import ACTIVATION_AXES, RMSNorm, linear
 from jtrainer.models.linear import project
@@ -102,9 +102,10 @@ class LlamaAttention(nnx.Module):
             self.q_norm = RMSNorm(h, config.rms_norm_eps, param_dtype=param_dtype)
             self.k_norm = RMSNorm(h, config.rms_norm_eps, param_dtype=param_dtype)
 
-    def __call__(self, x_BxLxD, cos_BxLxH, sin_BxLxH, mask_Bx1xLxS, offsets_LxS, cache=None):
+    def __call__(self, x_BxLxD, cos_BxLxH, sin_BxLxH, mask, offsets_LxS, cache=None):
         """Attention of L queries over S keys; with a cache ((keys, values), index), the L new keys and values
-        are written at `index` first and S is the cache length. `offsets_LxS` = query position - key position."""
+        are written at `index` first and S is the cache length. `offsets_LxS` = query position - key position.
+        `mask`: a TokenMask without a cache (causality is the attention's), else booleans [B, 1, L, S]."""
         b, length, _ = x_BxLxD.shape
         q, k, v = project(x_BxLxD, self.q_proj, self.k_proj, self.v_proj)
         q = q.reshape(b, length, self.num_heads, self.head_dim)
@@ -122,11 +123,11 @@ class LlamaAttention(nnx.Module):
             )
             k, v, new_cache = keys_BxSxKxH, values_BxSxKxH, (keys_BxSxKxH, values_BxSxKxH)
         if cache is None:  # self-attention over the L tokens: the mask holds padding / packing, if any
-            out_BxLxNxH = causal_attention(q, k, v, mask_Bx1xLxS, sliding_window=self.sliding_window)
+            out_BxLxNxH = causal_attention(q, k, v, mask, sliding_window=self.sliding_window)
         else:
             if self.sliding_window is not None:  # HF: position i sees j when i - j < sliding_window
-                mask_Bx1xLxS = mask_Bx1xLxS & (offsets_LxS < self.sliding_window)[None, None]
-            out_BxLxNxH = jax.nn.dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask=mask_Bx1xLxS)
+                mask = mask & (offsets_LxS < self.sliding_window)[None, None]
+            out_BxLxNxH = jax.nn.dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask=mask)
         out = self.o_proj(out_BxLxNxH.reshape(b, length, self.num_heads * self.head_dim))
         return out if cache is None else (out, new_cache)
 
@@ -205,20 +206,17 @@ class LlamaModel(nnx.Module):
         angles_BxLxH = jnp.concatenate([freqs, freqs], axis=-1)
         x = self.embed_tokens(input_ids_BxL)
         cos, sin = jnp.cos(angles_BxLxH).astype(x.dtype), jnp.sin(angles_BxLxH).astype(x.dtype)
-        keys = length if cache is None else cache.keys[0].shape[1]
-        offsets_LxS = (start + jnp.arange(length))[:, None] - jnp.arange(keys)[None, :]
-        # Without a cache, causality is the attention's own (a fused kernel skips what it masks); the mask here
-        # holds only padding and packing. With one, the mask is causal in cache slots.
-        mask = None if cache is None else (offsets_LxS >= 0)[None, None]
-        if attention_mask_BxS is not None:
-            mask = _both(mask, attention_mask_BxS.astype(bool)[:, None, None, :])
-        if segment_ids_BxL is not None:
-            if cache is not None:
-                raise ValueError(
-                    "segment_ids (packed sequences) are for training; generation takes one sequence per row."
-                )
-            same = segment_ids_BxL[:, None, :, None] == segment_ids_BxL[:, None, None, :]
-            mask = _both(mask, same & (segment_ids_BxL != 0)[:, None, None, :])
+        if segment_ids_BxL is not None and cache is not None:
+            raise ValueError("segment_ids (packed sequences) are for training; generation takes one sequence per row.")
+        offsets_LxS = None  # no [L, L] array without a cache: at 128k tokens it would not fit
+        if cache is None:  # causality is the attention's own (a blockwise kernel skips what it hides)
+            padding = None if attention_mask_BxS is None else attention_mask_BxS.astype(bool)
+            mask = TokenMask(padding, segment_ids_BxL)
+        else:  # causal in cache slots, and padding
+            offsets_LxS = (start + jnp.arange(length))[:, None] - jnp.arange(cache.keys[0].shape[1])[None, :]
+            mask = (offsets_LxS >= 0)[None, None]
+            if attention_mask_BxS is not None:
+                mask = mask & attention_mask_BxS.astype(bool)[:, None, None, :]
         x = constrain(x, ACTIVATION_AXES)
         if self.scan_layers:
             return self._scanned(x, cos, sin, mask, offsets_LxS, cache, start, length)
@@ -285,10 +283,6 @@ def _stacked_layers(config, dtype, param_dtype, rngs: nnx.Rngs) -> "LlamaDecoder
             axes = var.get_metadata().get("logical_axes")
             var.set_metadata(logical_axes=("layers", *(axes or (None,) * (var[...].ndim - 1))))
     return layers
-
-
-def _both(mask, other):
-    return other if mask is None else mask & other
 
 
 @jax.tree_util.register_dataclass

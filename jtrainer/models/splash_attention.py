@@ -1,0 +1,190 @@
+"""Causal attention through Pallas splash attention (jax.experimental.pallas.ops.tpu.splash_attention): the TPU
+kernel that computes attention block by block and never holds a [length, length] score matrix.
+
+- Causality and sliding windows are the kernel's static block masks: blocks above the diagonal (or left of the
+  window) are skipped, not computed and masked.
+- Grouped-query attention runs the kernel's multi-query form once per key/value head over the query heads that
+  share it, so keys and values are never repeated.
+- Padding and packed rows (segment ids) are the kernel's segment ids: query i sees key j when their ids are equal.
+  Queries carry their document's id, keys theirs, and a padding key an id no query has.
+- Under a mesh, the kernel runs inside `shard_map` (Mosaic kernels cannot be partitioned by XLA): rows over the
+  batch axes, heads over `tensor`, queries over `sequence`. Keys and values enter whole along the length, so
+  XLA all-gathers them over `sequence` (their gradients are reduce-scattered back): context parallelism, with
+  each chip's attention memory that of its own queries. The kernel's block masks are split by query shard
+  (`q_seq_shards`), so every shard skips exactly the blocks its queries do not see.
+
+Values and gradients are XLA attention's (to float rounding) on every query row that sees at least one key. A row
+that sees none (a padding token before any real one) gets a finite value of the kernel's making where XLA's
+attention gives the mean of all values: a position whose label is -100, as HF's collators set for padding, so
+losses and gradients are the same. On CPU the kernel runs in Pallas' interpret mode (tests; slow).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernels
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jtrainer import sharding
+
+# The kernel's tile along queries and keys (MaxText's default on TPU v5e/v5p); shorter rows take one tile.
+BLOCK = 512
+# Lanes of a TPU vector register: every tile is a multiple of this (in interpret mode too).
+_LANES = 128
+# Segment id of padding keys: never a query's (queries of padding carry their row's last document's id or 0).
+_PADDING_KEY = -1
+
+
+def unsupported(q_BxTxNxH: jax.Array, k_BxTxKxH: jax.Array) -> str | None:
+    """Why the kernel cannot run these shapes here (None when it can)."""
+    length, heads, kv_heads = q_BxTxNxH.shape[1], q_BxTxNxH.shape[2], k_BxTxKxH.shape[2]
+    if heads % kv_heads:
+        return f"{heads} query heads are not a multiple of {kv_heads} key/value heads"
+    shards = _sequence_shards()
+    if length % (shards * shards):
+        return f"a length of {length} is not a multiple of the sequence shards squared ({shards * shards})"
+    local = length // shards
+    if local % _LANES or local % _block(local) or length % _block(length):
+        return f"a length of {length} ({local} a sequence shard) is not a multiple of {_LANES}"
+    return None
+
+
+def splash_attention(
+    q_BxTxNxH: jax.Array,
+    k_BxTxKxH: jax.Array,
+    v_BxTxKxH: jax.Array,
+    padding_BxT: jax.Array | None,
+    segment_ids_BxT: jax.Array | None,
+    scale: float,
+    sliding_window: int | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """Causal attention [batch, length, heads, head_dim] -> same shape. `padding_BxT`: True for real tokens
+    (keys that are False are seen by no query); `segment_ids_BxT`: packed documents, 0 for padding."""
+    batch, length, heads, head_dim = q_BxTxNxH.shape
+    mesh = _mesh()
+    if mesh is not None and _kv_heads_split(mesh) and k_BxTxKxH.shape[2] % mesh.shape[sharding.TENSOR]:
+        # Fewer key/value heads than `tensor` shards: each shard's query heads take their key/value head whole.
+        groups = heads // k_BxTxKxH.shape[2]
+        k_BxTxKxH, v_BxTxKxH = jnp.repeat(k_BxTxKxH, groups, axis=2), jnp.repeat(v_BxTxKxH, groups, axis=2)
+    kv_heads = k_BxTxKxH.shape[2]
+    groups = heads // kv_heads
+    q_ids, kv_ids = _segment_ids(padding_BxT, segment_ids_BxT)
+    # Queries scaled once ([T, H]), not every score; the kernel's layout puts heads before the length.
+    q_BxKxGxTxH = (q_BxTxNxH * jnp.asarray(scale, q_BxTxNxH.dtype)).reshape(batch, length, kv_heads, groups, head_dim)
+    q_BxKxGxTxH = q_BxKxGxTxH.transpose(0, 2, 3, 1, 4)
+    k_BxKxTxH, v_BxKxTxH = k_BxTxKxH.transpose(0, 2, 1, 3), v_BxTxKxH.transpose(0, 2, 1, 3)
+    shards = _sequence_shards()
+    kernel = _kernel(length, groups, sliding_window, shards, interpret, BLOCK)
+    if mesh is None:
+        out = _run(kernel, q_BxKxGxTxH, k_BxKxTxH, v_BxKxTxH, q_ids, kv_ids)
+    else:
+        out = _sharded(mesh, kernel, (q_BxKxGxTxH, k_BxKxTxH, v_BxKxTxH, q_ids, kv_ids), shards > 1)
+    return out.transpose(0, 3, 1, 2, 4).reshape(batch, length, heads, head_dim)
+
+
+def _segment_ids(padding_BxT, segment_ids_BxT) -> tuple[jax.Array | None, jax.Array | None]:
+    """(query ids, key ids) for the kernel: a query sees the keys of its own id (and no padding key)."""
+    if padding_BxT is None and segment_ids_BxT is None:
+        return None, None
+    if segment_ids_BxT is None:
+        q_ids = jnp.zeros(padding_BxT.shape, jnp.int32)  # one document; padding keys are hidden by their id
+        return q_ids, jnp.where(padding_BxT, q_ids, _PADDING_KEY)
+    q_ids = segment_ids_BxT.astype(jnp.int32)
+    real = q_ids != 0 if padding_BxT is None else (q_ids != 0) & padding_BxT
+    # A query of segment 0 (padding) then sees no key, as in XLA's attention.
+    return q_ids, jnp.where(real, q_ids, _PADDING_KEY)
+
+
+def _run(kernel, q_BxKxGxTxH, k_BxKxTxH, v_BxKxTxH, q_ids_BxT, kv_ids_BxS):
+    """The kernel over rows and key/value heads (vmap); each call is one multi-query attention."""
+    if q_ids_BxT is None:
+        return jax.vmap(jax.vmap(lambda q, k, v: kernel(q, k, v)))(q_BxKxGxTxH, k_BxKxTxH, v_BxKxTxH)
+
+    def row(q_KxGxTxH, k_KxSxH, v_KxSxH, q_ids_T, kv_ids_S):
+        ids = kernels.SegmentIds(q=q_ids_T, kv=kv_ids_S)
+        return jax.vmap(lambda q, k, v: kernel(q, k, v, ids))(q_KxGxTxH, k_KxSxH, v_KxSxH)
+
+    return jax.vmap(row)(q_BxKxGxTxH, k_BxKxTxH, v_BxKxTxH, q_ids_BxT, kv_ids_BxS)
+
+
+def _sharded(mesh, kernel, operands, split_length: bool):
+    """`_run` inside shard_map: each device runs the kernel on its rows, heads and (`split_length`) queries;
+    keys and values enter whole along the length (XLA gathers them over `sequence`)."""
+    q, _, _, q_ids, _ = operands
+    rules = sharding.current_rules()
+    rows = sharding.logical_to_spec(("batch",), rules, mesh)[0]
+    heads = sharding.logical_to_spec(("heads",), rules, mesh)[0] if _kv_heads_split(mesh) else None
+    length = sharding.SEQUENCE if split_length else None
+    q_spec, kv_spec = P(rows, heads, None, length, None), P(rows, heads, None, None)
+    ids_specs = (P(rows, length), P(rows, None)) if q_ids is not None else (None, None)
+    kernel_spec = kernel.manual_sharding_spec(NamedSharding(mesh, P(None, length)))
+    return jax.shard_map(
+        _run,
+        mesh=mesh,
+        in_specs=(kernel_spec, q_spec, kv_spec, kv_spec, *ids_specs),
+        out_specs=q_spec,
+        check_vma=False,
+    )(kernel, *operands)
+
+
+def _mesh():
+    """The mesh the step is traced under, if it has more than one device (else the kernel runs bare)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty or math.prod(mesh.shape.values()) == 1:
+        return None
+    return mesh
+
+
+def _kv_heads_split(mesh) -> bool:
+    """Whether attention heads are split over `tensor` (the `heads` rule maps there and it has > 1 shard)."""
+    spec = sharding.logical_to_spec(("heads",), sharding.current_rules(), mesh)
+    return spec[0] is not None
+
+
+def _sequence_shards() -> int:
+    """How many `sequence` shards the queries are split into (1 without a mesh or when `length` is not split)."""
+    mesh = _mesh()
+    if mesh is None:
+        return 1
+    spec = sharding.logical_to_spec(("length",), sharding.current_rules(), mesh)
+    return mesh.shape[sharding.SEQUENCE] if spec[0] == sharding.SEQUENCE else 1
+
+
+def _block(length: int, block: int | None = None) -> int:
+    return min(block or BLOCK, length)
+
+
+@functools.lru_cache(maxsize=64)
+def _kernel(length: int, groups: int, sliding_window: int | None, shards: int, interpret: bool, block: int):
+    """The kernel for rows of `length` (built once: its block masks are worked out on the host), `groups` query
+    heads per key/value head, its masks split into `shards` query shards, tiles of up to `block` tokens."""
+    if sliding_window is None:
+        mask = masks.CausalMask((length, length), shard_count=shards)
+    else:  # HF: query i sees key j when 0 <= i - j < sliding_window
+        mask = masks.LocalMask((length, length), (sliding_window - 1, 0), offset=0, shard_count=shards)
+    q_block, kv_block = _block(length // shards, block), _block(length, block)
+    blocks = kernels.BlockSizes(
+        block_q=q_block,
+        block_kv=kv_block,
+        block_kv_compute=kv_block,
+        block_q_dkv=q_block,
+        block_kv_dkv=kv_block,
+        block_kv_dkv_compute=kv_block,
+        block_q_dq=q_block,
+        block_kv_dq=kv_block,
+    )
+    with jax.ensure_compile_time_eval():  # its mask arrays are constants, shared by every trace that uses it
+        return kernels.make_splash_mqa(
+            mask=masks.MultiHeadMask([mask] * groups),
+            block_sizes=blocks,
+            head_shards=1,
+            q_seq_shards=shards,
+            interpret=interpret,
+        )
