@@ -39,8 +39,12 @@ class Embed(nnx.Embed):
     are noise-free, and the noise is a function of (seed, step, micro-batch) like every other randomness.
     """
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, *args, dtype=None, **kwargs):
+        super().__init__(*args, dtype=dtype, **kwargs)
+        # nnx.Embed fixes an unset dtype to the table's at construction (float32), which would lift every
+        # activation downstream to float32 after the step casts the parameters to bfloat16 (`bf16=True`):
+        # unset, the output takes the table's dtype at call time.
+        self.dtype = dtype
         self.neftune_noise_alpha: float | None = None
 
     def __call__(self, inputs):

@@ -321,7 +321,7 @@ class LlamaForCausalLM(PretrainedMixin, nnx.Module):
         self,
         config: LlamaConfig,
         *,
-        dtype=jnp.float32,
+        dtype=None,
         param_dtype=jnp.float32,
         rngs: nnx.Rngs,
         scan_layers: bool = False,

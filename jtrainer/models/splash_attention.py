@@ -21,7 +21,6 @@ losses and gradients are the same. On CPU the kernel runs in Pallas' interpret m
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -161,10 +160,10 @@ def _block(length: int, block: int | None = None) -> int:
     return min(block or BLOCK, length)
 
 
-@functools.lru_cache(maxsize=64)
 def _kernel(length: int, groups: int, sliding_window: int | None, shards: int, interpret: bool, block: int):
-    """The kernel for rows of `length` (built once: its block masks are worked out on the host), `groups` query
-    heads per key/value head, its masks split into `shards` query shards, tiles of up to `block` tokens."""
+    """The kernel for rows of `length`, `groups` query heads per key/value head, its masks split into `shards`
+    query shards, tiles of up to `block` tokens. Built in each trace (its mask arrays become the trace's
+    constants); the block masks it works out on the host are cached by the kernel's library, per mask."""
     if sliding_window is None:
         mask = masks.CausalMask((length, length), shard_count=shards)
     else:  # HF: query i sees key j when 0 <= i - j < sliding_window
@@ -180,11 +179,10 @@ def _kernel(length: int, groups: int, sliding_window: int | None, shards: int, i
         block_q_dq=q_block,
         block_kv_dq=kv_block,
     )
-    with jax.ensure_compile_time_eval():  # its mask arrays are constants, shared by every trace that uses it
-        return kernels.make_splash_mqa(
-            mask=masks.MultiHeadMask([mask] * groups),
-            block_sizes=blocks,
-            head_shards=1,
-            q_seq_shards=shards,
-            interpret=interpret,
-        )
+    return kernels.make_splash_mqa(
+        mask=masks.MultiHeadMask([mask] * groups),
+        block_sizes=blocks,
+        head_shards=1,
+        q_seq_shards=shards,
+        interpret=interpret,
+    )
