@@ -22,6 +22,7 @@ from flax import nnx
 from jtrainer import sharding
 from jtrainer.bridge import adapters, layout, torchax_compat
 from jtrainer.bridge.unlowered import unlowered_op
+from jtrainer.models import remat
 from jtrainer.models.outputs import Outputs
 from jtrainer.state import Frozen  # requires_grad=False: transformers.Trainer's optimizer never sees it
 
@@ -125,7 +126,7 @@ def _jax_checkpoint(function, *args, policy: str | None = None):
         finally:
             env.param.prng = outer
 
-    keep = getattr(jax.checkpoint_policies, policy) if policy else None
+    keep = remat.policy(policy)
     outputs, env.param.prng = jax.checkpoint(layer, policy=keep)(arrays, env.param.prng)
     return env.j2t_iso(outputs)
 
@@ -261,9 +262,11 @@ class TorchModel(nnx.Module):
 
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None) -> None:
         """transformers' switch, for the step: each checkpointed layer rematerialised by jax.checkpoint. A
-        `policy` (a name in jax.checkpoint_policies, jtrainer's remat option) is the step's; the rest goes to torch."""
+        `policy` (`full` or a name in jax.checkpoint_policies: torch's values carry no names for the others) is the
+        step's; the rest goes to torch."""
         kwargs = dict(gradient_checkpointing_kwargs or {})
         self.remat_policy = kwargs.pop("policy", None)
+        remat.check(self.remat_policy, names_activations=False)
         enable = getattr(self.torch_model, "activation_checkpointing_enable", None)  # transformers >= 5.23's name
         if enable is None:
             self.torch_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs or None)

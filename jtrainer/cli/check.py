@@ -24,6 +24,7 @@ from jtrainer import args as args_module
 from jtrainer import batch_size, targets
 from jtrainer.cli import tasks
 from jtrainer.cli.console import say
+from jtrainer.models import attention, remat, splash_attention
 from jtrainer.state import Frozen
 
 # Fields honoured through a JAX mechanism rather than the torch one HF uses (none of them is in IGNORED_FIELDS).
@@ -31,9 +32,9 @@ EMULATED: dict[str, str] = {
     "fsdp": "parameters and optimizer state split over the mesh's fsdp axis (GSPMD)",
     "parallelism_config": "mapped onto the mesh's data/fsdp/tensor/sequence axes (expert: mesh_shape)",
     "gradient_checkpointing": "jax.checkpoint (remat) around every block",
-    "gradient_checkpointing_kwargs": "remat policy from jax.checkpoint_policies",
+    "gradient_checkpointing_kwargs": "remat policy: full, save_dots_except_mlp, offload_dots_except_mlp or jax's",
     "activation_checkpointing": "jax.checkpoint (remat) around every block",
-    "activation_checkpointing_kwargs": "remat policy from jax.checkpoint_policies",
+    "activation_checkpointing_kwargs": "remat policy: full, save_dots_except_mlp, offload_dots_except_mlp or jax's",
     "bf16": "compute in bfloat16, float32 master weights and optimizer state",
     "bf16_full_eval": "evaluation in bfloat16",
     "fp16": "compute in float16 with dynamic loss scaling (torch's GradScaler), float32 master weights",
@@ -77,6 +78,14 @@ def sample_batch(task: str, rows: int, length: int, target_length: int) -> dict[
     else:
         batch["labels"] = np.ones((rows, target_length), np.int32)
     return batch
+
+
+ATTENTION_NAMES = {
+    "splash": "splash attention (Pallas kernel, blockwise)",
+    "cudnn": "cuDNN flash attention",
+    "xla": "XLA's (holds [length, length] scores)",
+    "cpu": "the CPU formulation (blocked, holds scores)",
+}
 
 
 class StepDoesNotFit(Exception):
@@ -151,8 +160,9 @@ def compile_step(model_args, data_args, training_args, target: targets.Target | 
         # The CLI's trainer: classification computes accuracy from the logits, so its eval step returns them.
         metrics = tasks.accuracy if model_args.task == "sequence_classification" else None
         trainer = trainer_class(model=model, args=args, eval_dataset=(), compute_metrics=metrics)
-        with _refusal_as("train"):
-            compiled = trainer.compile_train_step(example, steps)
+        with _refusal_as("train"), splash_attention.forward_flops() as kernel_forward:
+            with attention.chosen_implementations() as attention_used:
+                compiled = trainer.compile_train_step(example, steps)
         eval_compiled = None
         if evaluates:
             with _refusal_as("eval"):
@@ -194,6 +204,7 @@ def compile_step(model_args, data_args, training_args, target: targets.Target | 
             }
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    kernel_flops = _kernel_flops(sum(kernel_forward), args, trainer.mesh.devices.size)
     trainable = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state_info.params))
     n_params = trainable + sum(int(np.prod(x.shape)) for x in jax.tree.leaves(frozen_info))
     tokens = args.gradient_accumulation_steps * args.per_device_train_batch_size * data_args.block_size
@@ -211,12 +222,26 @@ def compile_step(model_args, data_args, training_args, target: targets.Target | 
         "eval_bytes_per_device": None if eval_memory is None else sum(eval_memory.values()),
         "device_memory_bytes": target.chip.hbm_bytes if target else batch_size.device_memory_bytes(),
         # XLA's cost analysis counts a loop's body once; the micro-batch scan runs its body GA times.
-        "flops_per_step_per_device": float((cost or {}).get("flops", 0.0)) * args.gradient_accumulation_steps,
+        "flops_per_step_per_device": (float((cost or {}).get("flops", 0.0)) + kernel_flops)
+        * args.gradient_accumulation_steps,
+        "attention_kernel_flops_per_device": kernel_flops * args.gradient_accumulation_steps,
+        "attention": ", ".join(ATTENTION_NAMES.get(name, name) for name in sorted(attention_used)) or "none traced",
         "bytes_accessed_per_device": float((cost or {}).get("bytes accessed", 0.0)) * args.gradient_accumulation_steps,
         # 6ND; frozen weights (LoRA's base) take no weight gradients: 2N forward + 2N input gradients + 2 x trainable.
         "model_flops_per_step": (4 * n_params + 2 * trainable) * tokens,
         "model_flops_name": "6ND" if trainable == n_params else "4ND+2TD",
     }
+
+
+def _kernel_flops(forward: float, args, devices: int) -> float:
+    """FLOPs per device of the splash attention kernels one micro-batch ran (XLA's cost analysis sees none):
+    forward, backward, and the forward again where blocks are rematerialised."""
+    if not forward:
+        return 0.0
+    products = splash_attention.FORWARD_PRODUCTS + splash_attention.BACKWARD_PRODUCTS
+    if args.gradient_checkpointing:
+        products += splash_attention.FORWARD_PRODUCTS
+    return forward * products / splash_attention.FORWARD_PRODUCTS / devices
 
 
 def roofline(numbers: dict[str, Any], target: targets.Target, undercounted: str | None = None) -> dict | None:
@@ -284,6 +309,10 @@ def run_check(
         + (f" ({trainable:,} trainable)" if trainable != numbers["parameters"] else "")
     )
     say(f"  tokens per step            {numbers['tokens_per_step']:,}")
+    say(f"  attention                  {numbers['attention']}")
+    if training_args.gradient_checkpointing:
+        policy = (training_args.gradient_checkpointing_kwargs or {}).get("policy") or "full"
+        say(f"  rematerialisation          {policy}: {remat.describe(policy)}")
     budget, needed = numbers["device_memory_bytes"], numbers["step_bytes_per_device"]
     if numbers["memory_per_device"] is not None:
         say("  memory per device")
@@ -315,6 +344,11 @@ def run_check(
             # The chunked loss is a loop too, whose LM head XLA counts for one chunk only: an undercount.
             + (" (the chunked loss's LM head counted for one chunk)" if training_args.chunked_loss_positions() else "")
             + (" (the scanned layers counted once)" if model_args.scan_layers else "")
+            + (
+                f" (with {numbers['attention_kernel_flops_per_device']:.3e} in the attention kernel, from its shapes)"
+                if numbers["attention_kernel_flops_per_device"]
+                else ""
+            )
         )
     say(f"  model FLOPs per step ({numbers['model_flops_name']}) {numbers['model_flops_per_step']:.3e}")
     undercounted = "XLA counts the scanned layers once" if model_args.scan_layers else None

@@ -30,8 +30,11 @@ included: there the reference gives the mean of all values, and so does this.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import logging
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -79,6 +82,8 @@ def causal_attention(
     scale = q_BxTxNxH.shape[-1] ** -0.5 if scale is None else scale
     mask = mask or TokenMask()
     chosen = implementation(q_BxTxNxH, k_BxTxKxH)
+    if (seen := _CHOSEN.get()) is not None:
+        seen.add(chosen)
     if chosen == "splash":
         return splash_attention.splash_attention(
             q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, mask.padding_BxT, mask.segment_ids_BxT, scale, sliding_window,
@@ -89,6 +94,20 @@ def causal_attention(
         extra = mask.dense()
         return _blocked_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, dense if extra is None else dense & extra, scale)
     return _fused_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, mask.dense(), scale, sliding_window, chosen)
+
+
+_CHOSEN: contextvars.ContextVar[set[str] | None] = contextvars.ContextVar("attention_chosen", default=None)
+
+
+@contextlib.contextmanager
+def chosen_implementations() -> Iterator[set[str]]:
+    """The implementations (`implementation`'s names) self-attention took in what the block traced."""
+    seen: set[str] = set()
+    token = _CHOSEN.set(seen)
+    try:
+        yield seen
+    finally:
+        _CHOSEN.reset(token)
 
 
 def _on_tpu() -> bool:

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jtrainer.models import remat
 from jtrainer.models.linear import dense
 
 
@@ -17,8 +18,7 @@ def call_block(owner, block, *args):
     """Run one block; under `owner.gradient_checkpointing`, rematerialised with `owner.remat_policy`."""
     if not getattr(owner, "gradient_checkpointing", False):
         return block(*args)
-    policy = getattr(jax.checkpoint_policies, owner.remat_policy) if owner.remat_policy else None
-    return nnx.remat(lambda b, *a: b(*a), policy=policy)(block, *args)
+    return nnx.remat(lambda b, *a: b(*a), policy=remat.policy(owner.remat_policy))(block, *args)
 
 
 def count_parameters(module: nnx.Module, exclude_embeddings: bool = False) -> int:
@@ -182,13 +182,9 @@ class PretrainedMixin:
         return embed
 
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None) -> None:
-        """Remat each block; `{"policy": NAME}` picks a `jax.checkpoint_policies` policy (default: save nothing)."""
+        """Remat each block; `{"policy": NAME}` picks what it keeps (`jtrainer.models.remat`; default `full`)."""
         policy = (gradient_checkpointing_kwargs or {}).get("policy")
-        if policy is not None and not hasattr(jax.checkpoint_policies, policy):
-            raise ValueError(
-                f"activation_checkpointing_kwargs policy={policy!r} is not a jax.checkpoint_policies name, e.g. "
-                "'dots_saveable', 'nothing_saveable', 'dots_with_no_batch_dims_saveable'."
-            )
+        remat.check(policy, getattr(self, "names_activations", False))
         for _, node in nnx.iter_graph(self):
             if isinstance(node, nnx.Module) and hasattr(node, "gradient_checkpointing"):
                 node.gradient_checkpointing, node.remat_policy = True, policy

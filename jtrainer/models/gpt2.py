@@ -5,9 +5,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 from transformers import GPT2Config
 
 from jtrainer.losses import token_loss
+from jtrainer.models import remat
 from jtrainer.models.attention import TokenMask, causal_attention
 from jtrainer.models.base import Embed, PretrainedMixin, StaticConfig, call_block
 from jtrainer.models.layers import ACTIVATION_AXES, ACTIVATIONS, LayerNorm
@@ -41,9 +43,11 @@ class GPT2Attention(nnx.Module):
     def __call__(self, x_BxLxD, mask: TokenMask):
         b, length, d = x_BxLxD.shape
         q, k, v = jnp.split(self.c_attn(x_BxLxD), 3, axis=-1)
+        q, k, v = checkpoint_name(q, remat.QUERY), checkpoint_name(k, remat.KEY), checkpoint_name(v, remat.VALUE)
         shape = (b, length, self.num_heads, self.head_dim)
         out = causal_attention(q.reshape(shape), k.reshape(shape), v.reshape(shape), mask, self.scale)
-        return self.c_proj(out.reshape(b, length, d))
+        out = checkpoint_name(out, remat.CONTEXT)
+        return checkpoint_name(self.c_proj(out.reshape(b, length, d)), remat.OUT)
 
 
 class GPT2MLP(nnx.Module):
@@ -99,6 +103,7 @@ class GPT2LMHeadModel(PretrainedMixin, nnx.Module):
     """HF's `GPT2LMHeadModel` (the LM head is tied to `wte`, as in every GPT-2 checkpoint)."""
 
     generates = True
+    names_activations = True  # attention's values carry remat names (jtrainer.models.remat)
     config_class = GPT2Config
     accepts_loss_kwargs = True
     loss_shifts_labels = True

@@ -14,9 +14,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from jtrainer.losses import chunked_token_loss, token_loss
+from jtrainer.models import remat
 from jtrainer.models.attention import TokenMask, causal_attention
 from jtrainer.models.base import Embed, PretrainedMixin, StaticConfig, call_block
 from jtrainer.models.layers import ACTIVATION_AXES, RMSNorm, linear
@@ -114,6 +116,7 @@ class LlamaAttention(nnx.Module):
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos_BxLxH, sin_BxLxH), apply_rope(k, cos_BxLxH, sin_BxLxH)
+        q, k, v = checkpoint_name(q, remat.QUERY), checkpoint_name(k, remat.KEY), checkpoint_name(v, remat.VALUE)
         new_cache = None
         if cache is not None:
             (keys_BxSxKxH, values_BxSxKxH), index = cache
@@ -128,7 +131,8 @@ class LlamaAttention(nnx.Module):
             if self.sliding_window is not None:  # HF: position i sees j when i - j < sliding_window
                 mask = mask & (offsets_LxS < self.sliding_window)[None, None]
             out_BxLxNxH = jax.nn.dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask=mask)
-        out = self.o_proj(out_BxLxNxH.reshape(b, length, self.num_heads * self.head_dim))
+        out_BxLxNxH = checkpoint_name(out_BxLxNxH, remat.CONTEXT)
+        out = checkpoint_name(self.o_proj(out_BxLxNxH.reshape(b, length, self.num_heads * self.head_dim)), remat.OUT)
         return out if cache is None else (out, new_cache)
 
 
@@ -306,6 +310,7 @@ class LlamaForCausalLM(PretrainedMixin, nnx.Module):
     """HF's `LlamaForCausalLM`: `__call__(input_ids, attention_mask, position_ids, labels, num_items_in_batch)`."""
 
     generates = True
+    names_activations = True  # attention's values carry remat names (jtrainer.models.remat)
     config_class = LlamaConfig
     accepts_loss_kwargs = True
     loss_shifts_labels = True

@@ -21,7 +21,10 @@ losses and gradients are the same. On CPU the kernel runs in Pallas' interpret m
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +34,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jtrainer import sharding
+from jtrainer.models import remat
 
 # The kernel's tile along queries and keys (MaxText's default on TPU v5e/v5p); shorter rows take one tile.
 BLOCK = 512
@@ -38,6 +42,32 @@ BLOCK = 512
 _LANES = 128
 # Segment id of padding keys: never a query's (queries of padding carry their row's last document's id or 0).
 _PADDING_KEY = -1
+
+
+# Products of [queries, head_dim] x [head_dim, keys] size the kernel's work: 2 forward (scores, output), 7 backward
+# (scores and their gradient again in each of the dq and dk/dv kernels, then dq, dk, dv).
+FORWARD_PRODUCTS, BACKWARD_PRODUCTS = 2, 7
+
+_LEDGER: contextvars.ContextVar[list[float] | None] = contextvars.ContextVar("splash_flops", default=None)
+
+
+@contextlib.contextmanager
+def forward_flops() -> Iterator[list[float]]:
+    """Collects the forward FLOPs of every kernel call traced in the block (XLA's cost analysis cannot see inside
+    a Pallas kernel): `sum(ledger)` once the block has traced."""
+    ledger: list[float] = []
+    token = _LEDGER.set(ledger)
+    try:
+        yield ledger
+    finally:
+        _LEDGER.reset(token)
+
+
+def _record_flops(batch: int, length: int, heads: int, head_dim: int, sliding_window: int | None) -> None:
+    ledger = _LEDGER.get()
+    if ledger is not None:  # keys a query sees on average: causal half the row, or its window
+        seen = length / 2 if sliding_window is None else min(sliding_window, length / 2)
+        ledger.append(2.0 * FORWARD_PRODUCTS * batch * heads * length * seen * head_dim)
 
 
 def unsupported(q_BxTxNxH: jax.Array, k_BxTxKxH: jax.Array) -> str | None:
@@ -67,6 +97,7 @@ def splash_attention(
     """Causal attention [batch, length, heads, head_dim] -> same shape. `padding_BxT`: True for real tokens
     (keys that are False are seen by no query); `segment_ids_BxT`: packed documents, 0 for padding."""
     batch, length, heads, head_dim = q_BxTxNxH.shape
+    _record_flops(batch, length, heads, head_dim, sliding_window)
     mesh = _mesh()
     if mesh is not None and _kv_heads_split(mesh) and k_BxTxKxH.shape[2] % mesh.shape[sharding.TENSOR]:
         # Fewer key/value heads than `tensor` shards: each shard's query heads take their key/value head whole.
@@ -184,5 +215,6 @@ def _kernel(length: int, groups: int, sliding_window: int | None, shards: int, i
         block_sizes=blocks,
         head_shards=1,
         q_seq_shards=shards,
+        residual_checkpoint_name=remat.CONTEXT,  # kept with the context by save_dots_except_mlp
         interpret=interpret,
     )
