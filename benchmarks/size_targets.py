@@ -6,6 +6,7 @@ nothing runs on a TPU). Prints the memory per chip against its HBM, XLA's FLOPs 
     python benchmarks/size_targets.py                 # the 1B Llama on v5e-16 (fsdp and data parallel), ~6 min
     python benchmarks/size_targets.py --rows 1b-v5e-16 --rows 1b-v5p-8
     python benchmarks/size_targets.py --rows 8b-v5p-8 --rows 8b-v5p-8-chunked --rows 8b-h100x8   # Llama-3-8B's shape
+    python benchmarks/size_targets.py --rows 1b-v5e-16-32k --rows 1b-v5e-16-128k   # long context (8k/32k/128k)
 GPU rows (h100x8) need the CUDA plugin: pip install -e ".[gpu-target]".
 """
 
@@ -76,6 +77,27 @@ for _target, _batch in (("v5litepod-16", "1"), ("v5p-8", "4"), ("h100x8", "2")):
             "configs/llama_1b_fsdp_v5e_16.yaml",
             _target,
             [*LLAMA3_8B, "--per_device_train_batch_size", _batch, "--per_device_eval_batch_size", _batch, *_extra],
+        )
+# Long context: one row per chip of 8k, 32k or 128k tokens, the chunked loss, no eval step; 128k splits each row
+# over the `sequence` axis (context parallelism: the splash kernel's queries per chip fall with it).
+LONG_CONTEXT_MESHES = {
+    "v5litepod-16": {8192: '{"fsdp": 16}', 32768: '{"fsdp": 16}', 131072: '{"fsdp": 4, "sequence": 4}'},
+    "v5p-8": {8192: '{"fsdp": 4}', 32768: '{"fsdp": 4}', 131072: '{"fsdp": 2, "sequence": 2}'},
+}
+for _target, _meshes in LONG_CONTEXT_MESHES.items():
+    for _tokens, _mesh in _meshes.items():
+        _long = ["--block_size", str(_tokens), "--per_device_train_batch_size", "1", "--eval_strategy", "no"]
+        _long += ["--use_liger_kernel", "true", "--mesh_shape", _mesh]
+        _short = _target.replace("litepod", "e")
+        ROWS[f"1b-{_short}-{_tokens // 1024}k"] = (
+            "configs/llama_1b_fsdp_v5e_16.yaml",
+            _target,
+            [*_long, "--max_position_embeddings", str(_tokens)],
+        )
+        ROWS[f"8b-{_short}-{_tokens // 1024}k"] = (
+            "configs/llama_1b_fsdp_v5e_16.yaml",
+            _target,
+            [*LLAMA3_8B, *_long, "--max_position_embeddings", str(_tokens)],
         )
 DEFAULT_ROWS = ["1b-v5e-16", "1b-v5e-16-data-parallel"]
 
