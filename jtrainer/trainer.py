@@ -654,6 +654,10 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         `example` (one device's `per_device_train_batch_size` collated rows, repeated over the data shards and
         the accumulated micro-batches), without allocating parameters or reading data. What `jtrainer check`
         measures, for the local devices or, built under `sharding.use_devices`, a compile-only target."""
+        return self.compile_traced(self.trace_train_step(example, num_training_steps))
+
+    def trace_train_step(self, example: data.Batch, num_training_steps: int) -> jax.stages.Traced:
+        """`compile_train_step`'s program, traced (its jaxpr: what `jtrainer check` reads when XLA refuses it)."""
         ga = self.args.gradient_accumulation_steps
         sample = _tile_rows(example, self.args.per_device_train_batch_size * sharding.data_parallel_size(self.mesh))
         spec = self._loss_spec(sample)
@@ -666,7 +670,12 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         sharding.check_length_divisible(sample["input_ids"].shape[1] if "input_ids" in sample else None, self.mesh)
         train_step = self._compiled_train_step(tx, spec, shardings)
         with self._mesh_context():
-            return train_step.lower(state, step_batch).compile()
+            return train_step.trace(state, step_batch)
+
+    def compile_traced(self, traced: jax.stages.Traced) -> jax.stages.Compiled:
+        """A traced step lowered and compiled on this trainer's mesh."""
+        with self._mesh_context():
+            return traced.lower().compile()
 
     def compile_eval_step(self, example: data.Batch, num_training_steps: int) -> jax.stages.Compiled:
         """The eval step `evaluate()` runs during training (on the train state's parameters; returning logits

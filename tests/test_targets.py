@@ -186,7 +186,8 @@ def test_the_cuda_plugin_builds_gpu_nodes_without_a_gpu(name, per_node, kind):
 
 def test_check_sizes_a_gpu_node_itself_and_refuses_what_overflows(capsys):
     """XLA compiles a GPU layout whatever its size; the check compares memory with the GPU's itself (fits: exit 0;
-    a batch whose logits need 120 GiB: exit 1 naming what to change) and, without XLA's FLOPs, gives only the
+    a batch whose logits need 120 GiB: exit 1 naming them and what to change) and, without XLA's FLOPs,
+    gives only the
     6ND lower bound of the step time."""
     parsed = parse_train_args([CONFIG, *SMALL, "--eval_strategy", "no", "--mesh_shape", '{"fsdp": -1}'], "check")
     result = run_check(*parsed[:3], "h100x8")
@@ -199,12 +200,13 @@ def test_check_sizes_a_gpu_node_itself_and_refuses_what_overflows(capsys):
         "import sys; sys.modules['torch'] = None\nfrom jtrainer.cli import main\n"
         f"sys.exit(main(['check', {CONFIG!r}, '--target', 'a100x1', *{TINY!r}, '--eval_strategy', 'no', "
         "'--hidden_size', '256', '--tokenizer_vocab_size', '250000', '--block_size', '2048', "
-        "'--per_device_train_batch_size', '64']))\n"
+        "'--per_device_train_batch_size', '128']))\n"
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert run.returncode == 1, run.stdout[-2000:] + run.stderr[-3000:]
     assert "jtrainer check: the train step does not fit:" in run.stdout and "of 80.00 GiB" in run.stdout
-    assert "per_device_train_batch_size" in run.stdout.splitlines()[-1]
+    assert "logits: [128 x 2048 x 250000]" in run.stdout, run.stdout[-2000:]
+    assert "-> whole [tokens, vocabulary] logits: use_liger_kernel: true" in run.stdout
 
 
 def test_the_check_of_scanned_layers_gives_no_mfu_from_counts_xla_makes_once(capsys):
@@ -328,3 +330,40 @@ def test_check_sizes_a_transformers_model_through_the_bridge_without_weights(cap
     assert memory["frozen weights (no gradients)"] == pytest.approx(expected * 2 / 16, rel=0.05)  # bf16: held so
     assert memory["optimizer state"] < 2 * 4 * 2 * per_layer  # AdamW's moments of the adapters only (replicated)
     assert f"({2 * per_layer:,} trainable)" in printed
+
+
+LONG_ROWS = [
+    *SMALL[: SMALL.index("--block_size")],
+    "--block_size",
+    "32768",
+    "--max_position_embeddings",
+    "32768",
+    "--tokenizer_vocab_size",
+    "512",
+    "--per_device_train_batch_size",
+    "1",
+    "--eval_strategy",
+    "no",
+]
+
+
+def test_long_rows_fit_a_v5e_through_the_splash_kernel_and_xla_attention_is_named_as_the_cause(
+    capsys, monkeypatch
+):
+    """32k-token rows: XLA's attention needs [32768 x 32768] scores per head (17 GiB a chip), and the check says
+    so, with the advice that follows; the splash kernel (the default on TPUs) never holds them and fits."""
+    model_args, data_args, training_args, _ = parse_train_args([CONFIG, *LONG_ROWS], "check")
+    result = run_check(model_args, data_args, training_args, "v5litepod-16")
+    printed = capsys.readouterr().out
+    assert result["fits"], printed[-3000:]
+    assert "splash attention (Pallas kernel, blockwise)" in printed
+    assert "(with " in printed and "in the attention kernel, from its shapes)" in printed
+
+    monkeypatch.setenv("JTRAINER_ATTENTION", "xla")
+    model_args, data_args, training_args, _ = parse_train_args([CONFIG, *LONG_ROWS], "check")
+    result = run_check(model_args, data_args, training_args, "v5litepod-16")
+    printed = capsys.readouterr().out
+    assert not result["fits"]
+    assert result["largest_values"][0].kind == "attention scores", printed
+    assert "attention scores: [" in printed and "32768 x " in printed and "GiB a chip each" in printed
+    assert "-> attention holds [length, length] scores" in printed and "sequence: M" in printed

@@ -22,7 +22,7 @@ from flax import nnx
 
 from jtrainer import args as args_module
 from jtrainer import batch_size, targets
-from jtrainer.cli import tasks
+from jtrainer.cli import memory_report, tasks
 from jtrainer.cli.console import say
 from jtrainer.models import attention, remat, splash_attention
 from jtrainer.state import Frozen
@@ -89,7 +89,12 @@ ATTENTION_NAMES = {
 
 
 class StepDoesNotFit(Exception):
-    """The compiled train step needs more memory per device than the target has."""
+    """The compiled train step needs more memory per device than the target has; `largest`: what it spends
+    memory on (memory_report), where known."""
+
+    def __init__(self, message: str, largest: list | None = None, shapes=None):
+        super().__init__(message)
+        self.largest, self.shapes = largest or [], shapes
 
 
 @contextlib.contextmanager
@@ -107,16 +112,16 @@ def _without_compilation_cache(active: bool):
 
 
 @contextlib.contextmanager
-def _refusal_as(step: str):
+def _refusal_as(step: str, largest=lambda: [], shapes=None):
     """XLA's own refusal to compile a layout that overflows the chip (TPU compilers check the memory they need)
-    -> StepDoesNotFit naming the step; any other error propagates."""
+    -> StepDoesNotFit naming the step and, from `largest()`, what the memory goes to; other errors propagate."""
     try:
         yield
     except Exception as error:
         lines = [line.strip() for line in str(error).splitlines() if "RESOURCE_EXHAUSTED" in line]
         if not lines:
             raise
-        raise StepDoesNotFit(f"the {step} step: " + lines[0][:400].rstrip(".")) from None
+        raise StepDoesNotFit(f"the {step} step: " + lines[0][:400].rstrip("."), largest(), shapes) from None
 
 
 def _per_device_bytes(arg_info, shardings) -> int:
@@ -160,9 +165,15 @@ def compile_step(model_args, data_args, training_args, target: targets.Target | 
         # The CLI's trainer: classification computes accuracy from the logits, so its eval step returns them.
         metrics = tasks.accuracy if model_args.task == "sequence_classification" else None
         trainer = trainer_class(model=model, args=args, eval_dataset=(), compute_metrics=metrics)
-        with _refusal_as("train"), splash_attention.forward_flops() as kernel_forward:
-            with attention.chosen_implementations() as attention_used:
-                compiled = trainer.compile_train_step(example, steps)
+        with splash_attention.forward_flops() as kernel_forward, attention.chosen_implementations() as attention_used:
+            traced = trainer.trace_train_step(example, steps)
+        shapes = _step_shapes(model, args, data_args, trainer.mesh)
+
+        def largest():
+            return memory_report.largest_values(traced.jaxpr, shapes)
+
+        with _refusal_as("train", largest, shapes):
+            compiled = trainer.compile_traced(traced)
         eval_compiled = None
         if evaluates:
             with _refusal_as("eval"):
@@ -210,6 +221,8 @@ def compile_step(model_args, data_args, training_args, target: targets.Target | 
     tokens = args.gradient_accumulation_steps * args.per_device_train_batch_size * data_args.block_size
     tokens *= sharding.data_parallel_size(trainer.mesh)
     return {
+        "largest_values": largest,
+        "step_shapes": shapes,
         "mesh": dict(trainer.mesh.shape),
         "devices": trainer.mesh.devices.size,
         "device_kind": trainer.mesh.devices.flat[0].device_kind,
@@ -231,6 +244,44 @@ def compile_step(model_args, data_args, training_args, target: targets.Target | 
         "model_flops_per_step": (4 * n_params + 2 * trainable) * tokens,
         "model_flops_name": "6ND" if trainable == n_params else "4ND+2TD",
     }
+
+
+def _step_shapes(model, args, data_args, mesh) -> memory_report.StepShapes:
+    """The sizes that name the step's values (memory_report), from the model's config and the batch."""
+    config = getattr(model, "config", None)
+
+    def get(*names: str) -> int:
+        for name in names:
+            value = getattr(config, name, None)
+            if isinstance(value, int):
+                return value
+        return -1
+
+    from jtrainer import sharding
+
+    return memory_report.StepShapes(
+        rows=args.per_device_train_batch_size * sharding.data_parallel_size(mesh),
+        length=data_args.block_size,
+        vocab=get("vocab_size"),
+        hidden=get("hidden_size", "n_embd", "d_model"),
+        intermediate=get("intermediate_size", "n_inner", "d_ff"),
+        heads=get("num_attention_heads", "n_head", "num_heads"),
+        mesh=dict(mesh.shape),
+    )
+
+
+def _say_largest(values: list, shapes, training_args) -> None:
+    """The largest kinds of value of a step that does not fit, and the advice that follows from them (the
+    general advice where none follows)."""
+    lines = memory_report.advice(values, shapes) if values else []
+    if values:
+        say("  largest values the step computes (estimated from their shapes and the mesh):")
+        for value in values:
+            say(f"    {value.describe()}")
+    for line in lines:
+        say(f"  -> {line}")
+    if not lines:
+        say(f"  {ADVICE}" + ("." if training_args.gradient_checkpointing else ", or turn on gradient_checkpointing."))
 
 
 def _kernel_flops(forward: float, args, devices: int) -> float:
@@ -300,8 +351,8 @@ def run_check(
         numbers = _compile_fitting(model_args, data_args, training_args, target, where)
     except StepDoesNotFit as error:
         say(f"jtrainer check: does not fit {where}: {error}.")
-        say(f"  {ADVICE}")
-        return {"fields": report, "fits": False}
+        _say_largest(error.largest, error.shapes, training_args)
+        return {"fields": report, "fits": False, "largest_values": error.largest}
     say(f"jtrainer check: train step compiled for {where}, mesh {numbers['mesh']} on {numbers['devices']} device(s)")
     trainable = numbers["trainable_parameters"]
     say(
@@ -362,8 +413,10 @@ def run_check(
         worst = max(needed, eval_needed or 0)
         say(
             f"jtrainer check: the {'train' if worst == needed else 'eval'} step does not fit: {_size(worst)} per "
-            f"device, {_size(budget)} available. {ADVICE}"
+            f"device, {_size(budget)} available."
         )
+        values = numbers["largest_values"]() if worst == needed else []
+        _say_largest(values, numbers["step_shapes"], training_args)
     return {"fields": report, **numbers, "fits": fits, "estimate": estimate}
 
 
@@ -408,5 +461,5 @@ def _compile_fitting(model_args, data_args, training_args, target, where: str) -
 ADVICE = (
     "Split parameters and optimizer state over more devices (mesh_shape fsdp), lower "
     "per_device_train_batch_size (keep the batch with gradient_accumulation_steps) or "
-    "per_device_eval_batch_size, or turn on gradient_checkpointing."
+    "per_device_eval_batch_size"
 )
