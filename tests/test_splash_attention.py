@@ -98,7 +98,7 @@ def test_shapes_the_kernel_cannot_run_are_refused_when_forced_and_fall_back_othe
     """A length that is not a multiple of the kernel's tile: XLA's attention with a warning under `auto` (on a
     TPU), a one-line error naming the variable under JTRAINER_ATTENTION=splash."""
     q, k, v, _ = _inputs(2, length=100)
-    monkeypatch.setattr(attention, "_on_tpu", lambda: True)
+    monkeypatch.setattr(attention, "on_tpu", lambda: True)
     with pytest.raises(ValueError, match="JTRAINER_ATTENTION=splash: .*not a multiple of 128"):
         attention.implementation(q, k)
     monkeypatch.setenv("JTRAINER_ATTENTION", "auto")
@@ -112,7 +112,7 @@ def test_tpus_choose_the_kernel_cpus_keep_their_formulation(monkeypatch):
     monkeypatch.setenv("JTRAINER_ATTENTION", "auto")
     q, k, v, _ = _inputs(2)
     assert attention.implementation(q, k) == "cpu"
-    monkeypatch.setattr(attention, "_on_tpu", lambda: True)
+    monkeypatch.setattr(attention, "on_tpu", lambda: True)
     assert attention.implementation(q, k) == "splash"
 
 
@@ -202,3 +202,49 @@ def test_training_with_sequence_shards_equals_one_device(tmp_path, window):
     for mesh, logs in sharded.items():
         np.testing.assert_allclose(logs["losses"], reference["losses"], rtol=1e-5, err_msg=mesh)
         np.testing.assert_allclose(logs["grad_norms"], reference["grad_norms"], rtol=1e-5, err_msg=mesh)
+
+
+def _bridge_case(name: str):
+    import transformers
+
+    from conftest import tiny_llama_config
+
+    small = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, max_position_embeddings=512)
+    heads = dict(num_attention_heads=4, num_key_value_heads=2)
+    if name == "llama":
+        return transformers.LlamaForCausalLM(tiny_llama_config(max_position_embeddings=512))
+    if name == "mistral":  # every layer windowed (200 < the row)
+        return transformers.MistralForCausalLM(transformers.MistralConfig(**small, **heads, sliding_window=200))
+    config = transformers.Gemma3TextConfig(  # one sliding layer, one full
+        **small, **heads, head_dim=16, sliding_window=200, layer_types=["sliding_attention", "full_attention"]
+    )
+    return transformers.Gemma3ForCausalLM(config)
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral", "gemma3"])
+def test_bridged_transformers_models_reach_the_kernel(name, monkeypatch):
+    """A transformers model through the bridge, routed to the splash kernel (its mask function hands over the
+    padding and the window, not a [T, T] mask): loss and gradients equal torch's own (float64) on rows of 512
+    tokens with right padding; the kernel is what ran; a row with no padding takes it too."""
+    pytest.importorskip("torch")
+    import torch
+
+    from conftest import bridged_loss_and_grads
+
+    torch.manual_seed(0)
+    model = _bridge_case(name)
+    ids = torch.randint(0, 64, (2, LENGTH))
+    mask = torch.ones(2, LENGTH, dtype=torch.long)
+    mask[1, -40:] = 0
+    labels = torch.where(mask.bool(), ids, -100)
+    with attention.chosen_implementations() as chosen:
+        loss, grads = bridged_loss_and_grads(model, input_ids=ids, attention_mask=mask, labels=labels)
+    assert chosen == {"splash"}
+    reference = model.double()
+    reference.zero_grad()
+    reference(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    expected = reference(input_ids=ids, attention_mask=mask, labels=labels).loss.item()
+    np.testing.assert_allclose(loss, expected, rtol=1e-5)
+    for torch_name, parameter in reference.named_parameters():
+        np.testing.assert_allclose(grads[torch_name], parameter.grad.numpy(), atol=2e-6, err_msg=torch_name)
+    assert model.config._attn_implementation == "sdpa"  # put back after the step

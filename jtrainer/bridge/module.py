@@ -20,7 +20,7 @@ import torch
 from flax import nnx
 
 from jtrainer import sharding
-from jtrainer.bridge import adapters, layout, torchax_compat
+from jtrainer.bridge import adapters, attention, layout, torchax_compat
 from jtrainer.bridge.unlowered import unlowered_op
 from jtrainer.models import remat
 from jtrainer.models.outputs import Outputs
@@ -302,6 +302,7 @@ class TorchModel(nnx.Module):
             _torch_mode(self.torch_model, not self.deterministic),
             _weights_kept(self.torch_model),
             _activations_laid_out(self.torch_model),
+            attention.routed(self.torch_model),
         ):
             with (
                 env.override_property(prng=self.random["key"][...]),

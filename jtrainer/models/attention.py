@@ -87,7 +87,7 @@ def causal_attention(
     if chosen == "splash":
         return splash_attention.splash_attention(
             q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, mask.padding_BxT, mask.segment_ids_BxT, scale, sliding_window,
-            interpret=not _on_tpu(),
+            interpret=not on_tpu(),
         )
     if chosen == "cpu":
         dense = causal_mask(q_BxTxNxH.shape[1], sliding_window)
@@ -110,7 +110,7 @@ def chosen_implementations() -> Iterator[set[str]]:
         _CHOSEN.reset(token)
 
 
-def _on_tpu() -> bool:
+def on_tpu() -> bool:
     """Whether the step runs on (or is compiled for, `jtrainer check --target`) TPUs: the mesh's devices say."""
     return sharding.mesh_devices()[0].platform == "tpu"
 
@@ -119,7 +119,7 @@ def implementation(q: jax.Array, k: jax.Array) -> str:
     """How self-attention of these queries and keys runs: "splash" on TPUs, else "cpu" (the blocked CPU
     formulation) or the fused kernel's name (`fused_implementation`); `JTRAINER_ATTENTION` overrides."""
     requested = _requested_implementation()
-    if requested == "splash" or (requested == "auto" and _on_tpu()):
+    if requested == "splash" or (requested == "auto" and on_tpu()):
         refusal = splash_attention.unsupported(q, k)
         if refusal is None:
             return "splash"

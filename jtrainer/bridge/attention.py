@@ -1,0 +1,126 @@
+"""transformers' attention, routed to jtrainer's on TPUs: a bridged Gemma or Llama trains long rows through the
+splash kernel (`jtrainer.models.attention`) as the native families do.
+
+transformers picks a model's attention by name (`config._attn_implementation`) from two registries: the
+attention function (`AttentionInterface`) and the function that builds its mask (`AttentionMaskInterface`). Both
+are registered here as "jtrainer". For plain causal self-attention (training: queries and keys are the same
+tokens; padding only, or a sliding window) the mask function hands over the 2-D padding mask and the window
+instead of a [length, length] mask, and the attention function runs `causal_attention`, which chooses the
+kernel. Everything else (a cache, packed rows, bidirectional or image-token masks, attention dropout, soft-capped
+logits, sinks) goes to transformers' own SDPA path unchanged.
+
+The bridge switches a model to "jtrainer" only while it traces a step that attention runs blockwise in: on TPUs
+(the mesh's devices), or anywhere under `JTRAINER_ATTENTION=splash` (Pallas' interpret mode off TPUs: tests).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+from jtrainer import env as jtrainer_env
+from jtrainer.models import attention as native_attention
+
+NAME = "jtrainer"
+
+
+@dataclasses.dataclass(frozen=True)
+class CausalPadding:
+    """The mask of plain causal self-attention: `padding` [batch, length] (True for real tokens; None: none)
+    and HF's sliding window (query i sees key j when i - j < window; None: the whole row)."""
+
+    padding: torch.Tensor | None
+    window: int | None
+
+    def dense(self, length: int) -> torch.Tensor:
+        """The same as transformers' boolean [batch or 1, 1, length, length] mask."""
+        offsets = torch.arange(length)[:, None] - torch.arange(length)[None, :]
+        visible = offsets >= 0
+        if self.window is not None:
+            visible = visible & (offsets < self.window)
+        visible = visible[None, None]
+        if self.padding is not None:
+            visible = visible & self.padding[:, None, None, :]
+        return visible
+
+
+def mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, attention_mask=None, **kwargs):
+    """transformers' mask function under the name "jtrainer": plain causal self-attention -> CausalPadding;
+    anything else -> SDPA's mask."""
+    plain = kwargs.get("allow_is_causal_skip") is True and q_length == kv_length and not q_offset and not kv_offset
+    if not plain:
+        return sdpa_mask(
+            batch_size=batch_size,
+            q_length=q_length,
+            kv_length=kv_length,
+            q_offset=q_offset,
+            kv_offset=kv_offset,
+            attention_mask=attention_mask,
+            **kwargs,
+        )
+    padding = None if attention_mask is None else attention_mask[:, -kv_length:].to(torch.bool)
+    return CausalPadding(padding, kwargs.get("local_size"))
+
+
+def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """transformers' attention function under the name "jtrainer" ([batch, heads, length, head_dim] in,
+    [batch, length, heads, head_dim] out, no weights)."""
+    blockwise = (
+        isinstance(attention_mask, CausalPadding)
+        and getattr(module, "is_causal", True)
+        and not (dropout and module.training)
+        and kwargs.get("softcap") is None
+        and kwargs.get("s_aux") is None
+        and not kwargs.get("output_attentions")
+    )
+    if not blockwise:
+        if isinstance(attention_mask, CausalPadding):
+            attention_mask = attention_mask.dense(query.shape[2])
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    env = query._env
+    q, k, v = (env.t2j_iso(t).transpose(0, 2, 1, 3) for t in (query, key, value))
+    padding = None if attention_mask.padding is None else env.t2j_iso(attention_mask.padding)
+    out = native_attention.causal_attention(
+        q, k, v, native_attention.TokenMask(padding), scaling, sliding_window=attention_mask.window
+    )
+    import torchax.tensor
+
+    return torchax.tensor.Tensor(out, env), None
+
+
+def blockwise_here() -> bool:
+    """Whether the step traced now runs attention blockwise: on TPUs, or under JTRAINER_ATTENTION=splash."""
+    requested = jtrainer_env.ATTENTION.get().lower()
+    return requested == "splash" or (requested == "auto" and native_attention.on_tpu())
+
+
+@contextlib.contextmanager
+def routed(model: torch.nn.Module) -> Iterator[None]:
+    """The model's attention (every config in it) switched to "jtrainer" for one call where attention runs
+    blockwise; its own implementation is put back after."""
+    configs = {id(m.config): m.config for m in model.modules() if hasattr(getattr(m, "config", None), "_attn_implementation")}
+    if not blockwise_here():
+        yield
+        return
+    _register()
+    before = {key: config._attn_implementation for key, config in configs.items()}
+    for config in configs.values():
+        if config._attn_implementation in (None, "sdpa", "eager"):
+            config._attn_implementation = NAME
+    try:
+        yield
+    finally:
+        for key, config in configs.items():
+            config._attn_implementation = before[key]
+
+
+def _register() -> None:
+    if NAME not in ALL_MASK_ATTENTION_FUNCTIONS:
+        AttentionInterface.register(NAME, attention)
+        ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, mask)
