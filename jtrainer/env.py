@@ -7,8 +7,9 @@ launcher or a test may set it first; nothing else in the package reads `os.envir
   `auto_find_batch_size` and `jtrainer check` (to leave headroom).
 - `JTRAINER_TUNE_MALLOC` (default `auto`): glibc malloc settings for XLA's CPU buffers: `auto` (on when the CPU
   is the backend), `1` or `0`.
-- `JTRAINER_ATTENTION` (default `auto`): the fused attention kernel: `auto` (cuDNN for bf16/fp16 on GPUs, else
-  XLA's), `xla` or `cudnn`.
+- `JTRAINER_ATTENTION` (default `auto`): the attention kernel: `auto` (splash attention on TPUs, cuDNN for
+  bf16/fp16 on GPUs, else XLA's or the CPU formulation), `xla`, `cudnn` or `splash` (Pallas' interpret mode
+  off TPUs: for tests).
 - `JTRAINER_COORDINATOR`, `JTRAINER_NUM_PROCESSES`, `JTRAINER_PROCESS_ID` (default unset): join
   `jax.distributed` as one process of many (`jtrainer launch` sets them).
 - `JTRAINER_LOCAL_PROCESS_ID` (default `0`): this process's index on its machine
@@ -60,7 +61,7 @@ DEVICE_MEMORY_BYTES = Setting(
     "JTRAINER_DEVICE_MEMORY_BYTES", None, "the per-device memory budget of auto_find_batch_size and jtrainer check"
 )
 TUNE_MALLOC = Setting("JTRAINER_TUNE_MALLOC", "auto", "glibc malloc settings for XLA's CPU buffers: auto, 1 or 0")
-ATTENTION = Setting("JTRAINER_ATTENTION", "auto", "the fused attention kernel: auto, xla or cudnn")
+ATTENTION = Setting("JTRAINER_ATTENTION", "auto", "the attention kernel: auto, xla, cudnn or splash")
 COORDINATOR = Setting("JTRAINER_COORDINATOR", None, "the jax.distributed coordinator address (host:port)")
 NUM_PROCESSES = Setting("JTRAINER_NUM_PROCESSES", None, "the number of processes joining jax.distributed")
 PROCESS_ID = Setting("JTRAINER_PROCESS_ID", None, "this process's index among them")
