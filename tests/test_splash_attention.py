@@ -151,9 +151,11 @@ print("RESULT" + json.dumps(results))
 
 
 def test_sequence_and_tensor_shards_equal_one_device():
-    """8 CPU devices: queries over `sequence` 2/4/8 (keys and values gathered), heads over `tensor`, rows over
-    fsdp; loss and gradients equal one device's (the kernel runs inside shard_map: Mosaic cannot be partitioned)."""
+    """8 CPU devices: queries over `sequence` 2/4/8 (keys and values gathered), heads over `tensor` (also more
+    shards than key/value heads), rows over fsdp; loss and gradients equal one device's (the kernel runs inside
+    shard_map: Mosaic cannot be partitioned)."""
     layouts = [{}, {"sequence": 2}, {"sequence": 4}, {"sequence": 8}, {"fsdp": 2, "tensor": 2, "sequence": 2}]
+    layouts.append({"tensor": 4, "sequence": 2})  # 2 key/value heads over 4 tensor shards: each takes its own
     env = dict(
         os.environ,
         XLA_FLAGS="--xla_force_host_platform_device_count=8",

@@ -129,11 +129,11 @@ def _kind(shape: tuple[int, ...], s: StepShapes) -> str:
     dims = list(shape)
     if dims.count(s.length) >= 2 and len(dims) >= 3:  # [rows, heads, queries, keys]; a [D, D] weight is not
         return ATTENTION_SCORES
+    if s.vocab in dims and s.hidden not in dims:  # [tokens or a chunk of them, vocab]; a [vocab, width] table is not
+        return LOGITS
     tokens = s.length in dims or s.rows * s.length in dims
     if not tokens:
         return PARAMETER_SHAPED if math.prod(dims) >= s.hidden * s.hidden // 4 else OTHER
-    if s.vocab in dims:
-        return LOGITS
     if s.intermediate in dims and len(dims) <= 3:  # [rows, length, width]; per-head tensors have more dims
         return MLP
     if s.hidden in dims or s.heads in dims:

@@ -40,7 +40,7 @@ from jtrainer.models import remat
 BLOCK = 512
 # Lanes of a TPU vector register: every tile is a multiple of this (in interpret mode too).
 _LANES = 128
-# Segment id of padding keys: never a query's (queries of padding carry their row's last document's id or 0).
+# Segment id of padding keys: never a query's (queries carry their document's id, >= 0).
 _PADDING_KEY = -1
 
 
