@@ -250,3 +250,13 @@ def test_bridged_transformers_models_reach_the_kernel(name, monkeypatch):
     for torch_name, parameter in reference.named_parameters():
         np.testing.assert_allclose(grads[torch_name], parameter.grad.numpy(), atol=2e-6, err_msg=torch_name)
     assert model.config._attn_implementation == "sdpa"  # put back after the step
+
+
+def test_queries_are_put_in_a_load_balanced_order_over_sequence_shards():
+    """Shard i of 4 takes chunks i and 7 - i of the row (one early, one late: the same causal work each); where a
+    chunk would not be whole tiles (8 shards of 1024 tokens: 64-token chunks) the order stays as it is."""
+    order = splash_attention._balanced_order(1024, 4)
+    chunks = order.reshape(8, 128)[:, 0] // 128
+    assert chunks.tolist() == [0, 7, 1, 6, 2, 5, 3, 4]
+    assert sorted(order.tolist()) == list(range(1024))
+    assert splash_attention._balanced_order(1024, 8) is None and splash_attention._balanced_order(1024, 1) is None

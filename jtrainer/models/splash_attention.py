@@ -11,7 +11,9 @@ kernel that computes attention block by block and never holds a [length, length]
   batch axes, heads over `tensor`, queries over `sequence`. Keys and values enter whole along the length, so
   XLA all-gathers them over `sequence` (their gradients are reduce-scattered back): context parallelism, with
   each chip's attention memory that of its own queries. The kernel's block masks are split by query shard
-  (`q_seq_shards`), so every shard skips exactly the blocks its queries do not see.
+  (`q_seq_shards`), so every shard skips exactly the blocks its queries do not see, and the queries are put in a
+  load-balanced order first (`_balanced_order`: each shard one early and one late chunk of the row, so under
+  causality every shard has the same work; the kernel's mask reads their positions from that order).
 
 Values and gradients are XLA attention's (to float rounding) on every query row that sees at least one key. A row
 that sees none (a padding token before any real one) gets a finite value of the kernel's making where XLA's
@@ -28,6 +30,7 @@ from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernels
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 from jax.sharding import NamedSharding
@@ -111,12 +114,29 @@ def splash_attention(
     q_BxKxGxTxH = q_BxKxGxTxH.transpose(0, 2, 3, 1, 4)
     k_BxKxTxH, v_BxKxTxH = k_BxTxKxH.transpose(0, 2, 1, 3), v_BxTxKxH.transpose(0, 2, 1, 3)
     shards = _sequence_shards()
-    kernel = _kernel(length, groups, sliding_window, shards, interpret, BLOCK)
+    order = _balanced_order(length, shards)
+    if order is not None:  # queries in the balanced order; keys and values stay in theirs (all are gathered)
+        q_BxKxGxTxH = jnp.take(q_BxKxGxTxH, order, axis=3)
+        q_ids = None if q_ids is None else jnp.take(q_ids, order, axis=1)
+    kernel = _kernel(length, groups, sliding_window, shards, interpret, BLOCK, order)
     if mesh is None:
         out = _run(kernel, q_BxKxGxTxH, k_BxKxTxH, v_BxKxTxH, q_ids, kv_ids)
     else:
         out = _sharded(mesh, kernel, (q_BxKxGxTxH, k_BxKxTxH, v_BxKxTxH, q_ids, kv_ids), shards > 1)
+    if order is not None:
+        out = jnp.take(out, np.argsort(order), axis=3)
     return out.transpose(0, 3, 1, 2, 4).reshape(batch, length, heads, head_dim)
+
+
+def _balanced_order(length: int, shards: int) -> np.ndarray | None:
+    """The order of query positions that gives each of `shards` sequence shards the same causal work: the row
+    cut in 2 x shards chunks, shard i taking chunks i and 2 x shards - 1 - i (one early, one late). None with
+    one shard, or where a chunk would not be a whole number of kernel tiles."""
+    chunk = length // (2 * shards)
+    if shards == 1 or length % (2 * shards) or chunk % _LANES or chunk % _block(chunk):
+        return None
+    chunks = [c for i in range(shards) for c in (i, 2 * shards - 1 - i)]
+    return np.concatenate([np.arange(c * chunk, (c + 1) * chunk) for c in chunks]).astype(np.int32)
 
 
 def _segment_ids(padding_BxT, segment_ids_BxT) -> tuple[jax.Array | None, jax.Array | None]:
@@ -191,15 +211,27 @@ def _block(length: int, block: int | None = None) -> int:
     return min(block or BLOCK, length)
 
 
-def _kernel(length: int, groups: int, sliding_window: int | None, shards: int, interpret: bool, block: int):
+def _kernel(
+    length: int,
+    groups: int,
+    sliding_window: int | None,
+    shards: int,
+    interpret: bool,
+    block: int,
+    order: np.ndarray | None = None,
+):
     """The kernel for rows of `length`, `groups` query heads per key/value head, its masks split into `shards`
-    query shards, tiles of up to `block` tokens. Built in each trace (its mask arrays become the trace's
-    constants); the block masks it works out on the host are cached by the kernel's library, per mask."""
+    query shards, tiles of up to `block` tokens, queries in `order` (their positions; None: as they come).
+    Built in each trace (its mask arrays become the trace's constants); the block masks it works out on the
+    host are cached by the kernel's library, per mask."""
     if sliding_window is None:
         mask = masks.CausalMask((length, length), shard_count=shards)
     else:  # HF: query i sees key j when 0 <= i - j < sliding_window
         mask = masks.LocalMask((length, length), (sliding_window - 1, 0), offset=0, shard_count=shards)
-    q_block, kv_block = _block(length // shards, block), _block(length, block)
+    if order is not None:  # the mask (on the host and in the kernel) reads each query's position from here
+        mask.q_sequence = order
+    q_block = _block(length // shards if order is None else length // (2 * shards), block)
+    kv_block = _block(length, block)
     blocks = kernels.BlockSizes(
         block_q=q_block,
         block_kv=kv_block,
