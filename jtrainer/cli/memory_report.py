@@ -17,9 +17,10 @@ from collections.abc import Iterator
 
 import numpy as np
 
-ATTENTION_SCORES, LOGITS, MLP, HIDDEN, PARAMETER_SHAPED, OTHER = (
+ATTENTION_SCORES, LOGITS, LOSS_CHUNK, MLP, HIDDEN, PARAMETER_SHAPED, OTHER = (
     "attention scores",
     "logits",
+    "logits of one chunk of the loss",
     "MLP activations",
     "hidden states",
     "parameter-shaped (gradients, updates)",
@@ -129,9 +130,9 @@ def _kind(shape: tuple[int, ...], s: StepShapes) -> str:
     dims = list(shape)
     if dims.count(s.length) >= 2 and len(dims) >= 3:  # [rows, heads, queries, keys]; a [D, D] weight is not
         return ATTENTION_SCORES
-    if s.vocab in dims and s.hidden not in dims:  # [tokens or a chunk of them, vocab]; a [vocab, width] table is not
-        return LOGITS
     tokens = s.length in dims or s.rows * s.length in dims
+    if s.vocab in dims and s.hidden not in dims:  # [tokens or a chunk of them, vocab]; a [vocab, width] table is not
+        return LOGITS if tokens else LOSS_CHUNK
     if not tokens:
         return PARAMETER_SHAPED if math.prod(dims) >= s.hidden * s.hidden // 4 else OTHER
     if s.intermediate in dims and len(dims) <= 3:  # [rows, length, width]; per-head tensors have more dims
