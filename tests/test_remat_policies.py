@@ -10,9 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
-
 from conftest import tiny_llama_config
+from flax import nnx
 
 POLICIES = [None, "full", "save_dots_except_mlp", "offload_dots_except_mlp", "dots_saveable"]
 

@@ -197,7 +197,12 @@ def test_training_with_sequence_shards_equals_one_device(tmp_path, window):
     """A tiny Llama (Mistral: every layer windowed) trained 3 steps on rows of 1024 tokens, padded and with
     ignored labels: the splash kernel with queries over `sequence` 2, 4 and 8 (with fsdp, and heads over
     `tensor`) logs one device's XLA-attention losses and gradient norms to 1e-5."""
-    meshes = [{"fsdp": 4, "sequence": 2}, {"fsdp": 2, "sequence": 4}, {"sequence": 8}, {"fsdp": 2, "tensor": 2, "sequence": 2}]
+    meshes = [
+        {"fsdp": 4, "sequence": 2},
+        {"fsdp": 2, "sequence": 4},
+        {"sequence": 8},
+        {"fsdp": 2, "tensor": 2, "sequence": 2},
+    ]
     reference = _train([{"mesh": {}, "attention": "auto", "window": window}], 1, tmp_path)["{}"]
     sharded = _train([{"mesh": m, "attention": "splash", "window": window} for m in meshes], 8, tmp_path)
     assert len(sharded) == len(meshes)
@@ -208,7 +213,6 @@ def test_training_with_sequence_shards_equals_one_device(tmp_path, window):
 
 def _bridge_case(name: str):
     import transformers
-
     from conftest import tiny_llama_config
 
     small = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, max_position_embeddings=512)
@@ -230,7 +234,6 @@ def test_bridged_transformers_models_reach_the_kernel(name, monkeypatch):
     tokens with right padding; the kernel is what ran; a row with no padding takes it too."""
     pytest.importorskip("torch")
     import torch
-
     from conftest import bridged_loss_and_grads
 
     torch.manual_seed(0)

@@ -347,9 +347,7 @@ LONG_ROWS = [
 ]
 
 
-def test_long_rows_fit_a_v5e_through_the_splash_kernel_and_xla_attention_is_named_as_the_cause(
-    capsys, monkeypatch
-):
+def test_long_rows_fit_a_v5e_through_the_splash_kernel_and_xla_attention_is_named_as_the_cause(capsys, monkeypatch):
     """32k-token rows: XLA's attention needs [32768 x 32768] scores per head (17 GiB a chip), and the check says
     so, with the advice that follows; the splash kernel (the default on TPUs) never holds them and fits."""
     model_args, data_args, training_args, _ = parse_train_args([CONFIG, *LONG_ROWS], "check")

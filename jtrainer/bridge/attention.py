@@ -104,11 +104,13 @@ def blockwise_here() -> bool:
 def routed(model: torch.nn.Module) -> Iterator[None]:
     """The model's attention (every config in it) switched to "jtrainer" for one call where attention runs
     blockwise; its own implementation is put back after."""
-    configs = {id(m.config): m.config for m in model.modules() if hasattr(getattr(m, "config", None), "_attn_implementation")}
     if not blockwise_here():
         yield
         return
     _register()
+    configs = {
+        id(m.config): m.config for m in model.modules() if hasattr(getattr(m, "config", None), "_attn_implementation")
+    }
     before = {key: config._attn_implementation for key, config in configs.items()}
     for config in configs.values():
         if config._attn_implementation in (None, "sdpa", "eager"):

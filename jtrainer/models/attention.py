@@ -72,7 +72,11 @@ class TokenMask:
 
 
 def causal_attention(
-    q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, mask: TokenMask | None = None, scale: float | None = None,
+    q_BxTxNxH,
+    k_BxTxKxH,
+    v_BxTxKxH,
+    mask: TokenMask | None = None,
+    scale: float | None = None,
     sliding_window: int | None = None,
 ):
     """Causal multi-head (grouped-query when K < N) attention of T queries over the same T keys.
@@ -86,7 +90,13 @@ def causal_attention(
         seen.add(chosen)
     if chosen == "splash":
         return splash_attention.splash_attention(
-            q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, mask.padding_BxT, mask.segment_ids_BxT, scale, sliding_window,
+            q_BxTxNxH,
+            k_BxTxKxH,
+            v_BxTxKxH,
+            mask.padding_BxT,
+            mask.segment_ids_BxT,
+            scale,
+            sliding_window,
             interpret=not on_tpu(),
         )
     if chosen == "cpu":

@@ -16,7 +16,6 @@ if __name__ == "__main__":  # jtrainer runs without torch, as on a TPU VM (trans
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: conftest
 
 import numpy as np  # noqa: E402
-
 from conftest import tiny_llama_config  # noqa: E402
 
 from jtrainer import Trainer, TrainingArguments  # noqa: E402
