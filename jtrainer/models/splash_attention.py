@@ -31,8 +31,6 @@ from collections.abc import Iterator
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernels
-from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -128,6 +126,13 @@ def splash_attention(
     return out.transpose(0, 3, 1, 2, 4).reshape(batch, length, heads, head_dim)
 
 
+def _pallas():
+    """The kernel's modules, imported where a step uses them (`import jtrainer` does not need Pallas)."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel, splash_attention_mask
+
+    return splash_attention_kernel, splash_attention_mask
+
+
 def _balanced_order(length: int, shards: int) -> np.ndarray | None:
     """The order of query positions that gives each of `shards` sequence shards the same causal work: the row
     cut in 2 x shards chunks, shard i taking chunks i and 2 x shards - 1 - i (one early, one late). None with
@@ -158,7 +163,7 @@ def _run(kernel, q_BxKxGxTxH, k_BxKxTxH, v_BxKxTxH, q_ids_BxT, kv_ids_BxS):
         return jax.vmap(jax.vmap(lambda q, k, v: kernel(q, k, v)))(q_BxKxGxTxH, k_BxKxTxH, v_BxKxTxH)
 
     def row(q_KxGxTxH, k_KxSxH, v_KxSxH, q_ids_T, kv_ids_S):
-        ids = kernels.SegmentIds(q=q_ids_T, kv=kv_ids_S)
+        ids = _pallas()[0].SegmentIds(q=q_ids_T, kv=kv_ids_S)
         return jax.vmap(lambda q, k, v: kernel(q, k, v, ids))(q_KxGxTxH, k_KxSxH, v_KxSxH)
 
     return jax.vmap(row)(q_BxKxGxTxH, k_BxKxTxH, v_BxKxTxH, q_ids_BxT, kv_ids_BxS)
@@ -224,6 +229,7 @@ def _kernel(
     query shards, tiles of up to `block` tokens, queries in `order` (their positions; None: as they come).
     Built in each trace (its mask arrays become the trace's constants); the block masks it works out on the
     host are cached by the kernel's library, per mask."""
+    kernels, masks = _pallas()
     if sliding_window is None:
         mask = masks.CausalMask((length, length), shard_count=shards)
     else:  # HF: query i sees key j when 0 <= i - j < sliding_window
