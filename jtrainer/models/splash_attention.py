@@ -13,7 +13,8 @@ kernel that computes attention block by block and never holds a [length, length]
   each chip's attention memory that of its own queries. The kernel's block masks are split by query shard
   (`q_seq_shards`), so every shard skips exactly the blocks its queries do not see, and the queries are put in a
   load-balanced order first (`_balanced_order`: each shard one early and one late chunk of the row, so under
-  causality every shard has the same work; the kernel's mask reads their positions from that order).
+  causality every shard has the same work; two collective permutes of half a shard each, `_exchange`; the
+  kernel's mask reads their positions from that order).
 
 Values and gradients are XLA attention's (to float rounding) on every query row that sees at least one key. A row
 that sees none (a padding token before any real one) gets a finite value of the kernel's making where XLA's
@@ -113,16 +114,12 @@ def splash_attention(
     k_BxKxTxH, v_BxKxTxH = k_BxTxKxH.transpose(0, 2, 1, 3), v_BxTxKxH.transpose(0, 2, 1, 3)
     shards = _sequence_shards()
     order = _balanced_order(length, shards)
-    if order is not None:  # queries in the balanced order; keys and values stay in theirs (all are gathered)
-        q_BxKxGxTxH = jnp.take(q_BxKxGxTxH, order, axis=3)
-        q_ids = None if q_ids is None else jnp.take(q_ids, order, axis=1)
     kernel = _kernel(length, groups, sliding_window, shards, interpret, BLOCK, order)
     if mesh is None:
         out = _run(kernel, q_BxKxGxTxH, k_BxKxTxH, v_BxKxTxH, q_ids, kv_ids)
     else:
-        out = _sharded(mesh, kernel, (q_BxKxGxTxH, k_BxKxTxH, v_BxKxTxH, q_ids, kv_ids), shards > 1)
-    if order is not None:
-        out = jnp.take(out, np.argsort(order), axis=3)
+        operands = (q_BxKxGxTxH, k_BxKxTxH, v_BxKxTxH, q_ids, kv_ids)
+        out = _sharded(mesh, kernel, operands, shards, balanced=order is not None)
     return out.transpose(0, 3, 1, 2, 4).reshape(batch, length, heads, head_dim)
 
 
@@ -169,24 +166,65 @@ def _run(kernel, q_BxKxGxTxH, k_BxKxTxH, v_BxKxTxH, q_ids_BxT, kv_ids_BxS):
     return jax.vmap(row)(q_BxKxGxTxH, k_BxKxTxH, v_BxKxTxH, q_ids_BxT, kv_ids_BxS)
 
 
-def _sharded(mesh, kernel, operands, split_length: bool):
-    """`_run` inside shard_map: each device runs the kernel on its rows, heads and (`split_length`) queries;
-    keys and values enter whole along the length (XLA gathers them over `sequence`)."""
+def _sharded(mesh, kernel, operands, shards: int, balanced: bool):
+    """`_run` inside shard_map: each device runs the kernel on its rows, heads and (over `shards` sequence
+    shards) queries; keys and values enter whole along the length (XLA gathers them over `sequence`). With
+    `balanced`, each device's queries are exchanged into the balanced order first and its outputs back after."""
     q, _, _, q_ids, _ = operands
     rules = sharding.current_rules()
     rows = sharding.logical_to_spec(("batch",), rules, mesh)[0]
     heads = sharding.logical_to_spec(("heads",), rules, mesh)[0] if _kv_heads_split(mesh) else None
-    length = sharding.SEQUENCE if split_length else None
+    length = sharding.SEQUENCE if shards > 1 else None
     q_spec, kv_spec = P(rows, heads, None, length, None), P(rows, heads, None, None)
     ids_specs = (P(rows, length), P(rows, None)) if q_ids is not None else (None, None)
     kernel_spec = kernel.manual_sharding_spec(NamedSharding(mesh, P(None, length)))
+
+    def local(kernel, q, k, v, q_ids, kv_ids):
+        if not balanced:
+            return _run(kernel, q, k, v, q_ids, kv_ids)
+        q = _exchange(q, 3, shards, to_balanced=True)
+        q_ids = None if q_ids is None else _exchange(q_ids, 1, shards, to_balanced=True)
+        return _exchange(_run(kernel, q, k, v, q_ids, kv_ids), 3, shards, to_balanced=False)
+
     return jax.shard_map(
-        _run,
+        local,
         mesh=mesh,
         in_specs=(kernel_spec, q_spec, kv_spec, kv_spec, *ids_specs),
         out_specs=q_spec,
         check_vma=False,
     )(kernel, *operands)
+
+
+def _exchange(x: jax.Array, axis: int, shards: int, to_balanced: bool) -> jax.Array:
+    """One device's positions (`axis`) between the contiguous layout (shard s: chunks 2s, 2s+1 of the row's
+    2 x shards) and the balanced one (shard r: chunks r, 2 x shards - 1 - r), by two collective permutes of half
+    a shard each (no gather of the row). Chunk j of the contiguous layout is half j % 2 of shard j // 2; it goes
+    to shard j (first half) if j < shards, else to shard 2 x shards - 1 - j (second half)."""
+
+    def home(chunk: int) -> int:
+        return chunk if chunk < shards else 2 * shards - 1 - chunk
+
+    moves = [[(s, home(2 * s + half)) for s in range(shards)] for half in (0, 1)]
+    # Shard r holds (after) chunks r and 2n-1-r; the even one of them is the one half 0 carries.
+    even = jax.lax.axis_index(sharding.SEQUENCE) % 2 == 0
+    first, second = jnp.split(x, 2, axis=axis)
+    if to_balanced:
+        from_half0, from_half1 = (
+            jax.lax.ppermute(part, sharding.SEQUENCE, moves[h]) for h, part in enumerate((first, second))
+        )
+        return jnp.where(
+            even, jnp.concatenate([from_half0, from_half1], axis), jnp.concatenate([from_half1, from_half0], axis)
+        )
+    to_half0 = jnp.where(even, first, second)
+    to_half1 = jnp.where(even, second, first)
+    back = [[(dst, src) for src, dst in move] for move in moves]
+    return jnp.concatenate(
+        [
+            jax.lax.ppermute(to_half0, sharding.SEQUENCE, back[0]),
+            jax.lax.ppermute(to_half1, sharding.SEQUENCE, back[1]),
+        ],
+        axis,
+    )
 
 
 def _mesh():
