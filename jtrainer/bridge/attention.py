@@ -24,7 +24,6 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-from jtrainer import env as jtrainer_env
 from jtrainer.models import attention as native_attention
 
 NAME = "jtrainer"
@@ -94,17 +93,11 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
     return torchax.tensor.Tensor(out, env), None
 
 
-def blockwise_here() -> bool:
-    """Whether the step traced now runs attention blockwise: on TPUs, or under JTRAINER_ATTENTION=splash."""
-    requested = jtrainer_env.ATTENTION.get().lower()
-    return requested == "splash" or (requested == "auto" and native_attention.on_tpu())
-
-
 @contextlib.contextmanager
 def routed(model: torch.nn.Module) -> Iterator[None]:
     """The model's attention (every config in it) switched to "jtrainer" for one call where attention runs
     blockwise; its own implementation is put back after."""
-    if not blockwise_here():
+    if not native_attention.blockwise_requested():
         yield
         return
     _register()

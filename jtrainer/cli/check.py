@@ -24,6 +24,7 @@ from jtrainer import args as args_module
 from jtrainer import batch_size, targets
 from jtrainer.cli import memory_report, tasks
 from jtrainer.cli.console import say
+from jtrainer.cli.memory_report import size
 from jtrainer.models import attention, remat, splash_attention
 from jtrainer.state import Frozen
 
@@ -132,10 +133,6 @@ def _per_device_bytes(arg_info, shardings) -> int:
         if sh is not None:
             total += int(np.prod(sh.shard_shape(info.shape))) * np.dtype(info.dtype).itemsize
     return total
-
-
-def _size(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def compile_step(model_args, data_args, training_args, target: targets.Target | None = None) -> dict[str, Any]:
@@ -368,21 +365,18 @@ def run_check(
     if numbers["memory_per_device"] is not None:
         say("  memory per device")
         for kind, value in numbers["memory_per_device"].items():
-            say(f"    {kind:<38} {_size(value):>11}")
-        say(
-            f"    {'total':<38} {_size(needed):>11}"
-            + (f" of {_size(budget)} ({needed / budget:.0%})" if budget else "")
-        )
+            say(f"    {kind:<38} {size(value):>11}")
+        say(f"    {'total':<38} {size(needed):>11}" + (f" of {size(budget)} ({needed / budget:.0%})" if budget else ""))
     fits = budget is None or needed is None or needed <= budget
     eval_needed = numbers["eval_bytes_per_device"]
     if eval_needed is not None:
         eval_batch = training_args.per_device_eval_batch_size
         say(f"  memory per device while evaluating (per_device_eval_batch_size {eval_batch})")
         for kind, value in numbers["eval_memory_per_device"].items():
-            say(f"    {kind:<38} {_size(value):>11}")
+            say(f"    {kind:<38} {size(value):>11}")
         say(
-            f"    {'total':<38} {_size(eval_needed):>11}"
-            + (f" of {_size(budget)} ({eval_needed / budget:.0%})" if budget else "")
+            f"    {'total':<38} {size(eval_needed):>11}"
+            + (f" of {size(budget)} ({eval_needed / budget:.0%})" if budget else "")
         )
         fits = fits and (budget is None or eval_needed <= budget)
     if budget is not None and needed is not None:
@@ -412,8 +406,8 @@ def run_check(
     if not fits:
         worst = max(needed, eval_needed or 0)
         say(
-            f"jtrainer check: the {'train' if worst == needed else 'eval'} step does not fit: {_size(worst)} per "
-            f"device, {_size(budget)} available."
+            f"jtrainer check: the {'train' if worst == needed else 'eval'} step does not fit: {size(worst)} per "
+            f"device, {size(budget)} available."
         )
         values = numbers["largest_values"]() if worst == needed else []
         _say_largest(values, numbers["step_shapes"], training_args)
@@ -438,7 +432,7 @@ def _compile_fitting(model_args, data_args, training_args, target, where: str) -
                         f"{training_args.gradient_accumulation_steps} fit {where}"
                     )
                 return numbers
-            why = f"{_size(needed)} per device, {_size(budget)} available"
+            why = f"{size(needed)} per device, {size(budget)} available"
             fallback = numbers
         except StepDoesNotFit as error:
             if not training_args.auto_find_batch_size or str(error).startswith("the eval step"):

@@ -69,7 +69,7 @@ class LargeValue:
     def describe(self) -> str:
         dims = " x ".join(str(d) for d in self.shape)
         many = f", {self.count} in the step" if self.count > 1 else ""
-        return f"{self.kind}: [{dims}] {self.dtype}, {_size(self.bytes_per_chip)} a chip each{many}"
+        return f"{self.kind}: [{dims}] {self.dtype}, {size(self.bytes_per_chip)} a chip each{many}"
 
 
 def largest_values(jaxpr, shapes: StepShapes, count: int = 4) -> list[LargeValue]:
@@ -170,5 +170,6 @@ def _bytes(aval) -> int:
     return int(np.prod(aval.shape)) * np.dtype(aval.dtype).itemsize
 
 
-def _size(n: float) -> str:
+def size(n: float) -> str:
+    """Bytes in GiB (or MiB below one GiB), as `jtrainer check` prints them."""
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"

@@ -125,11 +125,17 @@ def on_tpu() -> bool:
     return sharding.mesh_devices()[0].platform == "tpu"
 
 
+def blockwise_requested() -> bool:
+    """Whether self-attention is to run through the splash kernel: on TPUs, or under JTRAINER_ATTENTION=splash."""
+    requested = _requested_implementation()
+    return requested == "splash" or (requested == "auto" and on_tpu())
+
+
 def implementation(q: jax.Array, k: jax.Array) -> str:
     """How self-attention of these queries and keys runs: "splash" on TPUs, else "cpu" (the blocked CPU
     formulation) or the fused kernel's name (`fused_implementation`); `JTRAINER_ATTENTION` overrides."""
     requested = _requested_implementation()
-    if requested == "splash" or (requested == "auto" and on_tpu()):
+    if blockwise_requested():
         refusal = splash_attention.unsupported(q, k)
         if refusal is None:
             return "splash"
