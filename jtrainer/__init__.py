@@ -16,19 +16,6 @@ from jtrainer import versions as _versions  # noqa: E402
 
 _versions.check_transformers()
 
-from jtrainer import host_allocator  # noqa: E402
-
-host_allocator.apply_default()  # before XLA's CPU threads first allocate (see host_allocator)
-
-from jtrainer import distributed  # noqa: E402
-
-# One process of many (jtrainer launch, Cloud TPU VMs, SLURM): join the others before any device is touched.
-distributed.maybe_initialize()
-
-from jtrainer import startup  # noqa: E402
-
-startup.apply_default()  # the persistent compilation cache, before anything compiles
-
 from transformers.trainer_utils import EvalPrediction, PredictionOutput, TrainOutput  # noqa: E402
 
 from jtrainer.args import TrainingArguments  # noqa: E402
@@ -45,6 +32,7 @@ from jtrainer.callbacks import (  # noqa: E402
 from jtrainer.checkpoint import get_last_checkpoint  # noqa: E402  (the verified one)
 from jtrainer.compiled_steps import clear_compiled_steps  # noqa: E402
 from jtrainer.seq2seq import Seq2SeqTrainer, Seq2SeqTrainingArguments  # noqa: E402
+from jtrainer.startup import initialize  # noqa: E402  (start-up effects: explicit, not at import)
 from jtrainer.trainer import Trainer  # noqa: E402
 
 __version__ = "0.1.0"
@@ -67,6 +55,7 @@ __all__ = [
     "TrainingArguments",
     "clear_compiled_steps",
     "get_last_checkpoint",
+    "initialize",
 ]
 
 for _handler in _logging.getLogger().handlers[:]:

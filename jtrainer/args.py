@@ -24,7 +24,7 @@ import transformers
 from transformers.trainer_utils import HubStrategy, IntervalStrategy, SaveStrategy, SchedulerType
 from transformers.training_args import OptimizerNames, _convert_str_dict
 
-from jtrainer import env, storage
+from jtrainer import env, startup, storage
 
 logger = logging.getLogger(__name__)
 
@@ -143,6 +143,7 @@ class TrainingArguments(transformers.TrainingArguments):
     )
 
     def __post_init__(self):
+        startup.initialize()  # where HF's TrainingArguments sets up its distributed state
         self._normalise()
         self._validate()
         self.mixed_precision = "bf16" if self.bf16 else "fp16" if self.fp16 else "no"

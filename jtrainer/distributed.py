@@ -1,6 +1,7 @@
 """Many hosts, one program: `jax.distributed` start-up and the few host-level agreements the loop needs.
 
-Start-up happens when jtrainer is imported, before any device is touched:
+Start-up happens in `jtrainer.initialize()` (TrainingArguments, Trainer and the CLI call it), before any device is
+touched:
 - `JTRAINER_COORDINATOR`, `JTRAINER_NUM_PROCESSES`, `JTRAINER_PROCESS_ID` (set by `jtrainer launch`, or by you
   on any cluster) -> explicit initialisation; on CPU, gloo collectives;
 - on Cloud TPU VMs (`TPU_WORKER_HOSTNAMES` with several workers) and SLURM jobs of several tasks ->

@@ -7,7 +7,7 @@ with `munmap`, so each step page-faults the whole buffer in again: for the bench
 and a high trim threshold, the buffer comes from the heap and stays mapped: no faults after the first two
 steps, except now and then when the heap's free space is too fragmented to hold it.
 
-Applied by `import jtrainer` when JAX will run on CPU (JAX_PLATFORMS / jax_platforms say cpu, or no
+Applied by `jtrainer.initialize()` when JAX will run on CPU (JAX_PLATFORMS / jax_platforms say cpu, or no
 accelerator plugin is installed), because it only takes effect for threads that have not allocated yet: XLA's
 worker threads start when the backend first runs something. $JTRAINER_TUNE_MALLOC=0 leaves malloc alone,
 =1 applies it on any backend. The cost: memory freed by the process is kept for reuse rather than returned
@@ -73,5 +73,5 @@ def tune_malloc() -> bool:
 
 
 def apply_default() -> bool:
-    """At import: tune malloc when `should_tune()`; returns whether it was applied."""
+    """Tune malloc when `should_tune()` (called by `jtrainer.initialize()`); returns whether it was applied."""
     return should_tune() and tune_malloc()

@@ -1,17 +1,27 @@
-"""Fast starts: JAX's persistent compilation cache, on by default.
+"""Start-up: the process-wide effects jtrainer needs, in one explicit function, `jtrainer.initialize()`.
 
-A second run of the same job (same model, shapes, mesh and jax version) loads its compiled steps from disk
-instead of compiling them. The directory is `TrainingArguments.jax_compilation_cache_dir`, else
-$JTRAINER_COMPILATION_CACHE_DIR, else ~/.cache/jtrainer/jax_compilation_cache; "none" turns the cache off.
-The default is applied when jtrainer is imported, before anything compiles; a run's own directory is applied
-when it starts training.
+Importing jtrainer changes nothing outside it. `initialize()` does three things, once per process:
+1. joins the other processes of a multi-host job (`jtrainer.distributed.maybe_initialize`: `jtrainer launch`'s
+   variables, Cloud TPU VMs, SLURM) — this has to happen before JAX touches a device;
+2. tunes glibc's malloc when JAX runs on CPU (`jtrainer.host_allocator`; $JTRAINER_TUNE_MALLOC=0 opts out);
+3. turns on JAX's persistent compilation cache (below; $JTRAINER_COMPILATION_CACHE_DIR=none opts out).
+
+`TrainingArguments(...)` calls it — the point where HF's TrainingArguments sets up its distributed state, so a
+script that builds its arguments before its model (as HF's examples do) needs nothing more —, and so do
+`Trainer(...)` and the `jtrainer` command. A script that touches devices first (builds a model, then its
+arguments) calls `jtrainer.initialize()` at its top.
+
+The compilation cache: a second run of the same job (same model, shapes, mesh and jax version) loads its
+compiled steps from disk instead of compiling them. The directory is `TrainingArguments.jax_compilation_cache_dir`,
+else $JTRAINER_COMPILATION_CACHE_DIR, else ~/.cache/jtrainer/jax_compilation_cache; "none" turns the cache off.
+The default is applied by `initialize()`; a run's own directory when it starts training.
 """
 
 from __future__ import annotations
 
 import jax
 
-from jtrainer import env
+from jtrainer import distributed, env, host_allocator
 
 OFF = ("none", "off", "")
 
@@ -44,7 +54,29 @@ def run_cache_dir(args) -> str | None:
     return None if str(value).lower() in OFF else str(value)
 
 
-def apply_default() -> None:
-    """At import: turn the default cache on unless the user configured JAX's cache themselves."""
+def apply_default_cache() -> None:
+    """Turn the default cache on unless the user configured JAX's cache themselves."""
     if jax.config.jax_compilation_cache_dir is None and default_cache_dir() is not None:
         enable_compilation_cache(default_cache_dir())
+
+
+_initialized = False  # a fact about the process: its malloc, its jax.distributed client, JAX's config
+
+
+def initialize() -> None:
+    """jtrainer's start-up effects (see the module's docstring); later calls do nothing."""
+    global _initialized
+    if _initialized:
+        return
+    try:
+        distributed.maybe_initialize()  # first: nothing before it may touch a device
+    except RuntimeError as e:
+        if "before any JAX" not in str(e):
+            raise
+        raise RuntimeError(
+            "jtrainer.initialize(): this process is one of a multi-host job, but JAX already used a device: call "
+            "jtrainer.initialize() (or create the TrainingArguments) before building the model or any array."
+        ) from e
+    _initialized = True
+    host_allocator.apply_default()  # before XLA's CPU threads first allocate
+    apply_default_cache()

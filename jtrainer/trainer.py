@@ -186,6 +186,7 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         optimizer_cls_and_kwargs: tuple[Callable, dict[str, Any]] | None = None,
         preprocess_logits_for_metrics: Callable | None = None,
     ):
+        startup.initialize()  # usually done already by the TrainingArguments
         if args is None:
             args = TrainingArguments(output_dir="trainer_output")
         self.args = args

@@ -18,7 +18,7 @@ import argparse
 import signal
 import sys
 
-from jtrainer import targets
+from jtrainer import startup, targets
 from jtrainer.cli.config import DEFAULT_CONFIG, RunArguments, parse_train_args, read_config
 from jtrainer.cli.console import say
 from jtrainer.cli.launch import run_launch
@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     if command == "launch":
         return run_launch(rest)
     try:
+        startup.initialize()  # join the other processes (jtrainer launch, TPU VMs), before any device is used
         model_args, data_args, training_args, run_args = parse_train_args(rest, command)
         if command == "check":
             from jtrainer.cli.check import run_check

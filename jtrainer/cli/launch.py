@@ -1,7 +1,7 @@
 """`jtrainer launch`: N processes of one program on this machine, joined by jax.distributed.
 
 Each process gets `JTRAINER_COORDINATOR` / `JTRAINER_NUM_PROCESSES` / `JTRAINER_PROCESS_ID` (read by
-`jtrainer.distributed` at import) and, with `--devices_per_process K`, K simulated CPU devices. The launcher
+`jtrainer.initialize()` in each process) and, with `--devices_per_process K`, K simulated CPU devices. The launcher
 supervises: when one process fails, the others are stopped and the launcher exits with its code (128 + N for a
 process killed by signal N, as a shell reports it). SIGTERM or SIGINT to the launcher is passed on to every
 process (a preemption: each saves the current step's checkpoint) and the launcher exits when they have; if the

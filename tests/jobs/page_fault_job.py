@@ -6,7 +6,9 @@ import resource
 import jax
 import jax.numpy as jnp
 
-import jtrainer  # tunes malloc at import unless JTRAINER_TUNE_MALLOC=0
+import jtrainer
+
+jtrainer.initialize()  # tunes malloc unless JTRAINER_TUNE_MALLOC=0
 
 
 @jax.jit
