@@ -11,9 +11,15 @@ before the first step runs, the compiled step's memory analysis exceeding the de
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Callable
+from typing import Any, TypeVar
+
 import jax
 
 from jtrainer import env
+
+T = TypeVar("T")
 
 
 class StepOutOfMemory(RuntimeError):
@@ -67,3 +73,41 @@ def next_batch_size(batch_size: int, effective_batch: int) -> int:
 def per_device_from_state(train_batch_size: int, processes: int, data_parallel_devices: int) -> int:
     """The per-device batch behind a TrainerState's `train_batch_size` (rows per process and step); >= 1."""
     return max(1, train_batch_size * processes // data_parallel_devices)
+
+
+class NoBatchSizeFits(RuntimeError):
+    """Every candidate ran out of memory (HF's message); the last out-of-memory error is its cause."""
+
+
+def with_batch(args, per_device: int, accumulation: int):
+    """A copy of `args` with this per-device batch and accumulation: the caller's arguments stay as given (the
+    copy is not validated again: both numbers come from the search)."""
+    found = copy.copy(args)
+    found.per_device_train_batch_size, found.gradient_accumulation_steps = per_device, accumulation
+    return found
+
+
+def search(
+    attempt: Callable[[Any], T],
+    args,
+    *,
+    start=None,
+    retry_on: Callable[[BaseException], bool] = is_out_of_memory,
+    on_retry: Callable[[Any, int, BaseException], None] = lambda args, smaller, error: None,
+) -> T:
+    """HF's find_executable_batch_size with the effective batch kept: `attempt(args)` at `start` (default `args`),
+    then, while it fails with an error `retry_on` accepts, at the next smaller batch (`on_retry(tried, smaller,
+    error)` first). Returns the first attempt's result that succeeds; `args` itself is never changed."""
+    effective = args.per_device_train_batch_size * args.gradient_accumulation_steps
+    current = args if start is None else start
+    while True:
+        try:
+            return attempt(current)
+        except Exception as error:
+            if not retry_on(error):
+                raise
+            smaller = next_batch_size(current.per_device_train_batch_size, effective)
+            if smaller == 0:
+                raise NoBatchSizeFits("No executable batch size found, reached zero.") from error
+            on_retry(current, smaller, error)
+            current = with_batch(args, smaller, effective // smaller)

@@ -10,6 +10,7 @@ import dataclasses
 import json
 import logging
 import os
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +23,16 @@ from jtrainer import bridge, checkpoint, host_rng, optim, sharding, storage, tor
 from jtrainer.bridge import adapters
 from jtrainer.state import Frozen, LoopState, TrainState
 from jtrainer.trainer_parts import TrainerParts
+
+
+class Resumed(NamedTuple):
+    """What a resume restores for the loop: the train state and where, and how, the loop goes on."""
+
+    train_state: TrainState
+    epochs_trained: int  # whole epochs already done
+    skip: int  # micro-batches of the resumed epoch already trained
+    loop_state: LoopState | None  # the host side of the saved step (collator generator, padded length)
+
 
 logger = logging.getLogger(__name__)
 hf_logger = logging.getLogger("transformers.trainer")  # HF's own messages, through transformers' logger
@@ -214,12 +225,12 @@ class SavingMixin(TrainerParts):
             return True
         return bool(_all_finite(jax.tree.leaves(self._train_state.params)))
 
-    def _resume(self, folder: str, like: TrainState, updates_per_epoch: int, fresh=None):
+    def _resume(self, folder: str, like: TrainState, updates_per_epoch: int, fresh=None) -> Resumed:
         """Restore `folder` into the state laid out like `like` (abstract or concrete; `fresh()` builds a real
         fresh state where part of the state must start afresh) and the loop's bookkeeping."""
-        self._torch_rng_state = self._resumed_loop_state = None
+        torch_rng_state = None
         if torch_checkpoint.written_by_torch_trainer(folder):
-            train_state = self._restore_torch_checkpoint(folder, fresh)
+            train_state, torch_rng_state = self._restore_torch_checkpoint(folder, fresh)
         elif not storage.isdir(storage.join(folder, checkpoint.TRAIN_STATE_DIR)):
             raise ValueError(
                 f"Can't find a valid checkpoint at {folder}: it has no train state (saved with save_only_model?)."
@@ -239,12 +250,12 @@ class SavingMixin(TrainerParts):
             self._plateau.load_state_dict(json.loads(storage.read_text(scheduler_file)))
         if self.args.restore_callback_states_from_checkpoint:
             self._load_callback_state()
-        self._restore_loop_state(folder)
+        loop_state = self._restore_loop_state(folder, torch_rng_state)
         epochs_trained = self.state.global_step // updates_per_epoch
         skip = 0
         if not self.args.ignore_data_skip:
             skip = (self.state.global_step % updates_per_epoch) * self.args.gradient_accumulation_steps
-        return train_state, epochs_trained, skip
+        return Resumed(train_state, epochs_trained, skip, loop_state)
 
     def _saved_part(self, state: TrainState | None) -> TrainState | None:
         """What a checkpoint keeps of a train state: all of it, but a peft model's frozen base model, which the
@@ -269,8 +280,9 @@ class SavingMixin(TrainerParts):
             frozen = jax.tree.map(lambda value, leaf: value.astype(leaf.dtype), placed, frozen)
         return restored.replace(model_state=nnx.merge_state(frozen, restored.model_state))
 
-    def _restore_torch_checkpoint(self, folder: str, fresh) -> TrainState:
-        """A transformers.Trainer checkpoint: its weights, AdamW state and schedule step (torch_checkpoint)."""
+    def _restore_torch_checkpoint(self, folder: str, fresh) -> tuple[TrainState, Any]:
+        """A transformers.Trainer checkpoint: its weights, AdamW state and schedule step (torch_checkpoint), and
+        the host generators it saved."""
         name = optim.check_optimizer_name(self.args.optim)
         if name not in torch_checkpoint.ADAMW_NAMES:
             raise torch_checkpoint.TorchCheckpointError(
@@ -292,7 +304,7 @@ class SavingMixin(TrainerParts):
             layout = TorchModelLayout(self.nnx_model)
         else:
             layout = torch_checkpoint.NativeLayout(self.model)
-        train_state, self._torch_rng_state = torch_checkpoint.restore(
+        return torch_checkpoint.restore(
             folder,
             args=self.args,
             layout=layout,
@@ -302,26 +314,19 @@ class SavingMixin(TrainerParts):
             fresh=fresh,
             max_steps_saved=saved_state.max_steps,
         )
-        return train_state
 
-    def _take_resumed_loop_state(self):
-        """The resumed checkpoint's loop state, once (None when not resuming or already taken)."""
-        resumed, self._resumed_loop_state = self._resumed_loop_state, None
-        return resumed
-
-    def _restore_loop_state(self, folder: str) -> None:
-        """HF's _load_rng_state: the host generators as at the save, and how the loop padded and drew."""
-        if self._torch_rng_state is not None:  # HF's own collator draws from the restored generators
-            host_rng.restore(self._torch_rng_state)
-            self._resumed_loop_state = LoopState(self._torch_rng_state, None)
-            return
+    def _restore_loop_state(self, folder: str, torch_rng_state=None) -> LoopState | None:
+        """HF's _load_rng_state: the host generators as at the save; returns how the loop padded and drew."""
+        if torch_rng_state is not None:  # HF's own collator draws from the restored generators
+            host_rng.restore(torch_rng_state)
+            return LoopState(torch_rng_state, None)
         saved = checkpoint.load_loop_state(folder, self.args.process_index)
         if saved is None:
             logger.info("%s has no loop state: a random collator will not draw as the saved run did.", folder)
-            return
+            return None
         host_rng.restore(host_rng.HostRngState.from_json(saved["process_rng"]))
         collator = saved.get("collator_rng")
-        self._resumed_loop_state = LoopState(
+        return LoopState(
             None if collator is None else host_rng.HostRngState.from_json(collator), saved.get("padded_length")
         )
 

@@ -804,41 +804,38 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         self, resume_from_checkpoint, trial, ignore_keys_for_eval, preemption: PreemptionNotice
     ) -> TrainOutput:
         """auto_find_batch_size: on out of memory, retry with a smaller per-device batch and more accumulation
-        (the effective batch stays the same; see batch_size.py)."""
-        args = self.args
-        effective = args.per_device_train_batch_size * args.gradient_accumulation_steps
-        if resume_from_checkpoint:
-            self._restore_found_batch_size(resume_from_checkpoint, effective)
-        while True:
-            try:
-                return self._inner_training_loop(resume_from_checkpoint, trial, ignore_keys_for_eval, preemption)
-            except Exception as error:
-                if not batch_size.is_out_of_memory(error):
-                    raise
-                smaller = batch_size.next_batch_size(args.per_device_train_batch_size, effective)
-                if smaller == 0:
-                    raise RuntimeError("No executable batch size found, reached zero.") from error
-                logger.warning(
-                    "auto_find_batch_size: out of memory with per_device_train_batch_size=%d (%s); retrying with "
-                    "per_device_train_batch_size=%d and gradient_accumulation_steps=%d.",
-                    args.per_device_train_batch_size,
-                    str(error).splitlines()[0][:200],
-                    smaller,
-                    effective // smaller,
-                )
-                args.per_device_train_batch_size = smaller
-                args.gradient_accumulation_steps = effective // smaller
-                self._train_state = None
+        (the effective batch stays the same; see batch_size.py). The run's arguments become a copy with the batch
+        found (HF's trainer.args shows it too); the arguments given are not changed."""
+        given = self.args
+        start = self._found_batch_size(resume_from_checkpoint) if resume_from_checkpoint else None
 
-    def _restore_found_batch_size(self, folder: str, effective: int) -> None:
+        def attempt(args):
+            if args is not self.args:  # another batch: the train state is built again
+                self.args, self._train_state = args, None
+            return self._inner_training_loop(resume_from_checkpoint, trial, ignore_keys_for_eval, preemption)
+
+        def on_retry(args, smaller: int, error: BaseException) -> None:
+            logger.warning(
+                "auto_find_batch_size: out of memory with per_device_train_batch_size=%d (%s); retrying with "
+                "per_device_train_batch_size=%d and gradient_accumulation_steps=%d.",
+                args.per_device_train_batch_size,
+                str(error).splitlines()[0][:200],
+                smaller,
+                args.per_device_train_batch_size * args.gradient_accumulation_steps // smaller,
+            )
+
+        return batch_size.search(attempt, given, start=start, on_retry=on_retry)
+
+    def _found_batch_size(self, folder: str) -> TrainingArguments | None:
         """HF: resuming under auto_find_batch_size starts from the batch the search had found (the checkpoint's
-        `train_batch_size`) instead of searching again; here with the accumulation that keeps the effective batch."""
+        `train_batch_size`) instead of searching again; here with the accumulation that keeps the effective batch.
+        None: start from the arguments' batch."""
         saved = saving.load_trainer_state(folder).train_batch_size
         if not saved:
-            return
-        per_device = batch_size.per_device_from_state(
-            saved, self.args.world_size, sharding.data_parallel_size(self.mesh)
-        )
+            return None
+        args = self.args
+        effective = args.per_device_train_batch_size * args.gradient_accumulation_steps
+        per_device = batch_size.per_device_from_state(saved, args.world_size, sharding.data_parallel_size(self.mesh))
         if effective % per_device:
             logger.warning(
                 "auto_find_batch_size: the checkpoint's train_batch_size=%d does not divide the effective "
@@ -846,15 +843,16 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
                 saved,
                 effective,
             )
-        elif per_device != self.args.per_device_train_batch_size:
-            logger.info(
-                "auto_find_batch_size: resuming with the checkpoint's per_device_train_batch_size=%d and "
-                "gradient_accumulation_steps=%d.",
-                per_device,
-                effective // per_device,
-            )
-            self.args.per_device_train_batch_size = per_device
-            self.args.gradient_accumulation_steps = effective // per_device
+            return None
+        if per_device == args.per_device_train_batch_size:
+            return None
+        logger.info(
+            "auto_find_batch_size: resuming with the checkpoint's per_device_train_batch_size=%d and "
+            "gradient_accumulation_steps=%d.",
+            per_device,
+            effective // per_device,
+        )
+        return batch_size.with_batch(args, per_device, effective // per_device)
 
     def _exit_if_preempted(self, run: TrainingRun, trial) -> None:
         """After a step: if any process got SIGTERM, all save this step's checkpoint and exit with code 0."""
@@ -972,13 +970,13 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         check_optimizer_override(self)
         self.callback_handler.optimizer, self.callback_handler.lr_scheduler = self.optimizer, self.lr_scheduler
         tx = self._step_optimizer()
-        epochs_trained, skip = 0, 0
+        epochs_trained, skip, resumed_loop_state = 0, 0, None
         self._start_schedule()
         if resume_from_checkpoint is not None:
             # Restored straight onto the state's shardings: no fresh state is built only to be overwritten (at
             # 8B that would hold two train states at once), except when the optimizer's wrappers changed.
             state_shardings, like = self._abstract_train_state_of(tx)
-            train_state, epochs_trained, skip = self._resume(
+            train_state, epochs_trained, skip, resumed_loop_state = self._resume(
                 resume_from_checkpoint, like, updates_per_epoch, fresh=lambda: self._initial_train_state(tx)[0]
             )
             train_state = train_state.replace(opt_state=self._resumed_optimizer_state(train_state.opt_state))
@@ -994,6 +992,7 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
             label_classes=self._label_classes(spec),
             epochs_trained=epochs_trained,
             skip=skip,
+            resumed_loop_state=resumed_loop_state,
         )
         return self._run
 
@@ -1023,7 +1022,8 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         args, loader, shapes = self.args, run.loader, run.shapes
         loader.set_epoch(epoch)
         skip = run.skip if epoch == run.epochs_trained else 0
-        windows = self._windows(loader, shapes, run.updates_per_epoch, run.steps_in_epoch, skip)
+        resumed = run.resumed_loop_state if epoch == run.epochs_trained else None
+        windows = self._windows(loader, shapes, run.updates_per_epoch, run.steps_in_epoch, skip, resumed)
         # With many processes, agreeing on shapes is a collective: it must run on the main thread, in step
         # order with the train steps. On one process the background thread also pads and places batches.
         in_background = jax.process_count() == 1
@@ -1083,14 +1083,14 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         step_batch = self._step_batch(run, batches)
         return PreparedWindow(batches, step_batch, LoopState(collator_rng, run.shapes.length))
 
-    def _windows(self, loader, shapes, updates_per_epoch, steps_in_epoch, skip):
+    def _windows(self, loader, shapes, updates_per_epoch, steps_in_epoch, skip, resumed: LoopState | None = None):
         """Yield each optimizer step's micro-batches (this process's rows) for one epoch, HF's get_batch_samples,
-        with the collator's host generator state after them."""
+        with the collator's host generator state after them; `resumed`: the checkpoint's loop state (the resumed
+        epoch only)."""
         ga = self.args.gradient_accumulation_steps
         iterator = iter(loader)
         for _ in range(skip):
             next(iterator, None)
-        resumed = self._take_resumed_loop_state()
         if resumed is not None:  # resumed: draw on from where the checkpoint's step left off
             if resumed.collator_rng is not None:
                 loader.rng_stream.state = resumed.collator_rng

@@ -63,9 +63,7 @@ OWNER: dict[str, str] = {
         "optimizer_setup",
     ),
     "_preprocess_placement": "evaluation",
-    **dict.fromkeys(
-        ("state", "_pending_checkpoint", "_on_save_state", "_torch_rng_state", "_resumed_loop_state"), "saving"
-    ),
+    **dict.fromkeys(("state", "_pending_checkpoint", "_on_save_state"), "saving"),
     **dict.fromkeys(
         ("hp_search_backend", "hp_name", "hp_space", "compute_objective", "objective", "_trial"), "hpsearch"
     ),
@@ -137,8 +135,6 @@ class TrainerParts:
     state: Any  # HF's TrainerState
     _pending_checkpoint: Any = None  # the checkpoint being written in the background
     _on_save_state: Any = None  # a save whose on_save waits for its commit
-    _torch_rng_state: Any = None  # the host generators of a transformers.Trainer checkpoint being resumed
-    _resumed_loop_state: Any = None  # the loop state of the checkpoint being resumed
     # hpsearch
     hp_search_backend: Any = None
     hp_name: Any = None

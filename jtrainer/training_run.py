@@ -151,6 +151,7 @@ class TrainingRun:
     label_classes: int | None  # the class count labels are checked against (Trainer._label_classes)
     epochs_trained: int = 0  # when resuming: whole epochs already done
     skip: int = 0  # when resuming: micro-batches of the resumed epoch already trained
+    resumed_loop_state: LoopState | None = None  # when resuming: the checkpoint's loop state (its first epoch)
     epochs: int = 0
     steps_in_epoch: int = 0
     start_time: float = 0.0

@@ -32,13 +32,11 @@ def test_auto_find_batch_size_keeps_the_effective_batch(monkeypatch):
         )
     # A device with just enough memory for batches of 4: 16 and 8 do not fit, 4 does.
     monkeypatch.setenv(env.DEVICE_MEMORY_BYTES.name, str(fits + 1024))
-    searched = Trainer(
-        LlamaForCausalLM.from_config(tiny_llama_config()),
-        _args(per_device_train_batch_size=16, auto_find_batch_size=True),
-        train_dataset=rows,
-    )
+    given = _args(per_device_train_batch_size=16, auto_find_batch_size=True)
+    searched = Trainer(LlamaForCausalLM.from_config(tiny_llama_config()), given, train_dataset=rows)
     searched.train()
     assert (searched.args.per_device_train_batch_size, searched.args.gradient_accumulation_steps) == (4, 4)
+    assert (given.per_device_train_batch_size, given.gradient_accumulation_steps) == (16, 1)  # a copy holds the batch
     assert _losses(searched) == pytest.approx(_losses(reference), rel=1e-5)
 
     monkeypatch.setenv(env.DEVICE_MEMORY_BYTES.name, "1000")

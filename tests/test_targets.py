@@ -276,9 +276,10 @@ def test_auto_find_batch_size_on_a_target_finds_the_batch_that_fits(capsys):
     )
     result = run_check(*parsed[:3], "v5litepod-16")
     printed = capsys.readouterr().out
-    args = parsed[2]
-    assert result["fits"] and args.per_device_train_batch_size < 64
-    assert args.per_device_train_batch_size * args.gradient_accumulation_steps == 64
+    found = result["per_device_train_batch_size"], result["gradient_accumulation_steps"]
+    assert result["fits"] and found[0] < 64
+    assert found[0] * found[1] == 64
+    assert (parsed[2].per_device_train_batch_size, parsed[2].gradient_accumulation_steps) == (64, 1)  # unchanged
     assert "auto_find_batch_size: per_device_train_batch_size 64 does not fit v5litepod-16" in printed
     assert result["step_bytes_per_device"] <= 16 * 2**30
 

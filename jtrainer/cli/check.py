@@ -345,7 +345,7 @@ def run_check(
         else "this machine"
     )
     try:
-        numbers = _compile_fitting(model_args, data_args, training_args, target, where)
+        numbers, training_args = _compile_fitting(model_args, data_args, training_args, target, where)
     except StepDoesNotFit as error:
         say(f"jtrainer check: does not fit {where}: {error}.")
         _say_largest(error.largest, error.shapes, training_args)
@@ -411,45 +411,60 @@ def run_check(
         )
         values = numbers["largest_values"]() if worst == needed else []
         _say_largest(values, numbers["step_shapes"], training_args)
-    return {"fields": report, **numbers, "fits": fits, "estimate": estimate}
+    found = {
+        name: getattr(training_args, name) for name in ("per_device_train_batch_size", "gradient_accumulation_steps")
+    }
+    return {"fields": report, **numbers, **found, "fits": fits, "estimate": estimate}
 
 
-def _compile_fitting(model_args, data_args, training_args, target, where: str) -> dict[str, Any]:
+class _Oversize(Exception):
+    """A compiled train step over the target's memory, with its numbers and arguments (what check reports if
+    nothing fits)."""
+
+    def __init__(self, why: str, numbers: dict[str, Any], args):
+        super().__init__(why)
+        self.numbers, self.args = numbers, args
+
+
+def _compile_fitting(model_args, data_args, training_args, target, where: str) -> tuple[dict[str, Any], Any]:
     """compile_step; with auto_find_batch_size (as training would search on that machine), the train step is
-    compiled again at HF's smaller batch sizes (x0.9, a divisor of the effective batch, accumulation raised to
-    keep it) until it fits the target's memory, and `training_args` is left at the batch found."""
-    effective = training_args.per_device_train_batch_size * training_args.gradient_accumulation_steps
-    first = training_args.per_device_train_batch_size
-    while True:
-        try:
-            numbers = compile_step(model_args, data_args, training_args, target)
-            needed, budget = numbers["step_bytes_per_device"], numbers["device_memory_bytes"]
-            if not training_args.auto_find_batch_size or needed is None or budget is None or needed <= budget:
-                if training_args.per_device_train_batch_size != first:
-                    say(
-                        f"jtrainer check: auto_find_batch_size: per_device_train_batch_size "
-                        f"{training_args.per_device_train_batch_size}, gradient_accumulation_steps "
-                        f"{training_args.gradient_accumulation_steps} fit {where}"
-                    )
-                return numbers
-            why = f"{size(needed)} per device, {size(budget)} available"
-            fallback = numbers
-        except StepDoesNotFit as error:
-            if not training_args.auto_find_batch_size or str(error).startswith("the eval step"):
-                raise  # the search is over the training batch only
-            why, fallback = str(error), None
-        smaller = batch_size.next_batch_size(training_args.per_device_train_batch_size, effective)
-        if smaller == 0:
-            if fallback is None:
-                raise StepDoesNotFit(f"no per_device_train_batch_size fits (auto_find_batch_size): {why}")
-            return fallback
+    compiled again at HF's smaller batch sizes (batch_size.search: x0.9, a divisor of the effective batch,
+    accumulation raised to keep it) until it fits the target's memory. Returns the numbers and the arguments of
+    the batch found (`training_args` itself is not changed)."""
+
+    def attempt(args):
+        numbers = compile_step(model_args, data_args, args, target)
+        needed, budget = numbers["step_bytes_per_device"], numbers["device_memory_bytes"]
+        if args.auto_find_batch_size and needed is not None and budget is not None and needed > budget:
+            raise _Oversize(f"{size(needed)} per device, {size(budget)} available", numbers, args)
+        if args is not training_args:
+            say(
+                f"jtrainer check: auto_find_batch_size: per_device_train_batch_size "
+                f"{args.per_device_train_batch_size}, gradient_accumulation_steps "
+                f"{args.gradient_accumulation_steps} fit {where}"
+            )
+        return numbers, args
+
+    def retry_on(error: BaseException) -> bool:  # the search is over the training batch only
+        if isinstance(error, StepDoesNotFit):
+            return training_args.auto_find_batch_size and not str(error).startswith("the eval step")
+        return isinstance(error, _Oversize)
+
+    def on_retry(args, smaller: int, error: BaseException) -> None:
+        effective = args.per_device_train_batch_size * args.gradient_accumulation_steps
         say(
             f"jtrainer check: auto_find_batch_size: per_device_train_batch_size "
-            f"{training_args.per_device_train_batch_size} does not fit {where} ({why}); trying {smaller} with "
+            f"{args.per_device_train_batch_size} does not fit {where} ({error}); trying {smaller} with "
             f"gradient_accumulation_steps {effective // smaller}"
         )
-        training_args.per_device_train_batch_size = smaller
-        training_args.gradient_accumulation_steps = effective // smaller
+
+    try:
+        return batch_size.search(attempt, training_args, retry_on=retry_on, on_retry=on_retry)
+    except batch_size.NoBatchSizeFits as exhausted:
+        last = exhausted.__cause__
+        if isinstance(last, _Oversize):  # the smallest batch's numbers, reported as not fitting
+            return last.numbers, last.args
+        raise StepDoesNotFit(f"no per_device_train_batch_size fits (auto_find_batch_size): {last}") from last
 
 
 ADVICE = (
