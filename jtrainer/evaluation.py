@@ -103,7 +103,7 @@ class EvaluationMixin(TrainerParts):
 
     def _evaluate(self, trial, ignore_keys_for_eval, skip_scheduler: bool = False) -> dict[str, float]:
         metrics = self.evaluate(ignore_keys=ignore_keys_for_eval)
-        if self._plateau is not None and not skip_scheduler:
+        if self._per_evaluation_scheduler() is not None and not skip_scheduler:
             name = self.args.metric_for_best_model
             key = name if name.startswith("eval_") else f"eval_{name}"
             if key not in metrics:

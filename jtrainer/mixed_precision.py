@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jtrainer.optim import nested_states
+from jtrainer.opt_state import nested_states
 
 INITIAL_SCALE = 2.0**16
 GROWTH_FACTOR = 2.0

@@ -4,7 +4,6 @@ optax, and the parameter/FLOP counts HF reports."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -13,7 +12,8 @@ import optax
 from flax import nnx
 from transformers.trainer_utils import SchedulerType
 
-from jtrainer import bridge, optim
+from jtrainer import bridge, optim, schedules
+from jtrainer import opt_state as opt_states
 from jtrainer.models.base import count_parameters
 from jtrainer.models.layers import LayerNorm
 from jtrainer.trainer_parts import TrainerParts
@@ -28,30 +28,18 @@ def dotted(path: tuple) -> str:
     return jax.tree_util.keystr(path, simple=True, separator=".")
 
 
-@dataclass(frozen=True)
-class ResumedSchedule:
-    """A resumed run whose schedule changed (max_steps, epochs, warmup): the first update after the checkpoint
-    still applies the rate saved with the optimizer (torch steps its scheduler after the update), logged as
-    `first_rate`; after it the state takes this run's warmup and length."""
-
-    first_count: int  # the schedule count after that first update
-    first_rate: float  # its rate, HF's float64 value of the saved schedule
-    warmup_steps: int
-    total_steps: int
-
-
 class OptimizerMixin(TrainerParts):
     """create_optimizer / create_scheduler and friends; uses the Trainer's args, model and train state."""
 
     def _forget_optimizer(self) -> None:
         """A new model (model_init): the next train() builds its optimizer and schedule afresh."""
-        self.optimizer = self.lr_scheduler = None
-        self._created_lr_scheduler, self._optimizer_recipe = False, None
+        self.optimizer = self.lr_scheduler = self._learning_rate = None
+        self._optimizer_recipe = None
 
     def _start_schedule(self) -> None:
-        """The schedule's base rate and shape as a run starts (a resume may keep the checkpoint's base rate)."""
-        self._schedule_base = float(self.args.learning_rate)
-        self._resumed_schedule, self._schedule_switch_pending = None, False
+        """The schedule's base rate as a run starts (a resume may keep the checkpoint's base rate)."""
+        if self._learning_rate is not None:
+            self._learning_rate.start(self.args.learning_rate)
 
     def _optimizer_eval(self) -> None:
         """HF's optimizer.eval(): a schedule-free optimizer's x parameters are the model's until the next step."""
@@ -61,13 +49,14 @@ class OptimizerMixin(TrainerParts):
         """HF's optimizer.train(), at each training step."""
         self._optimizer_eval_mode = False
 
+    def _per_evaluation_scheduler(self) -> schedules.PlateauScheduler | schedules.GreedyScheduler | None:
+        """The scheduler that steps once per evaluation (reduce_lr_on_plateau, greedy), if the run has one."""
+        return None if self._learning_rate is None else self._learning_rate.per_evaluation
+
     def _step_plateau(self, metric: float) -> None:
         """A per-evaluation scheduler's step on the evaluated metric: the new rate goes into the train state."""
-        lr = self._plateau.last_lr  # the host's float64 rate, as torch's scheduler keeps it
-        new_lr = self._plateau.last_lr = self._plateau.step(metric, lr)
-        if new_lr != lr:
-            opt_state = optim.set_hyperparam(self._train_state.opt_state, "learning_rate", new_lr)
-            self._train_state = self._train_state.replace(opt_state=opt_state)
+        opt_state = self._learning_rate.after_evaluation(metric, self._train_state.opt_state)
+        self._train_state = self._train_state.replace(opt_state=opt_state)
 
     def get_decay_parameter_names(self, model=None) -> list[str]:
         """HF's rule: every parameter but those of LayerNorm modules (torch.nn.LayerNorm's counterparts, by type)
@@ -90,15 +79,11 @@ class OptimizerMixin(TrainerParts):
             decayed = {f"params.{name}" for name in decayed}
         return jax.tree_util.tree_map_with_path(lambda p, _: dotted(p) in decayed, params)
 
-    def create_scheduler(self, num_training_steps: int, optimizer=None) -> optim.Schedule:
+    def create_scheduler(self, num_training_steps: int, optimizer=None) -> schedules.Schedule:
         """HF's scheduler, as a step -> rate function (or the user's schedule from `optimizers`)."""
         if self.lr_scheduler is None:
-            args = self.args
-            self._schedule_values = (args.get_warmup_steps(num_training_steps), num_training_steps)
-            self.lr_scheduler = optim.make_schedule(
-                args.lr_scheduler_type, args.learning_rate, *self._schedule_values, args.lr_scheduler_kwargs
-            )
-            self._created_lr_scheduler = True
+            self._learning_rate = schedules.LearningRate.from_args(self.args, num_training_steps)
+            self.lr_scheduler = self._learning_rate.scheduler()
         return self.lr_scheduler
 
     def create_optimizer(self, params=None) -> optax.GradientTransformation:
@@ -106,38 +91,40 @@ class OptimizerMixin(TrainerParts):
             return self.optimizer
         params = params if params is not None else nnx.to_pure_dict(nnx.state(self.nnx_model, nnx.Param))
         mask = self._decay_mask_tree(params)
+        rate = self._learning_rate
         if self.optimizer_cls_and_kwargs is not None:
             cls, kwargs = self.optimizer_cls_and_kwargs
             factory = lambda learning_rate: cls(learning_rate=learning_rate, **kwargs)  # noqa: E731
             self.optimizer = optax.inject_hyperparams(factory)(learning_rate=self.lr_scheduler)
+            if rate is not None:
+                rate.drives_optimizer = True
             return self.optimizer
         args = self.args
-        plateau = args.lr_scheduler_type in (SchedulerType.REDUCE_ON_PLATEAU, SchedulerType.GREEDY)
-        if self._created_lr_scheduler and not plateau:
+        per_evaluation = SchedulerType(args.lr_scheduler_type).value in schedules.PER_EVALUATION
+        if rate is not None and not per_evaluation:
             # HF's schedule from the state's numbers: trials that change them reuse the compiled step.
-            warmup, total = self._schedule_values
-            multiplier = optim.schedule_multiplier(args.lr_scheduler_type, args.learning_rate, args.lr_scheduler_kwargs)
             self.optimizer = optim.make_optimizer(
-                args, mask, multiplier=multiplier, warmup_steps=warmup, total_steps=total
+                args, mask, multiplier=rate.multiplier(), warmup_steps=rate.warmup_steps, total_steps=rate.total_steps
             )
+            rate.in_optimizer_state = rate.drives_optimizer = True
             self._optimizer_recipe = (
                 optim.check_optimizer_name(args.optim),
                 args.optim_args,
-                SchedulerType(args.lr_scheduler_type).value,
-                json.dumps(args.lr_scheduler_kwargs or {}, sort_keys=True, default=str),
+                rate.kind,
+                json.dumps(rate.kwargs, sort_keys=True, default=str),
                 tuple(jax.tree.leaves(mask)),
                 jax.tree.structure(mask),
             )
         else:
-            self.optimizer = optim.make_optimizer(args, mask, learning_rate=None if plateau else self.lr_scheduler)
-        if args.lr_scheduler_type == SchedulerType.REDUCE_ON_PLATEAU:
-            self._plateau = optim.PlateauScheduler(
-                mode="max" if args.greater_is_better else "min", **(args.lr_scheduler_kwargs or {})
+            self.optimizer = optim.make_optimizer(
+                args, mask, learning_rate=None if per_evaluation else self.lr_scheduler
             )
-        elif plateau:  # HF's GreedyLR: its own defaults (mode "min"), lr_scheduler_kwargs override them
-            self._plateau = optim.GreedyScheduler(initial_lr=args.learning_rate, **(args.lr_scheduler_kwargs or {}))
-        if plateau:
-            self._plateau.last_lr = float(args.learning_rate)  # saved and restored with the scheduler's counters
+        if per_evaluation:
+            if rate is None:  # the user's lr_scheduler, with a per-evaluation lr_scheduler_type
+                rate = self._learning_rate = schedules.LearningRate(
+                    SchedulerType(args.lr_scheduler_type).value, float(args.learning_rate), 0, 0
+                )
+            rate.per_evaluation = schedules.per_evaluation_scheduler(args)
         return self.optimizer
 
     def create_optimizer_and_scheduler(self, num_training_steps: int) -> None:
@@ -148,67 +135,34 @@ class OptimizerMixin(TrainerParts):
         if self._train_state is None:
             raise ValueError("Trainer optimizer is None, please make sure you have setup the optimizer before.")
         opt_state = self._train_state.opt_state
-        lr = optim.current_learning_rate(opt_state)
+        lr = opt_states.current_learning_rate(opt_state)
         if lr is None:
             return []
-        return [self._host_learning_rate(lr, optim.schedule_count(opt_state))]
+        return [self._host_learning_rate(lr, opt_states.schedule_count(opt_state))]
 
     def _host_learning_rate(self, device_lr, count) -> float:
-        """The rate of the last update as HF logs it: its scheduler's Python float64 value (the device stepped with
-        its float32 rounding); a user's own schedule is read from the device."""
-        args = self.args
-        if self._plateau is not None:
-            return self._plateau.last_lr
-        trainer_built = self._optimizer_recipe is not None or self.optimizer_cls_and_kwargs is not None
-        if self._created_lr_scheduler and trainer_built:  # the device's rate is HF's schedule
-            resumed = self._resumed_schedule
-            if resumed is not None and int(count) == resumed.first_count:
-                return resumed.first_rate
-            return optim.host_learning_rate(
-                args.lr_scheduler_type,
-                self._schedule_base,
-                max(int(count) - 1, 0),
-                *self._schedule_values,
-                args.lr_scheduler_kwargs,
-            )
-        return float(device_lr)
+        """The rate of the last update as HF logs it (LearningRate.host_rate); a user's own schedule is read from
+        the device."""
+        if self._learning_rate is None:
+            return float(device_lr)
+        return self._learning_rate.host_rate(device_lr, count)
 
     def _resumed_optimizer_state(self, opt_state):
         """The restored optimizer state under this run's arguments, as HF resumes: torch loads the saved param
         groups and scheduler state, so weight decay, betas, epsilon and the schedule's base rate stay the
-        checkpoint's, while the schedule's shape (its rebuilt lambda: warmup, length, kwargs) and max_grad_norm
-        (read each step) are this run's. A changed shape takes effect after the first resumed update."""
-        args, hyper = self.args, optim.find_hyperparams(opt_state)
-        if hyper is None:
+        checkpoint's, while the schedule's shape (LearningRate.resume) and max_grad_norm (read each step) are
+        this run's."""
+        if opt_states.hyperparameter(opt_state, "max_grad_norm") is not None:
+            opt_state = opt_states.set_hyperparam(opt_state, "max_grad_norm", self.args.max_grad_norm or 0.0)
+        if self._learning_rate is None:
             return opt_state
-        if "max_grad_norm" in hyper:
-            opt_state = optim.set_hyperparam(opt_state, "max_grad_norm", args.max_grad_norm or 0.0)
-        if not (self._created_lr_scheduler and self._optimizer_recipe is not None):
-            return opt_state
-        saved_base = float(hyper["base_learning_rate"])
-        # The float64 rate HF keeps when it is this run's (the state holds its float32 rounding).
-        same_rate = np.float32(args.learning_rate) == np.float32(saved_base)
-        self._schedule_base = float(args.learning_rate) if same_rate else saved_base
-        saved = (int(hyper["warmup_steps"]), int(hyper["total_steps"]))
-        if saved != tuple(self._schedule_values):
-            count = int(optim.schedule_count(opt_state))
-            first = optim.host_learning_rate(
-                args.lr_scheduler_type, self._schedule_base, count, *saved, args.lr_scheduler_kwargs
-            )
-            self._resumed_schedule = ResumedSchedule(count + 1, first, *self._schedule_values)
-            self._schedule_switch_pending = True
-        return opt_state
+        return self._learning_rate.resume(opt_state, self.args.learning_rate)
 
     def _follow_resumed_schedule(self, train_state):
-        """Called after each update; after the first resumed one, this run's warmup and length replace the
-        checkpoint's (once: no device read)."""
-        if not self._schedule_switch_pending:
+        """Called after each update (LearningRate.after_update: a resume's changed schedule takes effect)."""
+        if self._learning_rate is None or not self._learning_rate.switch_pending:
             return train_state
-        self._schedule_switch_pending = False
-        resumed, opt_state = self._resumed_schedule, train_state.opt_state
-        for name, value in (("warmup_steps", resumed.warmup_steps), ("total_steps", resumed.total_steps)):
-            opt_state = optim.set_hyperparam(opt_state, name, value)
-        return train_state.replace(opt_state=opt_state)
+        return train_state.replace(opt_state=self._learning_rate.after_update(train_state.opt_state))
 
     def get_optimizer_group(self, param=None):
         params = nnx.to_pure_dict(nnx.state(self.nnx_model, nnx.Param))

@@ -156,7 +156,8 @@ class SavingMixin(TrainerParts):
             else:
                 self.state.stateful_callbacks[name] = cb_state
 
-        scheduler_state = None if self._plateau is None else self._plateau.state_dict()  # as of this step
+        per_evaluation = self._per_evaluation_scheduler()
+        scheduler_state = None if per_evaluation is None else per_evaluation.state_dict()  # as of this step
         process_rng = host_rng.capture()
         loop_state = self._run.saved_loop_state() if self._run is not None else None
 
@@ -246,8 +247,9 @@ class SavingMixin(TrainerParts):
             self.state.best_model_checkpoint = None
         self._warn_changed_args(folder)
         scheduler_file = storage.join(folder, checkpoint.SCHEDULER_NAME)
-        if self._plateau is not None and storage.isfile(scheduler_file):
-            self._plateau.load_state_dict(json.loads(storage.read_text(scheduler_file)))
+        per_evaluation = self._per_evaluation_scheduler()
+        if per_evaluation is not None and storage.isfile(scheduler_file):
+            per_evaluation.load_state_dict(json.loads(storage.read_text(scheduler_file)))
         if self.args.restore_callback_states_from_checkpoint:
             self._load_callback_state()
         loop_state = self._restore_loop_state(folder, torch_rng_state)

@@ -334,7 +334,8 @@ def restore(folder: str, *, args, layout: ModelLayout, mesh, rules, decay_mask, 
     run's schedule (this run's `lr_scheduler_type` and warmup over the saved `max_steps`) and refuses when that
     does not give the saved rate. Anything else that cannot continue as torch would is refused by name.
     """
-    from jtrainer import optim
+    from jtrainer import opt_state as opt_states
+    from jtrainer import schedules
 
     with storage.local_folder(folder) as local:
         missing = missing_files(local)
@@ -363,9 +364,9 @@ def restore(folder: str, *, args, layout: ModelLayout, mesh, rules, decay_mask, 
         "total_steps": max_steps_saved,
     }
     for name, value in values.items():
-        opt_state = optim.set_hyperparam(opt_state, name, value)
-    opt_state = optim.set_schedule_count(opt_state, saved.schedule_step)
-    first_rate = optim.host_learning_rate(
+        opt_state = opt_states.set_hyperparam(opt_state, name, value)
+    opt_state = opt_states.set_schedule_count(opt_state, saved.schedule_step)
+    first_rate = schedules.host_learning_rate(
         args.lr_scheduler_type, saved.base_lr, saved.schedule_step, warmup, max_steps_saved, args.lr_scheduler_kwargs
     )
     if not np.isclose(first_rate, saved.lr, rtol=1e-9, atol=1e-15):

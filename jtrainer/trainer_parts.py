@@ -50,13 +50,8 @@ OWNER: dict[str, str] = {
         (
             "optimizer",
             "lr_scheduler",
-            "_created_lr_scheduler",
+            "_learning_rate",
             "_optimizer_recipe",
-            "_plateau",
-            "_schedule_values",
-            "_schedule_base",
-            "_resumed_schedule",
-            "_schedule_switch_pending",
             "_optimizer_eval_mode",
             "_non_embedding_count",
         ),
@@ -120,13 +115,8 @@ class TrainerParts:
     # optimizer_setup
     optimizer: Any = None
     lr_scheduler: Any = None
-    _created_lr_scheduler: bool = False
+    _learning_rate: Any = None  # jtrainer.schedules.LearningRate: the schedule the Trainer built, in all its forms
     _optimizer_recipe: tuple | None = None  # what the built optimizer depends on besides numbers
-    _plateau: Any = None  # a per-evaluation scheduler (reduce_lr_on_plateau, greedy)
-    _schedule_values: tuple[int, int] | None = None  # HF's schedule: (warmup steps, total steps)
-    _schedule_base: float | None = None  # the schedule's base rate this run
-    _resumed_schedule: Any = None  # a resume that changes the schedule (ResumedSchedule)
-    _schedule_switch_pending: bool = False
     _optimizer_eval_mode: bool = False  # HF's optimizer.eval() (schedule-free optimizers) until the next step
     _non_embedding_count: Any = None
     # evaluation

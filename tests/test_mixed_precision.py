@@ -101,7 +101,7 @@ def test_full_eval_computes_in_half_precision(half):
 def test_resume_across_a_change_of_fp16_or_nan_inf_policy(tmp_path, caplog):
     """HF resumes a checkpoint whatever fp16 was at the save: the optimizer's state is restored from under the
     saved wrappers and put under this run's, whose state (the loss scale, the skip counter) starts afresh."""
-    from jtrainer import optim
+    from jtrainer import opt_state
 
     rows = token_rows(12)
 
@@ -121,7 +121,7 @@ def test_resume_across_a_change_of_fp16_or_nan_inf_policy(tmp_path, caplog):
     assert _logs(to_half)[-1] == pytest.approx(_logs(plain)[-1], rel=1e-2)
     state = to_half._train_state.opt_state
     assert mixed_precision.loss_scale(state) == mixed_precision.INITIAL_SCALE
-    assert optim.hyperparameter(state, "learning_rate") is not None and state.inner_state.count == 3
+    assert opt_state.hyperparameter(state, "learning_rate") is not None and state.inner_state.count == 3
 
     half = run(tmp_path / "half", fp16=True)
     to_skip = run(tmp_path / "to_skip", str(tmp_path / "half" / "checkpoint-2"), nan_inf_policy="skip")

@@ -15,13 +15,9 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from jtrainer import TrainingArguments  # noqa: E402
-from jtrainer.optim import (  # noqa: E402
-    SUPPORTED_OPTIMIZERS,
-    current_learning_rate,
-    make_optimizer,
-    schedule_free_eval_params,
-    schedule_multiplier,
-)
+from jtrainer.opt_state import current_learning_rate  # noqa: E402
+from jtrainer.optim import SUPPORTED_OPTIMIZERS, make_optimizer, schedule_free_eval_params  # noqa: E402
+from jtrainer.schedules import schedule_multiplier  # noqa: E402
 
 STEPS = 10
 
