@@ -6,12 +6,22 @@ checkpoints, resume and export (`saving`), hyperparameter search (`hpsearch`), t
 files (`metrics_io`). Every part derives from `TrainerParts`, which declares each attribute an instance holds,
 with its default where it has one. `OWNER` names the one part that assigns each attribute; the others only read
 it, except the few in `SHARED` (HF's own pattern: every part hands `control` to the callbacks and takes it back).
-`tests/test_trainer_parts.py` checks both against the code.
+Every method one part calls on another is declared here too (for type checkers, with its signature), and `CALLS`
+names the part that defines it. `tests/test_trainer_parts.py` checks all three against the code; the type checker
+checks the declarations against the definitions.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from jtrainer import data, schedules
+    from jtrainer.saving import Resumed
+    from jtrainer.state import TrainState
+    from jtrainer.step import LossSpec
 
 OWNER: dict[str, str] = {
     **dict.fromkeys(
@@ -80,6 +90,57 @@ SHARED: dict[str, tuple[str, ...]] = {
 }
 
 
+# Every method a part calls on another part -> the part that defines it (declared in TrainerParts below).
+CALLS: dict[str, str] = {
+    "_check_labels": "trainer",
+    "_label_classes": "trainer",
+    "_loss_spec": "trainer",
+    "_mesh_context": "trainer",
+    "_model_params": "trainer",
+    "_sync_model": "trainer",
+    "get_eval_dataloader": "trainer",
+    "get_test_dataloader": "trainer",
+    "get_train_dataloader": "trainer",
+    "is_world_process_zero": "trainer",
+    "log": "trainer",
+    "store_flos": "trainer",
+    "_decay_mask_tree": "optimizer_setup",
+    "_follow_resumed_schedule": "optimizer_setup",
+    "_forget_optimizer": "optimizer_setup",
+    "_host_learning_rate": "optimizer_setup",
+    "_optimizer_eval": "optimizer_setup",
+    "_optimizer_train": "optimizer_setup",
+    "_per_evaluation_scheduler": "optimizer_setup",
+    "_resumed_optimizer_state": "optimizer_setup",
+    "_start_schedule": "optimizer_setup",
+    "_step_plateau": "optimizer_setup",
+    "create_optimizer_and_scheduler": "optimizer_setup",
+    "floating_point_ops": "optimizer_setup",
+    "_eval_step": "evaluation",
+    "_evaluate": "evaluation",
+    "_evaluate_loss_only": "evaluation",
+    "_generates": "evaluation",
+    "_ignore_keys": "evaluation",
+    "_announce_save": "saving",
+    "_commit_pending_checkpoint": "saving",
+    "_determine_best_metric": "saving",
+    "_finish_checkpoint_after_error": "saving",
+    "_get_output_dir": "saving",
+    "_load_best_model": "saving",
+    "_poll_pending_checkpoint": "saving",
+    "_resume": "saving",
+    "_save_checkpoint": "saving",
+    "save_model": "saving",
+    "_hp_search_setup": "hpsearch",
+    "_report_to_hp_search": "hpsearch",
+    "_push_from_checkpoint": "hub",
+    "init_hf_repo": "hub",
+    "push_to_hub": "hub",
+    "_generate_batch": "seq2seq",
+    "_prediction_labels": "seq2seq",
+}
+
+
 class TrainerParts:
     """What every part of the Trainer may read (see the module's docstring for who writes what)."""
 
@@ -135,3 +196,113 @@ class TrainerParts:
     # hub
     hub_model_id: str | None = None  # set by init_hf_repo()
     _push_jobs: tuple | list = ()  # uploads in flight (hub_strategy checkpoints)
+
+    # The methods one part calls on another, declared for type checkers (the code is the owner's; `CALLS` names it
+    # and tests/test_trainer_parts.py checks both). Bodies are `...`: they exist only while type checking.
+    if TYPE_CHECKING:
+        # trainer
+        def _check_labels(self, batch: data.Batch, num_classes: int | None) -> None: ...
+
+        def _label_classes(self, spec: LossSpec) -> int | None: ...
+
+        def _loss_spec(self, sample: data.Batch, training: bool = True) -> LossSpec: ...
+
+        def _mesh_context(self): ...
+
+        def _model_params(self): ...
+
+        def _sync_model(self) -> None: ...
+
+        def get_eval_dataloader(self, eval_dataset: Any = None) -> data.BatchLoader: ...
+
+        def get_test_dataloader(self, test_dataset: Any) -> data.BatchLoader: ...
+
+        def get_train_dataloader(self) -> data.BatchLoader: ...
+
+        def is_world_process_zero(self) -> bool: ...
+
+        def log(self, logs: dict[str, float], start_time: float | None = None) -> None: ...
+
+        def store_flos(self) -> None: ...
+
+        # optimizer_setup
+        def _decay_mask_tree(self, params): ...
+
+        def _follow_resumed_schedule(self, train_state): ...
+
+        def _forget_optimizer(self) -> None: ...
+
+        def _host_learning_rate(self, device_lr, count) -> float: ...
+
+        def _optimizer_eval(self) -> None: ...
+
+        def _optimizer_train(self) -> None: ...
+
+        def _per_evaluation_scheduler(self) -> schedules.PlateauScheduler | schedules.GreedyScheduler | None: ...
+
+        def _resumed_optimizer_state(self, opt_state): ...
+
+        def _start_schedule(self) -> None: ...
+
+        def _step_plateau(self, metric: float) -> None: ...
+
+        def create_optimizer_and_scheduler(self, num_training_steps: int) -> None: ...
+
+        def floating_point_ops(self, inputs: dict[str, Any]) -> int: ...
+
+        # evaluation
+        def _eval_step(self, spec: LossSpec, want_logits: bool, ignore_keys: tuple[str, ...]): ...
+
+        def _evaluate(self, trial, ignore_keys_for_eval, skip_scheduler: bool = False) -> dict[str, float]: ...
+
+        def _evaluate_loss_only(self) -> bool | None: ...
+
+        def _generates(self) -> bool: ...
+
+        def _ignore_keys(self, ignore_keys) -> tuple[str, ...]: ...
+
+        # saving
+        def _announce_save(self) -> None: ...
+
+        def _commit_pending_checkpoint(self, timeout: float | None = None) -> None: ...
+
+        def _determine_best_metric(self, metrics: dict[str, float]) -> bool: ...
+
+        def _finish_checkpoint_after_error(self, timeout: float = 600.0) -> None: ...
+
+        def _get_output_dir(self, trial) -> str: ...
+
+        def _load_best_model(self) -> None: ...
+
+        def _poll_pending_checkpoint(self) -> None: ...
+
+        def _resume(self, folder: str, like: TrainState, updates_per_epoch: int, fresh=None) -> Resumed: ...
+
+        def _save_checkpoint(self, trial) -> None: ...
+
+        def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None: ...
+
+        # hpsearch
+        def _hp_search_setup(self, trial) -> None: ...
+
+        def _report_to_hp_search(self, trial, step: int, metrics: dict[str, float]) -> None: ...
+
+        # hub
+        def _push_from_checkpoint(self, folder: str) -> None: ...
+
+        def init_hf_repo(self, token: str | None = None, private: bool | None = None) -> None: ...
+
+        def push_to_hub(
+            self,
+            commit_message: str | None = "End of training",
+            blocking: bool = True,
+            token: str | None = None,
+            revision: str | None = None,
+            private: bool | None = None,
+            **kwargs,
+        ): ...
+
+        # seq2seq
+        def _generate_batch(self, batch: dict[str, np.ndarray], rows: int) -> np.ndarray: ...
+
+        def _prediction_labels(self, labels: np.ndarray) -> np.ndarray: ...

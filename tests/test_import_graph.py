@@ -22,10 +22,14 @@ def _modules() -> dict[str, str]:
 
 
 def _imports(name: str, path: str, modules: dict[str, str]) -> set[str]:
-    """The jtrainer modules `name` imports anywhere in its file (`from pkg import sub` counts as `pkg.sub`)."""
+    """The jtrainer modules `name` imports anywhere in its file (`from pkg import sub` counts as `pkg.sub`), but
+    under `if TYPE_CHECKING:`."""
     package = name if path.endswith("__init__.py") else name.rpartition(".")[0]
     found = set()
-    for node in ast.walk(ast.parse(open(path).read())):
+    tree = ast.parse(open(path).read())
+    for block in [n for n in ast.walk(tree) if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING"]:
+        block.body = []  # imports for type checkers only: never run
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names if alias.name in modules)
         elif isinstance(node, ast.ImportFrom):

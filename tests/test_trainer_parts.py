@@ -8,6 +8,12 @@ from jtrainer import trainer_parts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PARTS = ("trainer", "optimizer_setup", "evaluation", "saving", "hpsearch", "hub", "metrics_io")
+CALLERS = (*PARTS, "seq2seq")  # Seq2SeqTrainer extends the Trainer; evaluation calls its generation hooks
+
+
+def _classes(part: str):
+    tree = ast.parse(open(os.path.join(ROOT, "jtrainer", f"{part}.py")).read())
+    return [n for n in tree.body if isinstance(n, ast.ClassDef)]
 
 
 def _targets(node):
@@ -73,3 +79,46 @@ def test_every_part_derives_from_the_declaration():
         Trainer,
     ):
         assert issubclass(part, trainer_parts.TrainerParts), part
+
+
+def _methods_and_uses():
+    """Method name -> the parts that define it; part -> the `self.<name>` it uses."""
+    defined: dict[str, set[str]] = {}
+    used: dict[str, set[str]] = {}
+    for part in CALLERS:
+        for cls in _classes(part):
+            for node in cls.body:
+                # properties (`model`) are declared as attributes
+                if isinstance(node, ast.FunctionDef) and node.name not in trainer_parts.TrainerParts.__annotations__:
+                    defined.setdefault(node.name, set()).add(part)
+            for node in ast.walk(cls):
+                if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+                    used.setdefault(part, set()).add(node.attr)
+    return defined, used
+
+
+def _declared_methods() -> set[str]:
+    """The methods TrainerParts declares (under `if TYPE_CHECKING:` in its body)."""
+    tree = ast.parse(open(os.path.join(ROOT, "jtrainer", "trainer_parts.py")).read())
+    parts = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "TrainerParts")
+    return {
+        f.name
+        for block in parts.body
+        if isinstance(block, ast.If)
+        for f in block.body
+        if isinstance(f, ast.FunctionDef)
+    }
+
+
+def test_every_cross_part_call_is_declared_with_the_part_that_defines_it():
+    defined, used = _methods_and_uses()
+    cross = {
+        name: sorted(defined[name])
+        for part, names in used.items()
+        for name in names
+        if name in defined and part not in defined[name]
+    }
+    # A method two parts define (a hook Seq2SeqTrainer overrides) belongs to the first that defines it.
+    owners = {name: next(p for p in CALLERS if p in parts) for name, parts in cross.items()}
+    assert owners == trainer_parts.CALLS
+    assert _declared_methods() == set(trainer_parts.CALLS)
