@@ -21,6 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import transformers
+from transformers.debug_utils import DebugOption
 from transformers.trainer_utils import HubStrategy, IntervalStrategy, SaveStrategy, SchedulerType
 from transformers.training_args import OptimizerNames, _convert_str_dict
 
@@ -220,7 +221,7 @@ class TrainingArguments(transformers.TrainingArguments):
         self.lr_scheduler_type = SchedulerType(self.lr_scheduler_type)
         self.optim = OptimizerNames(self.optim)
         if isinstance(self.debug, str):
-            self.debug = self.debug.split()
+            self.debug = [DebugOption(option) for option in self.debug.split()]
         elif self.debug is None:
             self.debug = []
 
@@ -244,7 +245,7 @@ class TrainingArguments(transformers.TrainingArguments):
             self.report_to = get_available_reporting_integrations()
         elif self.report_to in ("none", ["none"]):
             self.report_to = []
-        elif not isinstance(self.report_to, list):
+        elif isinstance(self.report_to, str):
             self.report_to = [self.report_to]
 
     def _validate(self) -> None:
@@ -255,8 +256,9 @@ class TrainingArguments(transformers.TrainingArguments):
             raise ValueError(
                 f"`torch_empty_cache_steps` must be an integer bigger than 0, got {self.torch_empty_cache_steps}."
             )
-        storage.check_output_url(self.output_dir)
-        if self.push_to_hub and storage.is_url(self.output_dir):
+        output_dir = str(self.output_dir)  # set by _normalise
+        storage.check_output_url(output_dir)
+        if self.push_to_hub and storage.is_url(output_dir):
             raise ValueError(
                 f"push_to_hub uploads output_dir from this machine, which {self.output_dir!r} is not: "
                 "train into a local output_dir to push to the Hub."
@@ -397,7 +399,7 @@ class TrainingArguments(transformers.TrainingArguments):
         return d
 
 
-def _check_best_model_strategies(args: TrainingArguments) -> None:
+def _check_best_model_strategies(args: Any) -> None:  # HF's field types allow None where _normalise set a number
     if args.eval_strategy != args.save_strategy:
         raise ValueError(
             "--load_best_model_at_end requires the save and eval strategy to match, except when"

@@ -106,7 +106,8 @@ _QUOTED_PATH = re.compile(r'"(?P<path>(?:/|[a-z0-9]+://)[^"]+)"')
 def _os_error(error: BaseException) -> tuple[int | None, str, str]:
     """(errno, reason, file) of a failed write, from Python's OSError or tensorstore's error text (orbax: the
     file is the last quoted path before its os_error_code), looking through the exceptions it was raised from."""
-    code, reason, path = None, None, None
+    code: int | None = None
+    reason, path = "", None
     for cause in _chain(error):
         if isinstance(cause, OSError) and cause.strerror:
             found = cause.errno, cause.strerror, cause.filename
@@ -115,7 +116,8 @@ def _os_error(error: BaseException) -> tuple[int | None, str, str]:
             found = int(match["code"]), os.strerror(int(match["code"])), paths[-1] if paths else None
         else:
             continue
-        code, reason = (code, reason) if code is not None else found[:2]
+        if code is None:
+            code, reason = found[0], found[1]
         path = path or found[2]
         if path:
             break
@@ -222,7 +224,9 @@ def _barrier(name: str, timeout_s: int = 1800) -> None:
         from jax._src import distributed
 
         key = f"{name}_{next(_BARRIER_CALLS.setdefault(name, itertools.count()))}"
-        distributed.global_state.client.wait_at_barrier(key, timeout_in_ms=timeout_s * 1000)
+        client = distributed.global_state.client
+        assert client is not None, "jax.distributed is initialised when there are several processes"
+        client.wait_at_barrier(key, timeout_in_ms=timeout_s * 1000)
 
 
 def _files(folder: str) -> list[str]:

@@ -174,7 +174,7 @@ class BatchLoader:
         # group_by_length as HF's LengthGroupedSampler: its batch (the rows of a whole optimizer step in training)
         # and, for evaluation, the seed its generator is built with each time.
         self.group_rows, self.group_seed = group_rows, group_seed
-        self._peeked: tuple[int, Iterator[list[Any]], tuple[Batch, int]] | None = None
+        self._peeked: tuple[int, Iterator[tuple[list[Any], int]], tuple[Batch, int]] | None = None
 
     @property
     def local_rows(self) -> int:
@@ -391,7 +391,7 @@ def assemble_window(
         tail = shapes.pad(batches[-1], length, pad_rows=False)
         batches, accumulation_steps = batches[:-1], accumulation_steps - 1
     padded = [shapes.pad(b, length) for b in batches]
-    template = padded[0] if padded else shapes.pad(tail, length)
+    template = padded[0] if padded else shapes.pad(tail, length)  # type: ignore[arg-type]  # no batch: the tail
     filler = {k: np.full_like(v, pad_value(k, shapes.pad_token_id)) for k, v in template.items()}
     padded += [filler] * (accumulation_steps - len(padded))
     stacked = {

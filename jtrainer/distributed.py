@@ -37,8 +37,8 @@ def maybe_initialize() -> bool:
             num_processes=env.NUM_PROCESSES.get_int(),
             process_id=env.PROCESS_ID.get_int(),
             # A peer that stops answering for this long makes the others fail instead of waiting forever.
-            heartbeat_timeout_seconds=env.HEARTBEAT_TIMEOUT.get_int(),
-            shutdown_timeout_seconds=env.HEARTBEAT_TIMEOUT.get_int(),
+            heartbeat_timeout_seconds=env.HEARTBEAT_TIMEOUT.get_int() or 20,
+            shutdown_timeout_seconds=env.HEARTBEAT_TIMEOUT.get_int() or 20,
             initialization_timeout=120,
         )
         return True

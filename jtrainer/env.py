@@ -41,6 +41,10 @@ class Setting:
         """The value now (the default when unset)."""
         return os.environ.get(self.name, self.default)
 
+    def text(self) -> str:
+        """The value now, "" when unset and without a default."""
+        return self.get() or ""
+
     def get_int(self) -> int | None:
         """The value as an integer (None when unset or empty)."""
         value = self.get()

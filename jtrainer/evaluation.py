@@ -26,6 +26,7 @@ from transformers.trainer_utils import (
 from jtrainer import bridge, compiled_steps, data, distributed, sharding
 from jtrainer.losses import IGNORE_INDEX
 from jtrainer.overrides import check_loader
+from jtrainer.state import split_params
 from jtrainer.step import (
     EvalOutputs,
     LossSpec,
@@ -123,7 +124,7 @@ class EvaluationMixin(TrainerParts):
         if self._train_state is not None:
             self._optimizer_eval()  # HF's evaluation_loop: optimizer.eval()
             return self._model_params(), self._train_state.model_state
-        _, params, rest = nnx.split(self.nnx_model, nnx.Param, ...)
+        _, params, rest = split_params(self.nnx_model)
         return (
             jax.device_put(nnx.to_pure_dict(params), sharding.named(self.mesh, self._param_specs)),
             jax.device_put(rest, sharding.replicated(self.mesh)),
@@ -140,9 +141,10 @@ class EvaluationMixin(TrainerParts):
         loader = check_loader(self, self.get_eval_dataloader(eval_dataset), "get_eval_dataloader")
         # HF: no point gathering predictions (logits, or generated ids) when there are no metrics to compute.
         output = self._timed_loop(loader, "Evaluation", ignore_keys, metric_key_prefix, self._evaluate_loss_only())
-        self.log(output.metrics)
-        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, output.metrics)
-        return output.metrics
+        metrics = output.metrics or {}  # evaluation_loop always sets them
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
 
     def predict(self, test_dataset, ignore_keys=None, metric_key_prefix: str = "test") -> PredictionOutput:
         loader = check_loader(self, self.get_test_dataloader(test_dataset), "get_test_dataloader")
@@ -159,6 +161,7 @@ class EvaluationMixin(TrainerParts):
         start_time = time.time()
         output = self.evaluation_loop(loader, description, loss_only, ignore_keys, prefix)
         total_batch = self.args.eval_batch_size * self.args.world_size
+        assert output.metrics is not None
         output.metrics.update(
             speed_metrics(
                 prefix,
@@ -260,10 +263,14 @@ class EvaluationMixin(TrainerParts):
         hf_logger.info(f"  Batch size = {args.eval_batch_size}")
         pad_id = getattr(self.processing_class, "pad_token_id", None) or 0
         shapes = data.ShapeKeeper(dataloader.local_rows, pad_id, agree=distributed.agree_max)
-        spec, step = None, None
+        spec: LossSpec | None = None
+        step: Any = None  # the jitted eval step, built for the first batch's loss spec
         # HF keeps every batch's values unless batch_eval_metrics computes metrics batch by batch (predict keeps them).
         keep_all = not args.batch_eval_metrics or description == "Prediction"
-        losses, preds, labels, inputs_seen = [], [], [], []
+        losses: list[Any] = []
+        preds: list[Any] = []
+        labels: list[Any] = []
+        inputs_seen: list[Any] = []
         num_samples = 0
         metrics = None
         include = set(args.include_for_metrics or [])
@@ -281,11 +288,12 @@ class EvaluationMixin(TrainerParts):
             padded = shapes.pad(batch, length, pad_rows=not ragged_rows)
             global_rows = dataloader.batch_size if not ragged_rows else rows
             inputs = sharding.put_global(padded, self.mesh, row_dim=0, global_rows=global_rows)
+            out: EvalOutputs
             if generating and not any(name in padded for name in self.label_names):
                 out = EvalOutputs(None, None)  # HF's Seq2SeqTrainer: generation alone, no forward without labels
             else:
                 with self._mesh_context():
-                    out: EvalOutputs = step(params, model_state, inputs)
+                    out = step(params, model_state, inputs)
             collated_len = distributed.agree_max(max((v.shape[1] for v in batch.values() if v.ndim >= 2), default=0))
 
             # HF's gather_for_metrics drops the rows completing a short last batch; Seq2SeqTrainer's plain gather
@@ -352,4 +360,5 @@ class EvaluationMixin(TrainerParts):
         for key in list(metrics):
             if not key.startswith(f"{metric_key_prefix}_"):
                 metrics[f"{metric_key_prefix}_{key}"] = metrics.pop(key)
-        return EvalLoopOutput(predictions=all_preds, label_ids=all_labels, metrics=metrics, num_samples=num_samples)
+        # HF's EvalLoopOutput: predictions None when only losses were asked for
+        return EvalLoopOutput(predictions=all_preds, label_ids=all_labels, metrics=metrics, num_samples=num_samples)  # type: ignore[arg-type]

@@ -268,7 +268,7 @@ def _decode_seq2seq(graphdef, state, input_ids_BxP, mask_BxP, settings: DecodeSe
 
 
 def generate(
-    model: nnx.Module,
+    model: Any,
     input_ids,
     attention_mask=None,
     generation_config=None,

@@ -44,7 +44,7 @@ def accelerator_plugins_installed() -> bool:
 
 
 def _configured_platforms() -> str:
-    return os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms or ""
+    return os.environ.get("JAX_PLATFORMS") or jax.config.read("jax_platforms") or ""
 
 
 def cpu_is_the_backend() -> bool:
@@ -55,7 +55,7 @@ def cpu_is_the_backend() -> bool:
 
 
 def should_tune() -> bool:
-    setting = env.TUNE_MALLOC.get().strip().lower()
+    setting = env.TUNE_MALLOC.text().strip().lower()
     if setting in ("0", "false", "off", "no"):
         return False
     return setting in ("1", "true", "on", "yes") or cpu_is_the_backend()

@@ -53,7 +53,7 @@ class HyperparameterSearchMixin(TrainerParts):
         backend: str | HPSearchBackend | None = None,
         hp_name: Callable | None = None,
         **kwargs,
-    ) -> BestRun | list[BestRun]:
+    ) -> BestRun | list[BestRun] | None:
         """Run `n_trials` trainings with hyperparameters from `hp_space(trial)`; the best run(s) by
         `compute_objective(eval metrics)` (default: the eval loss, or the sum of the metrics)."""
         backend = HPSearchBackend(backend or HPSearchBackend.OPTUNA)
@@ -138,8 +138,9 @@ def _run_optuna(trainer, n_trials: int, direction: str | list[str], **kwargs) ->
     n_jobs = kwargs.pop("n_jobs", 1)
     gc_after_trial = kwargs.pop("gc_after_trial", False)
     catch = kwargs.pop("catch", ())
-    directions = direction if isinstance(direction, list) else None
-    study = optuna.create_study(direction=None if directions else direction, directions=directions, **kwargs)
+    directions: Any = direction if isinstance(direction, list) else None  # optuna checks the names
+    single: Any = None if directions else direction
+    study = optuna.create_study(direction=single, directions=directions, **kwargs)
     try:
         study.optimize(
             objective, n_trials=n_trials, timeout=timeout, n_jobs=n_jobs, gc_after_trial=gc_after_trial, catch=catch
@@ -150,4 +151,4 @@ def _run_optuna(trainer, n_trials: int, direction: str | list[str], **kwargs) ->
     if study._is_multi_objective():
         return [BestRun(str(best.number), best.values, best.params) for best in study.best_trials]
     best = study.best_trial
-    return BestRun(str(best.number), best.value, best.params)
+    return BestRun(str(best.number), float(best.value), best.params)  # type: ignore[arg-type]

@@ -15,10 +15,10 @@ class MetricsMixin(TrainerParts):
 
     def metrics_format(self, metrics: dict[str, float]) -> dict[str, Any]:
         """HF's format: runtimes as h:mm:ss.cc, total_flos in GF, floats rounded to 4 places."""
-        out = {}
+        out: dict[str, Any] = {}
         for key, value in metrics.items():
             if "_mem_" in key:
-                out[key] = f"{value >> 20}MB"
+                out[key] = f"{int(value) >> 20}MB"
             elif "_runtime" in key:
                 out[key] = f"{datetime.timedelta(seconds=int(value))}.{int(abs(value - int(value)) * 100):02d}"
             elif key == "total_flos":

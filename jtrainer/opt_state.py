@@ -38,6 +38,7 @@ def set_hyperparam(opt_state, name: str, value: float):
     """The optimizer state with one injected hyperparameter set to a host value, placed with the dtype and
     sharding of the one it replaces (between steps: the compiled step is reused)."""
     current = hyperparameter(opt_state, name)
+    assert current is not None, f"the optimizer state has no {name!r} hyperparameter"
     return replace_hyperparam(opt_state, name, jax.device_put(np.asarray(value, current.dtype), current.sharding))
 
 

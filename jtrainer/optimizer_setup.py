@@ -65,7 +65,7 @@ class OptimizerMixin(TrainerParts):
         if bridge.is_torch_module(model):  # transformers.Trainer's own function, on the torch model
             from transformers import Trainer as TorchTrainer
 
-            return TorchTrainer.get_decay_parameter_names(None, model)
+            return TorchTrainer.get_decay_parameter_names(None, model)  # type: ignore[arg-type]  # reads no self
         layer_norms = {
             ".".join(map(str, path)) for path, node in nnx.iter_graph(model) if isinstance(node, LAYER_NORM_TYPES)
         }

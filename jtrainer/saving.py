@@ -21,7 +21,7 @@ from transformers.trainer_utils import SaveStrategy
 
 from jtrainer import bridge, checkpoint, host_rng, optim, sharding, storage, torch_checkpoint
 from jtrainer.bridge import adapters
-from jtrainer.state import Frozen, LoopState, TrainState
+from jtrainer.state import Frozen, LoopState, TrainState, split_params
 from jtrainer.trainer_parts import TrainerParts
 
 
@@ -276,7 +276,7 @@ class SavingMixin(TrainerParts):
             return restored
         frozen, _ = nnx.split_state(like.model_state, Frozen, ...)
         if any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(frozen)):
-            _, _, rest = nnx.split(self.nnx_model, nnx.Param, ...)
+            _, _, rest = split_params(self.nnx_model)
             held, _ = nnx.split_state(rest, Frozen, ...)
             placed = sharding.place(held, jax.tree.map(lambda leaf: leaf.sharding, frozen))
             frozen = jax.tree.map(lambda value, leaf: value.astype(leaf.dtype), placed, frozen)
@@ -300,6 +300,7 @@ class SavingMixin(TrainerParts):
             )
         params = nnx.to_pure_dict(nnx.state(self.nnx_model, nnx.Param))
         saved_state = load_trainer_state(folder)
+        layout: torch_checkpoint.ModelLayout
         if bridge.is_bridged(self.nnx_model):
             from jtrainer.bridge.resume import TorchModelLayout
 

@@ -136,7 +136,7 @@ def _wsd(
     )
 
 
-_MULTIPLIERS = {
+_MULTIPLIERS: dict[str, Callable[..., Any]] = {
     "linear": _linear,
     "cosine": _cosine,
     "cosine_with_restarts": _cosine_with_restarts,
@@ -229,6 +229,8 @@ def _improves(current: float, best: float, mode: str, threshold_mode: str, thres
 
 class _HostSchedulerState:
     """state_dict / load_state_dict of a host-side scheduler (a checkpoint's scheduler.json, as HF's scheduler.pt)."""
+
+    last_lr: float  # the host's float64 rate, as torch's scheduler keeps it (set when the run starts)
 
     def state_dict(self) -> dict[str, Any]:
         return {k: (list(v) if isinstance(v, list) else v) for k, v in vars(self).items()}
@@ -459,7 +461,7 @@ class LearningRate:
         self.base_rate = float(learning_rate) if np.float32(learning_rate) == np.float32(saved_base) else saved_base
         saved = (int(hyper["warmup_steps"]), int(hyper["total_steps"]))
         if saved != (self.warmup_steps, self.total_steps):
-            count = int(opt_states.schedule_count(opt_state))
+            count = int(opt_states.schedule_count(opt_state))  # type: ignore[arg-type]  # inject_hyperparams' state
             first = host_learning_rate(self.kind, self.base_rate, count, *saved, self.kwargs)
             self.resumed = ResumedSchedule(count + 1, first, self.warmup_steps, self.total_steps)
             self.switch_pending = True
@@ -478,6 +480,7 @@ class LearningRate:
     def after_evaluation(self, metric: float, opt_state):
         """A per-evaluation scheduler's step on the evaluated metric: the new rate goes into the optimizer state."""
         scheduler = self.per_evaluation
+        assert scheduler is not None, "a per-evaluation lr_scheduler_type"
         rate = scheduler.last_lr  # the host's float64 rate, as torch's scheduler keeps it
         new_rate = scheduler.last_lr = scheduler.step(metric, rate)
         if new_rate != rate:

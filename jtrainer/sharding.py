@@ -19,10 +19,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jtrainer.state import Frozen
+from jtrainer.state import Frozen, split_params
 
 DATA, FSDP, EXPERT, TENSOR, SEQUENCE = "data", "fsdp", "expert", "tensor", "sequence"
 MESH_AXES = (DATA, FSDP, EXPERT, TENSOR, SEQUENCE)
@@ -191,14 +191,19 @@ def _mesh_axes_of(rule: Any) -> tuple[str, ...]:
 
 
 def logical_to_spec(
-    logical: Sequence[str | None], rules: dict[str, Any], mesh: Mesh, shape: Sequence[int] | None = None, name=""
+    logical: Sequence[str | None],
+    rules: dict[str, Any],
+    mesh: Mesh | AbstractMesh,
+    shape: Sequence[int] | None = None,
+    name="",
 ) -> P:
     """PartitionSpec of an array whose dimensions carry these logical names; size-1 mesh axes are dropped."""
     used: set[str] = set()
     entries = []
     for dim, logical_name in enumerate(logical):
+        axes: tuple[str, ...]
         if logical_name in MESH_AXES:
-            axes = (logical_name,)
+            axes = (str(logical_name),)
         else:
             axes = _mesh_axes_of(rules.get(logical_name)) if logical_name is not None else ()
         axes = tuple(a for a in axes if mesh.shape[a] > 1 and a not in used)
@@ -276,12 +281,12 @@ def param_specs(model: nnx.Module, mesh: Mesh, rules: dict[str, Any], of: Any = 
 def model_state_shardings(model: nnx.Module, mesh: Mesh, rules: dict[str, Any]) -> Any:
     """Shardings of the model's non-parameter state, shaped like it: frozen weights (`state.Frozen`) laid out as
     parameters are (a peft model's base model is most of the model), the rest (buffers, keys) replicated."""
-    _, _, rest = nnx.split(model, nnx.Param, ...)
+    _, _, rest = split_params(model)
     frozen = flatten_specs(param_specs(model, mesh, rules, of=Frozen))
     flat = nnx.to_flat_state(rest)
     leaves = [NamedSharding(mesh, frozen[path]) if path in frozen else replicated(mesh) for path, _ in flat]
     treedef = jax.tree.structure(rest)
-    assert treedef.num_leaves == len(leaves), "one array per model-state variable"
+    assert len(jax.tree.leaves(rest)) == len(leaves), "one array per model-state variable"
     return jax.tree.unflatten(treedef, leaves)
 
 
@@ -325,7 +330,7 @@ def check_length_divisible(length: int | None, mesh: Mesh) -> None:
 def process_row_range(mesh: Mesh, global_rows: int) -> tuple[int, int]:
     """The contiguous rows [start, stop) of a global batch whose shards live on this process's devices."""
     sharding = NamedSharding(mesh, P(BATCH_AXES))
-    slices = sharding.addressable_devices_indices_map((global_rows,)).values()
+    slices = [s for s in sharding.addressable_devices_indices_map((global_rows,)).values() if s is not None]
     starts = [s[0].start or 0 for s in slices]
     stops = [s[0].stop if s[0].stop is not None else global_rows for s in slices]
     return min(starts), max(stops)

@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 from flax import nnx, struct
@@ -26,11 +26,22 @@ class Frozen(nnx.Variable):
 class TrainState:
     """Everything a train step reads and writes: the optimizer step, parameters, optimizer and model state."""
 
-    step: jax.Array
+    # Leaves are arrays; the same tree with shardings or ShapeDtypeStructs describes a layout.
+    step: jax.Array | Any
     params: Any  # pure nested dict of arrays (nnx.to_pure_dict), fp32 master weights
     opt_state: Any
     model_state: Any  # the model's non-parameter nnx state (rng counters, batch statistics, ...)
-    rng: jax.Array  # uint32 key data of the run's base key; step keys are fold_in(rng, step)
+    rng: jax.Array | Any  # uint32 key data of the run's base key; step keys are fold_in(rng, step)
+
+    if TYPE_CHECKING:  # struct.dataclass adds it
+
+        def replace(self, **changes: Any) -> TrainState: ...
+
+
+def split_params(module: nnx.Module) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
+    """A module as (graph, parameters, every other state): what the steps take apart and merge back."""
+    graphdef, params, rest = nnx.split(module, nnx.Param, ...)  # type: ignore[misc]  # flax's stub: variadic
+    return graphdef, params, rest
 
 
 class LoopState(NamedTuple):

@@ -23,7 +23,7 @@ from flax import nnx
 from jtrainer.losses import IGNORE_INDEX, count_label_tokens, shift_labels, token_cross_entropy_sum
 from jtrainer.mixed_precision import loss_scale
 from jtrainer.opt_state import current_learning_rate, schedule_count
-from jtrainer.state import Frozen, TrainState
+from jtrainer.state import Frozen, TrainState, split_params
 
 # What JAX raises for code written for torch or the host (a torch method or function on a traced array, a numpy
 # conversion, float() or a Python branch on a traced value: jax's tracer errors are TypeErrors). Only these move a
@@ -44,8 +44,10 @@ class LossMode(enum.Enum):
 class StepBatch(NamedTuple):
     """One optimizer step's data: inputs shaped [micro_batches, rows, ...] and the micro-batch weights."""
 
-    inputs: dict[str, jax.Array]
-    micro_weight: jax.Array  # [micro_batches]: 1 for real micro-batches, 0 for padding of a short window
+    inputs: dict[str, jax.Array] | dict[str, jax.ShapeDtypeStruct]  # (ShapeDtypeStructs: to compile ahead)
+    micro_weight: (
+        jax.Array | jax.ShapeDtypeStruct
+    )  # [micro_batches]: 1 for real micro-batches, 0 for padding of a short window
     # A ragged last micro-batch at its own rows [rows', ...], run after the others (its own compilation), when
     # padding rows would enter the loss (see LossSpec.padding_neutral).
     tail: dict[str, jax.Array] | None = None
@@ -153,14 +155,14 @@ def graphdef_in_mode(model: nnx.Module, training: bool):
     ]
     model.train() if training else model.eval()
     try:
-        return nnx.split(model, nnx.Param, ...)[0]
+        return split_params(model)[0]
     finally:
         for module, name, value in saved:
             setattr(module, name, value)
 
 
 def model_state_of(model):
-    return nnx.split(model, nnx.Param, ...)[2]
+    return split_params(model)[2]
 
 
 def apply_model(graphdef, params, model_state, inputs: dict[str, jax.Array], compute_dtype=None, rng=None):
@@ -202,8 +204,10 @@ def default_compute_loss(model, inputs: dict[str, jax.Array], spec: LossSpec, nu
         count = jnp.maximum(jnp.sum(targets != IGNORE_INDEX), 1) if num_items_in_batch is None else num_items_in_batch
         loss = token_cross_entropy_sum(logits, targets, spec.label_smoothing) / count
     elif spec.mode == LossMode.CUSTOM:
+        assert spec.compute_loss_func is not None
         loss = spec.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
     if num_items_in_batch is not None and (spec.accepts_loss_kwargs or spec.compute_loss_func is not None):
+        assert loss is not None, "the model, or compute_loss_func, returned a loss"
         loss = loss * _PROCESS_SCALE.get()
     return loss, outputs
 
@@ -213,6 +217,7 @@ def compute_loss(model, inputs, spec: LossSpec, num_items_in_batch=None, return_
     if spec.mode != LossMode.OVERRIDE:
         loss, outputs = default_compute_loss(model, inputs, spec, num_items_in_batch)
         return (loss, outputs) if return_outputs else loss
+    assert spec.compute_loss is not None
     token = _BASE_SPEC.set(spec.base)
     try:
         return spec.compute_loss(
@@ -255,7 +260,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, spec: LossSpec, 
     logged loss is unscaled.
     """
 
-    def train_step(state: TrainState, batch: StepBatch) -> tuple[TrainState, dict[str, jax.Array]]:
+    def train_step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:  # a StepBatch
         num_items = jnp.maximum(window_label_count(batch.inputs, spec, batch.tail), 1).astype(jnp.float32)
         n_micro = jnp.maximum(jnp.sum(batch.micro_weight) + (batch.tail is not None), 1.0)
         scale = loss_scale(state.opt_state)
@@ -401,7 +406,7 @@ def make_eval_step(
     with torchax tensors) is tried in the step before that."""
     placement = placement if placement is not None else PreprocessPlacement()
 
-    def eval_step(params, model_state, inputs: dict[str, jax.Array]) -> EvalOutputs:
+    def eval_step(params, model_state, inputs: dict[str, Any]) -> EvalOutputs:
         labels = inputs.get(spec.label_names[0]) if spec.label_names else None
         all_labels = batch_label_values(inputs, spec.label_names)
         with bound_model(graphdef, params, model_state, spec.compute_dtype) as model:

@@ -139,7 +139,7 @@ def torch_parameter_order(torch, folder: str) -> tuple[list[str], dict[str, tupl
         )
     with torch.device("meta"):
         model = model_class(config)
-    decayed = set(transformers.Trainer.get_decay_parameter_names(None, model))
+    decayed = set(transformers.Trainer.get_decay_parameter_names(None, model))  # type: ignore[arg-type]  # no self read
     named = [(n, tuple(p.shape)) for n, p in model.named_parameters() if p.requires_grad]
     order = [n for n, _ in named if n in decayed] + [n for n, _ in named if n not in decayed]
     return order, dict(named), frozenset(n for n, _ in named if n in decayed)

@@ -30,7 +30,7 @@ def _decay_rate(weight_decay):
 
 
 class SGDState(NamedTuple):
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]  # optax's name for the step (shadows tuple.count)
     momentum_buffer: Any
 
 
@@ -61,7 +61,7 @@ def torch_sgd(learning_rate, weight_decay, decays, momentum=0.0, dampening=0.0, 
 
 
 class AdagradState(NamedTuple):
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]  # optax's name for the step (shadows tuple.count)
     sum: Any
 
 
@@ -128,7 +128,7 @@ def torch_rmsprop(learning_rate, weight_decay, decays, alpha=0.99, eps=1e-8, mom
 
 
 class AdafactorState(NamedTuple):
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]  # optax's name for the step (shadows tuple.count)
     row: Any  # [..., R] per factored parameter (ndim >= 2), a placeholder otherwise
     col: Any  # [..., C]
     full: Any  # the second moment of parameters with ndim < 2, a placeholder otherwise
@@ -186,7 +186,7 @@ def hf_adafactor(learning_rate, weight_decay, decays, eps1=1e-30, clip_threshold
 
 
 class StableAdamWState(NamedTuple):
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]  # optax's name for the step (shadows tuple.count)
     exp_avg: Any
     exp_avg_sq: Any
 
@@ -232,7 +232,7 @@ def stable_adamw(learning_rate, b1, b2, eps, weight_decay, decays, decouple_lr=F
 
 
 class ScheduleFreeState(NamedTuple):
-    count: jax.Array  # k, the steps taken
+    count: jax.Array  # type: ignore[assignment]  # k, the steps taken (optax's name; shadows tuple.count)
     weight_sum: jax.Array
     lr_max: jax.Array
     z: Any

@@ -66,7 +66,7 @@ from jtrainer.models.base import set_neftune as set_native_neftune
 from jtrainer.optimizer_setup import OptimizerMixin
 from jtrainer.overrides import check_loader, check_optimizer_override, check_overrides, overrides
 from jtrainer.saving import SavingMixin
-from jtrainer.state import Frozen, LoopState, TrainState
+from jtrainer.state import Frozen, LoopState, TrainState, split_params
 from jtrainer.step import (
     UNTRACEABLE,
     LossMode,
@@ -167,6 +167,11 @@ def _same_folder(a: str, b: str) -> bool:
     return os.path.samefile(a, b)
 
 
+def _stateful(callbacks: list[Any]) -> list[Any]:
+    """HF's TrainerState.stateful_callbacks: the callbacks (and control) whose state checkpoints keep."""
+    return [cb for cb in callbacks if isinstance(cb, ExportableState)]
+
+
 class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearchMixin, HubMixin, MetricsMixin):
     """HF's `transformers.Trainer`, with one jit-compiled train step over a sharding mesh instead of torch."""
 
@@ -256,16 +261,14 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         self.state = TrainerState(
             is_local_process_zero=self.is_local_process_zero(),
             is_world_process_zero=self.is_world_process_zero(),
-            stateful_callbacks=[
-                cb for cb in self.callback_handler.callbacks + [TrainerControl()] if isinstance(cb, ExportableState)
-            ],
+            stateful_callbacks=_stateful([*self.callback_handler.callbacks, TrainerControl()]),
         )
         self.control = TrainerControl()
         if args.push_to_hub:
             self.init_hf_repo()
         self.control = self.callback_handler.on_init_end(self.args, self.state, self.control)
         if bridge.is_bridged(self.nnx_model) and getattr(model, "config", None) is not None:
-            model.config.use_cache = args.use_cache  # as transformers.Trainer does last in its constructor
+            self.model.config.use_cache = args.use_cache  # as transformers.Trainer does last in its constructor
 
     @property
     def model(self) -> Any:
@@ -454,7 +457,7 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
 
     def _trace_compute_loss(self, spec: LossSpec, sample: data.Batch):
         """The override's loss, traced on the batch's shapes (nothing runs)."""
-        graphdef, params, rest = nnx.split(self.nnx_model, nnx.Param, ...)
+        graphdef, params, rest = split_params(self.nnx_model)
         probe = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in sample.items()}
 
         def loss_of(p, s, inputs):
@@ -491,7 +494,7 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
 
     def _abstract_outputs(self, inputs: data.Batch):
         """The model's outputs on `inputs`' shapes and dtypes, traced, not run."""
-        graphdef, params, rest = nnx.split(self.nnx_model, nnx.Param, ...)
+        graphdef, params, rest = split_params(self.nnx_model)
         probe = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in inputs.items()}
         with self._mesh_context():
             return jax.eval_shape(lambda p, s, x: apply_model(graphdef, p, s, x)[0], params, rest, probe)
@@ -543,7 +546,11 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
             )
         if has_labels and not _takes_labels(self._inspected_model, self.label_names):
             return LossSpec(LossMode.TRAINER, padding_neutral=True, **common)
-        if not has_labels and not training and getattr(getattr(self.model, "config", None), "is_encoder_decoder", 0):
+        if (
+            not has_labels
+            and not training
+            and getattr(getattr(self.model, "config", None), "is_encoder_decoder", False)
+        ):
             # An encoder-decoder cannot run without labels (no decoder inputs): prediction only generates.
             return LossSpec(LossMode.TRAINER, padding_neutral=True, **common)
         loss, _ = split_outputs(self._abstract_outputs(sample))
@@ -596,8 +603,8 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
     def _initial_train_state(self, tx: optax.GradientTransformation) -> tuple[TrainState, TrainState]:
         """The state placed on its shardings (so the second step does not recompile), built by one jit, and
         those shardings (the step's output shardings)."""
-        _, params, rest = nnx.split(self.nnx_model, nnx.Param, ...)
-        params = nnx.to_pure_dict(params)
+        _, param_state, rest = split_params(self.nnx_model)
+        params = nnx.to_pure_dict(param_state)
         shardings = self._state_shardings(tx, params)
         # Copies: the step donates its buffers and the user's model keeps its own.
         params = sharding.place(params, shardings.params)
@@ -701,8 +708,8 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
 
     def _abstract_train_state_of(self, tx: optax.GradientTransformation) -> tuple[TrainState, TrainState]:
         """(state shardings, the train state `tx` would start from as ShapeDtypeStructs on them)."""
-        _, params, rest = nnx.split(self.nnx_model, nnx.Param, ...)
-        params = nnx.to_pure_dict(params)
+        _, param_state, rest = split_params(self.nnx_model)
+        params = nnx.to_pure_dict(param_state)
         shardings = self._state_shardings(tx, params)
         shapes = jax.eval_shape(self._train_state_init(tx), params, rest)
         state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
@@ -733,7 +740,7 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
     def _sync_model(self) -> None:
         """Write (copies of) the trained parameters into `self.model`, in place, as HF trains the model given."""
         if self._train_state is not None:
-            _, params, _ = nnx.split(self.nnx_model, nnx.Param, ...)
+            _, params, _ = split_params(self.nnx_model)
             nnx.replace_by_pure_dict(params, jax.tree.map(jnp.copy, self._model_params()))
             # Frozen weights (peft's base) never change, and the model keeps its own (full-precision) ones.
             _, changing = nnx.split_state(self._train_state.model_state, Frozen, ...)
@@ -869,7 +876,7 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
 
     def set_initial_training_values(
         self, args: TrainingArguments, loader: data.BatchLoader
-    ) -> tuple[int, int, int, int, int]:
+    ) -> tuple[int, int, int, int, float]:
         """HF's set_initial_training_values: (epochs, updates/epoch, micro-batches/epoch, max_steps, samples)."""
         ga = args.gradient_accumulation_steps
         total_batch = loader.batch_size * ga
@@ -884,11 +891,11 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
             if args.max_steps > 0:
                 max_steps = args.max_steps
                 epochs = max_steps // updates_per_epoch + int(max_steps % updates_per_epoch > 0)
-                num_samples = max_steps * total_batch
+                num_samples: float = max_steps * total_batch
             else:
                 max_steps = math.ceil(args.num_train_epochs * updates_per_epoch)
                 epochs = math.ceil(args.num_train_epochs)
-                num_samples = len(loader.dataset) * args.num_train_epochs
+                num_samples = len(loader.dataset) * args.num_train_epochs  # HF's: a float for fractional epochs
             return epochs, updates_per_epoch, n_batches, max_steps, num_samples
         max_steps = args.max_steps
         return sys.maxsize, max_steps, max_steps * ga, max_steps, max_steps * total_batch
@@ -933,11 +940,7 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
 
     def _init_training_state(self, max_steps: int, loader: data.BatchLoader, trial) -> None:
         """A fresh TrainerState for this run (a resume replaces it in _prepare_for_training)."""
-        self.state = TrainerState(
-            stateful_callbacks=[
-                cb for cb in self.callback_handler.callbacks + [self.control] if isinstance(cb, ExportableState)
-            ]
-        )
+        self.state = TrainerState(stateful_callbacks=_stateful([*self.callback_handler.callbacks, self.control]))
         self.state.is_hyper_param_search = trial is not None
         self.state.train_batch_size = loader.batch_size // self.args.world_size
         self.state.compute_steps(self.args, max_steps)
@@ -1009,6 +1012,7 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         hf_logger.info(f"  Total train batch size (w. parallel, distributed & accumulation) = {total:,}")
         hf_logger.info(f"  Gradient Accumulation steps = {args.gradient_accumulation_steps}")
         hf_logger.info(f"  Total optimization steps = {self.state.max_steps:,}")
+        assert self._train_state is not None, "built by _prepare_for_training"
         count = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self._train_state.params))
         hf_logger.info(f"  Number of trainable parameters = {count:,}")
         if resume_from_checkpoint is not None:
@@ -1237,6 +1241,7 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         import resource
 
         state = self._train_state
+        assert state is not None and self._run is not None, "after a training step"
         report = {
             f"{prefix}_mem_params_bytes_per_device": max(sharding.per_device_bytes(state.params).values()),
             f"{prefix}_mem_optimizer_bytes_per_device": max(

@@ -15,7 +15,7 @@ import math
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -29,7 +29,11 @@ logger = logging.getLogger(__name__)
 
 
 def summed_step_losses(
-    steps: Sequence[Sequence[float]], first_step: int, nan_inf_filter: bool, nan_inf_policy: str, start: float = 0.0
+    steps: Sequence[Sequence[float] | np.ndarray],
+    first_step: int,
+    nan_inf_filter: bool,
+    nan_inf_policy: str,
+    start: float = 0.0,
 ) -> float:
     """The sum of the losses since the last log as HF accumulates them, from each step's micro-batch losses
     (HF's tr_loss_step) onto `start`, what HF's reset left: with `logging_nan_inf_filter`, a non-finite
@@ -145,7 +149,7 @@ class TrainingRun:
 
     loader: data.BatchLoader
     shapes: data.ShapeKeeper
-    train_step: Callable  # the compiled step (jax.jit)
+    train_step: Any  # the compiled step (jax.jit's wrapped function: call, .lower)
     updates_per_epoch: int
     ragged_tail: bool  # a ragged last batch runs at its own rows (Trainer._keeps_ragged_rows)
     label_classes: int | None  # the class count labels are checked against (Trainer._label_classes)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from transformers import AttentionInterface
@@ -101,7 +102,7 @@ def routed(model: torch.nn.Module) -> Iterator[None]:
         yield
         return
     _register()
-    configs = {
+    configs: dict[int, Any] = {
         id(m.config): m.config for m in model.modules() if hasattr(getattr(m, "config", None), "_attn_implementation")
     }
     before = {key: config._attn_implementation for key, config in configs.items()}

@@ -65,5 +65,5 @@ def logical_axes(
         return _expert_axes(name, shape, hidden_size)
     module_name, _, leaf = name.rpartition(".")
     style = plan_style(module_name, plan)
-    axes = _STYLES.get(style or "", {}).get(leaf)
-    return axes if axes is not None and len(axes) == ndim else None
+    styled = _STYLES.get(style or "", {}).get(leaf)
+    return styled if styled is not None and len(styled) == ndim else None

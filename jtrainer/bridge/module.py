@@ -135,7 +135,7 @@ def _jax_checkpoint(function, *args, policy: str | None = None):
 def _rematerialised(model: torch.nn.Module, on: bool, policy: str | None):
     """Each layer transformers checkpoints (`GradientCheckpointingLayer` with `gradient_checkpointing` set)
     rematerialised with jax.checkpoint for one call; torch's own function is put back after."""
-    layers = [m for m in model.modules() if on and getattr(m, "gradient_checkpointing", False) is True]
+    layers: list[Any] = [m for m in model.modules() if on and getattr(m, "gradient_checkpointing", False) is True]
     saved = [(m, m.__dict__.get("_gradient_checkpointing_func")) for m in layers]
     for layer in layers:
         layer._gradient_checkpointing_func = functools.partial(_jax_checkpoint, policy=policy)
@@ -172,7 +172,7 @@ def _activations_laid_out(model: torch.nn.Module):
     each device."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
-    targets = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    targets: list[torch.nn.Module] = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
     for name in ("get_input_embeddings", "get_output_embeddings"):
         module = getattr(model, name, lambda: None)()
         if isinstance(module, torch.nn.Module):
@@ -227,8 +227,9 @@ class TorchModel(nnx.Module):
     """
 
     def __init__(self, torch_model: torch.nn.Module):
-        self.torch_model = torch_model
-        trainable, frozen = {}, {}
+        self.torch_model: Any = torch_model  # a transformers PreTrainedModel (or a peft model around one)
+        trainable: dict[str, torch.nn.Parameter] = {}
+        frozen: dict[str, torch.nn.Parameter] = {}
         for name, parameter in torch_model.named_parameters():  # tied weights once, under their first name
             (trainable if parameter.requires_grad else frozen)[name] = parameter
         # transformers' tensor- and expert-parallel plans

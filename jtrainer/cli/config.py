@@ -10,6 +10,7 @@ import os
 import types
 import typing
 from dataclasses import dataclass, field
+from typing import Any
 
 import yaml
 
@@ -61,12 +62,12 @@ def parse_train_args(argv: list[str], command: str = "train"):
     values = read_config(config_path)
     # Seq2SeqTrainingArguments: TrainingArguments plus predict_with_generate & co, for every task.
     dataclass_types = (ModelArguments, DataArguments, Seq2SeqTrainingArguments, RunArguments)
-    parser = HfArgumentParser(dataclass_types, prog=f"jtrainer {command}")
+    parser = HfArgumentParser(list[Any](dataclass_types), prog=f"jtrainer {command}")
 
     def one_line_error(message: str):  # argparse would print the whole usage (some 150 lines) first
         parser.exit(2, f"jtrainer {command}: error: {message} (`jtrainer {command} --help` lists the fields)\n")
 
-    parser.error = one_line_error
+    parser.error = one_line_error  # type: ignore[method-assign]  # argparse's documented way to change errors
     known = {a.dest for a in parser._actions}
     unknown = sorted(set(values) - known, key=str)
     if unknown:

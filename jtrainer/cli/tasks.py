@@ -326,7 +326,7 @@ def _position_limit(model_args: ModelArguments, folder_config: dict | None) -> t
     the config.json of `model_name_or_path`."""
     if folder_config is not None:
         config = folder_config
-        source = f"max_position_embeddings in {storage.join(model_args.model_name_or_path, 'config.json')}"
+        source = f"max_position_embeddings in {storage.join(str(model_args.model_name_or_path), 'config.json')}"
     else:
         if model_args.model_type == "t5":
             return None, ""
@@ -349,7 +349,7 @@ def head_dim(model_args: ModelArguments) -> int:
     return m.hidden_size // m.num_attention_heads
 
 
-def fresh_config(model_args: ModelArguments, vocab_size: int, special: dict[str, int] | None = None):
+def fresh_config(model_args: ModelArguments, vocab_size: int, special: dict[str, Any] | None = None):
     """An HF config of `model_type` with the common size fields mapped onto the family's names."""
     import transformers
 
@@ -388,9 +388,9 @@ def fresh_config(model_args: ModelArguments, vocab_size: int, special: dict[str,
             intermediate_size=m.intermediate_size,
             num_hidden_layers=m.num_hidden_layers,
             num_attention_heads=m.num_attention_heads,
-            num_labels=m.num_labels,
             max_position_embeddings=m.max_position_embeddings,
             **special,
+            **dict[str, Any](num_labels=m.num_labels),  # PretrainedConfig's keyword, not in BertConfig's signature
         )
     if kind == "t5":
         pad = special.pop("pad_token_id", 0)
@@ -402,10 +402,10 @@ def fresh_config(model_args: ModelArguments, vocab_size: int, special: dict[str,
             num_layers=m.num_hidden_layers,
             num_heads=m.num_attention_heads,
             feed_forward_proj="gated-gelu",
-            tie_word_embeddings=False,
             pad_token_id=pad,
-            decoder_start_token_id=pad,
             **special,
+            # PretrainedConfig's keywords (not in T5Config's own signature)
+            **{"tie_word_embeddings": False, "decoder_start_token_id": pad},
         )
     if m.bridge:  # any transformers family, by the size fields modern decoders share
         return transformers.AutoConfig.for_model(kind, **decoder)
@@ -512,7 +512,7 @@ def load_splits(data_args: DataArguments, text_columns: tuple[str | None, ...] =
         files = {"train": data_args.train_file}
         if data_args.validation_file:
             files["validation"] = data_args.validation_file
-        kind = "csv" if data_args.train_file.endswith(".csv") else "json"
+        kind = "csv" if str(data_args.train_file).endswith(".csv") else "json"
         loaded = datasets.load_dataset(kind, data_files=files)
     if isinstance(loaded, datasets.Dataset):
         loaded = datasets.DatasetDict({"train": loaded})
@@ -649,8 +649,8 @@ def build_data(
             _blocks(texts[:-n_eval], tokenizer, d.block_size, "training"),
             _blocks(texts[-n_eval:], tokenizer, d.block_size, "held-out"),
         )
-    texts = (d.text_column, d.text_pair_column, d.target_column if model_args.task == "seq2seq" else None)
-    train, valid = load_splits(d, texts)
+    columns = (d.text_column, d.text_pair_column, d.target_column if model_args.task == "seq2seq" else None)
+    train, valid = load_splits(d, columns)
     if model_args.task == "causal_lm":
         _columns(train, d.text_column)
         tokenizer = _tokenizer_for(model_args, d, list(train[d.text_column]), saved_tokenizer)

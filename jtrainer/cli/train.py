@@ -9,6 +9,7 @@ import contextlib
 import math
 import signal
 from collections.abc import Iterator
+from typing import Any
 
 from jtrainer import storage
 from jtrainer.cli import tasks
@@ -134,7 +135,8 @@ def _train_job(model_args: ModelArguments, data_args: DataArguments, training_ar
     model = tasks.build_model(model_args, len(tokenizer), tasks.special_tokens(tokenizer), training_args.seed)
     say(f"jtrainer: {len(train_rows)} training rows, {len(eval_rows)} held-out rows ({model_args.task})")
     task = model_args.task
-    collator, compute_metrics, trainer_class = None, None, Trainer
+    collator: Any = None
+    compute_metrics, trainer_class = None, Trainer
     if task == "sequence_classification":
         collator = DataCollatorWithPadding(tokenizer, return_tensors="np")
         compute_metrics = tasks.accuracy

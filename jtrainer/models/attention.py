@@ -158,7 +158,7 @@ def causal_mask(length: int, sliding_window: int | None = None) -> jax.Array:
 
 
 def _requested_implementation() -> str:
-    requested = env.ATTENTION.get().lower()
+    requested = env.ATTENTION.text().lower()
     if requested not in _IMPLEMENTATIONS:
         raise ValueError(f"{env.ATTENTION.name}={requested!r} is not one of {_IMPLEMENTATIONS}; unset it for 'auto'.")
     return requested

@@ -22,11 +22,11 @@ CAUSAL_LM_MODELS: dict[str, type] = {
 
 
 class _AutoModel:
-    models: dict[str, type] = {}
+    models: dict[str, Any] = {}  # model_type -> a jtrainer model class (PretrainedMixin's constructors)
     task = ""
 
     @classmethod
-    def _model_class(cls, config) -> type:
+    def _model_class(cls, config) -> Any:
         kind = getattr(config, "model_type", None)
         if kind not in cls.models:
             raise ValueError(

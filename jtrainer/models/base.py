@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +22,7 @@ def call_block(owner, block, *args):
     return nnx.remat(lambda b, *a: b(*a), policy=remat.policy(owner.remat_policy))(block, *args)
 
 
-def count_parameters(module: nnx.Module, exclude_embeddings: bool = False) -> int:
+def count_parameters(module: Any, exclude_embeddings: bool = False) -> int:
     """Elements of every nnx.Param of `module` (abstract ones too); without embedding tables if asked."""
     total = 0
     for path, var in nnx.to_flat_state(nnx.state(module, nnx.Param)):
@@ -101,9 +102,18 @@ class StaticConfig:
 
 
 class PretrainedMixin:
-    """`config`, `from_config`, `save_pretrained` and `from_pretrained` in HF's format (see hf_io)."""
+    """`config`, `from_config`, `save_pretrained` and `from_pretrained` in HF's format (see hf_io). Mixed into
+    jtrainer's nnx.Module families, whose constructors take (config, *, rngs)."""
 
-    config_class: type
+    config_class: Any  # the transformers config class of the family
+    _config: StaticConfig
+
+    if TYPE_CHECKING:  # what the families define (nnx.Module and the family's own class)
+
+        def __init__(self, config: Any, *args: Any, rngs: nnx.Rngs, **kwargs: Any) -> None: ...
+
+        def get_input_embeddings(self) -> Any: ...
+
     main_input_name = "input_ids"
     # Whether the vocabulary logits are computed with the input embedding table (a tied LM head): that product's
     # FLOPs are then not counted by the non-embedding parameters (see `throughput.flops_per_token`).
@@ -187,7 +197,8 @@ class PretrainedMixin:
         remat.check(policy, getattr(self, "names_activations", False))
         for _, node in nnx.iter_graph(self):
             if isinstance(node, nnx.Module) and hasattr(node, "gradient_checkpointing"):
-                node.gradient_checkpointing, node.remat_policy = True, policy
+                node.gradient_checkpointing = True
+                setattr(node, "remat_policy", policy)  # each family's blocks read it
 
     @classmethod
     def from_config(cls, config, *, seed: int = 0, dtype=None, torch_dtype=None, **kwargs):
@@ -297,7 +308,7 @@ class ParameterView:
 class OutputEmbeddings:
     """An untied LM head seen as torch's Linear: `.weight` is [vocab, dim] (the kernel transposed)."""
 
-    def __init__(self, head: nnx.Module):
+    def __init__(self, head: Any):  # an nnx.Linear (or the bridge's Dense)
         self.module = head
 
     @property
@@ -326,7 +337,7 @@ def _resized(value: jax.Array, axis: int, new: int, mean_resizing: bool, std: fl
     return jnp.concatenate([value, added.astype(value.dtype)], axis=axis)
 
 
-def _cast_parameters(model: nnx.Module, dtype) -> None:
+def _cast_parameters(model: Any, dtype) -> None:
     """Every floating-point parameter of `model` in `dtype`, in place."""
     for _, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         value = var[...]

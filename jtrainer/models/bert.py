@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -125,6 +127,7 @@ class BertModel(nnx.Module):
 
 class _BertHead(PretrainedMixin, nnx.Module):
     config_class = BertConfig
+    bert: Any  # BertModel, built by each head
 
     def get_input_embeddings(self) -> Embed:
         return self.bert.embeddings.word_embeddings
@@ -193,7 +196,8 @@ class _MLMPredictions(nnx.Module):
 
 
 def _classifier(config: BertConfig, rngs: nnx.Rngs) -> nnx.Linear:
-    return linear(config.hidden_size, config.num_labels, config.initializer_range, ("embed", None), rngs)
+    labels: int = config.num_labels  # type: ignore[assignment]  # a property: len(id2label)
+    return linear(config.hidden_size, labels, config.initializer_range, ("embed", None), rngs)
 
 
 def classification_loss(logits, labels, problem_type: str | None, num_labels: int):

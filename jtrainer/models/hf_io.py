@@ -12,6 +12,7 @@ import functools
 import json
 import logging
 import os
+from typing import Any
 
 import jax
 import numpy as np
@@ -37,7 +38,7 @@ def _hf_name(path: tuple) -> tuple[str, bool]:
     return ".".join([*module, leaf]), False
 
 
-def layer_count(model: nnx.Module, path: tuple) -> int | None:
+def layer_count(model: Any, path: tuple) -> int | None:
     """How many layers parameter `path` stacks along its leading axis (a scan_layers model), else None."""
     stacked = getattr(model, "stacked_layers", None)
     if stacked is None:
@@ -46,7 +47,7 @@ def layer_count(model: nnx.Module, path: tuple) -> int | None:
     return count if tuple(str(p) for p in path[: len(prefix)]) == prefix else None
 
 
-def hf_names(model: nnx.Module, path: tuple) -> list[tuple[str, bool]]:
+def hf_names(model: Any, path: tuple) -> list[tuple[str, bool]]:
     """The HF tensors of one nnx parameter, as (name, whether transposed): one, or one per layer for a stacked
     parameter (layer i's name has the index after the prefix, as `model.layers.{i}.self_attn...`)."""
     count = layer_count(model, path)
@@ -61,7 +62,7 @@ def param_path(tree_path: tuple) -> tuple:
     return tuple(getattr(k, "key", getattr(k, "idx", k)) for k in tree_path)
 
 
-def param_from_hf(model: nnx.Module, path: tuple, tensors) -> np.ndarray:
+def param_from_hf(model: Any, path: tuple, tensors) -> np.ndarray:
     """One parameter's value in jtrainer's layout from HF-named tensors in torch's layout (a mapping holding
     each of `hf_names`): kernels transposed back, a stacked parameter's layers stacked. The inverse of the
     export's layout."""
@@ -92,7 +93,7 @@ def host_value(x, keep: bool = True) -> np.ndarray | None:
     out = np.empty(x.shape, x.dtype) if keep else None
     for start in range(0, x.shape[0], rows):
         block = _gathered(x, replicated, start, min(rows, x.shape[0] - start), keep)
-        if keep:
+        if out is not None:
             out[start : start + len(block)] = block
     return out
 
@@ -120,19 +121,19 @@ def _replicate_rows(rows: int, replicated):
     return jax.jit(lambda x, start: jax.lax.dynamic_slice_in_dim(x, start, rows), out_shardings=replicated)
 
 
-def to_hf_state_dict(model: nnx.Module, keep: bool = True) -> dict[str, np.ndarray]:
+def to_hf_state_dict(model: Any, keep: bool = True) -> dict[str, np.ndarray]:
     """HF-named numpy tensors of a model's parameters (gathered to this host). On many hosts every process
     calls it (each gather is a collective); `keep=False`, for a process that writes nothing, keeps nothing and
     holds one gathered block at a time (the whole model is 32 GB at 8B)."""
     out = {}
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         value = host_value(var[...], keep)
-        if keep:
+        if value is not None:  # kept
             out.update(_named(model, path, value))
     return out
 
 
-def _named(model: nnx.Module, path: tuple, value: np.ndarray) -> dict[str, np.ndarray]:
+def _named(model: Any, path: tuple, value: np.ndarray) -> dict[str, np.ndarray]:
     """One parameter's value as its HF tensors (one per layer for a stacked parameter), in HF's layout."""
     names = hf_names(model, path)
     layers = [value] if layer_count(model, path) is None else list(value)
@@ -142,7 +143,7 @@ def _named(model: nnx.Module, path: tuple, value: np.ndarray) -> dict[str, np.nd
     }
 
 
-def hf_tensors_from_params(model: nnx.Module, params: dict) -> dict[str, np.ndarray]:
+def hf_tensors_from_params(model: Any, params: dict) -> dict[str, np.ndarray]:
     """HF-named tensors of a parameter tree read back from a checkpoint (nested dicts as `nnx.to_pure_dict`
     gives, keys possibly strings), in the order `to_hf_state_dict` gives them (so shards split alike)."""
     out = {}
@@ -154,13 +155,13 @@ def hf_tensors_from_params(model: nnx.Module, params: dict) -> dict[str, np.ndar
     return out
 
 
-def save_pretrained(model: nnx.Module, save_directory: str, max_shard_size: int = 5 * 1024**3) -> None:
+def save_pretrained(model: Any, save_directory: str, max_shard_size: int = 5 * 1024**3) -> None:
     """config.json + model.safetensors (sharded with an index past `max_shard_size` bytes), as HF writes them."""
     write_hf_folder(model.config, to_hf_state_dict(model), save_directory, max_shard_size)
     write_generation_config(model, save_directory)
 
 
-def write_generation_config(model: nnx.Module, save_directory: str) -> None:
+def write_generation_config(model: Any, save_directory: str) -> None:
     """generation_config.json beside config.json for a model that generates, as transformers' save_pretrained."""
     can_generate = getattr(model, "can_generate", None)
     if can_generate is not None and can_generate():
@@ -301,7 +302,7 @@ class LoadReport:
 
 
 def load_weights(
-    model: nnx.Module,
+    model: Any,
     directory: str,
     *,
     mesh=None,

@@ -39,7 +39,7 @@ def linear(
         rngs=rngs,
     )
     layer.kernel.set_metadata(logical_axes=axes)
-    if bias:
+    if layer.bias is not None:
         layer.bias.set_metadata(logical_axes=axes[1:])
     return layer
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -182,6 +183,7 @@ class LlamaModel(nnx.Module):
         )
         self.embed_tokens.embedding.set_metadata(logical_axes=("vocab", "embed"))
         self.scan_layers = scan_layers
+        self.layers: Any  # one scanned layer (stacked parameters) or an nnx.List of layers
         if scan_layers:
             self.layers = _stacked_layers(config, dtype, param_dtype, rngs)
         else:
@@ -301,9 +303,11 @@ class KVCache:
 
     def reorder(self, rows: jax.Array) -> "KVCache":
         """The cache with its batch rows taken in the order `rows` (beam search)."""
-        if isinstance(self.keys, list):
-            return KVCache([c[rows] for c in self.keys], [c[rows] for c in self.values], self.index)
-        return KVCache(self.keys[:, rows], self.values[:, rows], self.index)
+        keys, values = self.keys, self.values
+        if isinstance(keys, list) and isinstance(values, list):
+            return KVCache([c[rows] for c in keys], [c[rows] for c in values], self.index)
+        assert not isinstance(keys, list) and not isinstance(values, list)
+        return KVCache(keys[:, rows], values[:, rows], self.index)
 
 
 class LlamaForCausalLM(PretrainedMixin, nnx.Module):
@@ -311,7 +315,7 @@ class LlamaForCausalLM(PretrainedMixin, nnx.Module):
 
     generates = True
     names_activations = True  # attention's values carry remat names (jtrainer.models.remat)
-    config_class = LlamaConfig
+    config_class: Any = LlamaConfig
     accepts_loss_kwargs = True
     loss_shifts_labels = True
 
@@ -319,7 +323,7 @@ class LlamaForCausalLM(PretrainedMixin, nnx.Module):
         return self.model.embed_tokens
 
     @property
-    def logits_use_input_embeddings(self) -> bool:
+    def logits_use_input_embeddings(self) -> bool:  # type: ignore[override]  # a class attribute in the base
         return bool(self.config.tie_word_embeddings)
 
     def __init__(
@@ -386,7 +390,7 @@ class LlamaForCausalLM(PretrainedMixin, nnx.Module):
             hidden_BxLxD, cache = hidden_BxLxD
         if skip_logits:
             # use_liger_kernel, as Liger's fused linear cross-entropy: the loss in chunks, no whole logits.
-            loss = chunked_token_loss(
+            chunked = chunked_token_loss(
                 hidden_BxLxD,
                 self._logits,
                 labels,
@@ -394,9 +398,9 @@ class LlamaForCausalLM(PretrainedMixin, nnx.Module):
                 chunk_positions=self.loss_chunk_positions or 1024,
                 causal=True,
             )
-            return ModelOutput(loss=loss, logits=None, cache=cache)
+            return ModelOutput(loss=chunked, logits=None, cache=cache)
         logits = self._logits(hidden_BxLxD)
-        loss = None
+        loss: jax.Array | None = None
         if labels is not None:
             loss = token_loss(logits, labels, num_items_in_batch, causal=True)
         return ModelOutput(loss=loss, logits=logits, cache=cache)

@@ -63,6 +63,8 @@ def resolve_folder(name: str, hub: dict[str, Any]) -> str:
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError
 
     offline = hub.get("local_files_only") or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+    # huggingface_hub 1.x dropped `proxies` from the signature (its decorator still takes it): passed on when given.
+    passed_on: dict[str, Any] = {"proxies": hub["proxies"]} if hub.get("proxies") else {}
     try:
         folder = snapshot_download(
             name,
@@ -71,8 +73,8 @@ def resolve_folder(name: str, hub: dict[str, Any]) -> str:
             token=hub.get("token", hub.get("use_auth_token")),
             local_files_only=bool(offline),
             force_download=bool(hub.get("force_download")),
-            proxies=hub.get("proxies"),
             allow_patterns=[f"{subfolder}/{p}" if subfolder else p for p in _FILES],
+            **passed_on,
         )
     except (HFValidationError, RepositoryNotFoundError, LocalEntryNotFoundError) as error:
         where = "in the local Hub cache (offline)" if offline else "on the Hub"

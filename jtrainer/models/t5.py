@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -117,7 +118,8 @@ class _FeedForwardLayer(nnx.Module):
 
 class T5Block(nnx.Module):
     def __init__(self, config: T5Config, first: bool, is_decoder: bool, rngs: nnx.Rngs):
-        layers = [_AttentionLayer(config, "SelfAttention", first, is_decoder, rngs)]
+        # HF's module names: layer[0].SelfAttention, layer[1].EncDecAttention (set by name), layer[-1] the MLP
+        layers: list[Any] = [_AttentionLayer(config, "SelfAttention", first, is_decoder, rngs)]
         if is_decoder:
             layers.append(_AttentionLayer(config, "EncDecAttention", False, True, rngs))
         layers.append(_FeedForwardLayer(config, rngs))
@@ -133,7 +135,7 @@ class T5Block(nnx.Module):
         """The decoder block on L new tokens at `index`, their keys and values written into the cache
         ((keys, values, cross keys, cross values)); returns (output, the updated cache)."""
         keys, values, cross_keys, cross_values = cache
-        self_layer, cross_layer = self.layer[0], self.layer[1]
+        self_layer, cross_layer = self.layer[0], self.layer[1]  # HF's attributes are set by name: Any
         normed = self_layer.layer_norm(x_BxLxD)
         k, v = self_layer.SelfAttention.keys_values(normed)
         keys = jax.lax.dynamic_update_slice(keys, k.astype(keys.dtype), (0, index, 0, 0))
@@ -146,7 +148,7 @@ class T5Block(nnx.Module):
 class T5Stack(nnx.Module):
     def __init__(self, config: T5Config, is_decoder: bool, rngs: nnx.Rngs):
         self.is_decoder = is_decoder
-        n = config.num_decoder_layers if is_decoder else config.num_layers
+        n = int(config.num_decoder_layers if is_decoder else config.num_layers)  # type: ignore[arg-type]
         self.block = nnx.List([T5Block(config, i == 0, is_decoder, rngs) for i in range(n)])
         self.final_layer_norm = RMSNorm(config.d_model, config.layer_norm_epsilon)
         self.gradient_checkpointing, self.remat_policy = False, None
@@ -210,7 +212,7 @@ class T5ForConditionalGeneration(PretrainedMixin, nnx.Module):
         return self.shared
 
     @property
-    def logits_use_input_embeddings(self) -> bool:
+    def logits_use_input_embeddings(self) -> bool:  # type: ignore[override]  # a class attribute in the base
         return bool(self.config.tie_word_embeddings)
 
     def __init__(self, config: T5Config, *, rngs: nnx.Rngs):
