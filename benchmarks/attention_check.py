@@ -1,4 +1,5 @@
-"""cuDNN's fused attention (GPUs) or splash attention (TPUs) against XLA's, as `jtrainer.models.attention` runs them.
+"""cuDNN's fused attention (GPUs) or splash attention (TPUs) against XLA's, as `jtrainer.models.kernels`
+runs them.
 
     python benchmarks/attention_check.py                 # Llama 3.2 1B's attention: batch 2 x 2048, 32/8 heads
     python benchmarks/attention_check.py --length 256    # smaller; on CPU: the CPU formulation vs XLA
@@ -19,7 +20,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from jtrainer.models import attention
+from jtrainer.models.kernels import attention
 
 
 def _loss_and_grads(q, k, v, mask, window, weights, implementation):

@@ -18,7 +18,7 @@ attention projections (the base frozen): LoRA fine-tuning through the bridge aga
 `--accelerator` runs on the default JAX backend (and torch on CUDA) rather than the CPU, every system in bf16
 (fp32 master weights), with rows that carry no attention mask (as packed pretraining data: causal attention
 alone, for both frameworks' fused kernels), and also prints peak device memory and model FLOPs utilisation
-(jtrainer.throughput's FLOPs per token and peak, the same numbers for every system). The `1b` config is
+(jtrainer.sizing.throughput's FLOPs per token and peak, the same numbers for every system). The `1b` config is
 Llama 3.2 1B's shape (tied embeddings, vocabulary 128,256) with random weights.
 """
 
@@ -119,7 +119,7 @@ def _jax_extras(model, cfg) -> dict:
     """Peak device memory (where the backend reports it) and the numbers MFU is computed from."""
     import jax
 
-    from jtrainer import throughput
+    from jtrainer.sizing import throughput
 
     stats = jax.devices()[0].memory_stats() or {}
     return {
@@ -226,9 +226,11 @@ def worker_bare(cfg, folder, steps, accelerator):
     """The Trainer's own compiled step (same optimizer, loss and shardings), called on pre-built device batches."""
     import jax
 
-    from jtrainer import Trainer, TrainingArguments, data, sharding
+    from jtrainer import Trainer, TrainingArguments
     from jtrainer.models import LlamaForCausalLM
-    from jtrainer.training_run import TrainingRun
+    from jtrainer.parallel import sharding
+    from jtrainer.trainer import data
+    from jtrainer.trainer.training_run import TrainingRun
 
     start = time.perf_counter()
     model = LlamaForCausalLM.from_pretrained(folder)

@@ -36,8 +36,8 @@ def timed(fn, *args, repeats=10):
 def main(name="small"):
     import transformers
 
-    from jtrainer.losses import token_loss
     from jtrainer.models import LlamaForCausalLM
+    from jtrainer.numerics.losses import token_loss
 
     cfg = CONFIGS[name]
     model_cfg = {k: v for k, v in cfg.items() if k not in ("seq", "batch")}

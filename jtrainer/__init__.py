@@ -18,7 +18,6 @@ _versions.check_transformers()
 
 from transformers.trainer_utils import EvalPrediction, PredictionOutput, TrainOutput  # noqa: E402
 
-from jtrainer.args import TrainingArguments  # noqa: E402
 from jtrainer.callbacks import (  # noqa: E402
     CallbackHandler,
     DefaultFlowCallback,
@@ -29,11 +28,12 @@ from jtrainer.callbacks import (  # noqa: E402
     TrainerControl,
     TrainerState,
 )
-from jtrainer.checkpoint import get_last_checkpoint  # noqa: E402  (the verified one)
-from jtrainer.compiled_steps import clear_compiled_steps  # noqa: E402
-from jtrainer.seq2seq import Seq2SeqTrainer, Seq2SeqTrainingArguments  # noqa: E402
-from jtrainer.startup import initialize  # noqa: E402  (start-up effects: explicit, not at import)
-from jtrainer.trainer import Trainer  # noqa: E402
+from jtrainer.checkpointing.checkpoint import get_last_checkpoint  # noqa: E402  (the verified one)
+from jtrainer.runtime.compiled_steps import clear_compiled_steps  # noqa: E402
+from jtrainer.runtime.startup import initialize  # noqa: E402  (start-up effects: explicit, not at import)
+from jtrainer.trainer.args import TrainingArguments  # noqa: E402
+from jtrainer.trainer.seq2seq import Seq2SeqTrainer, Seq2SeqTrainingArguments  # noqa: E402
+from jtrainer.trainer.trainer import Trainer  # noqa: E402
 
 __version__ = "0.1.0"
 

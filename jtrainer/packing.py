@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from jtrainer.losses import IGNORE_INDEX
+from jtrainer.numerics.losses import IGNORE_INDEX
 
 
 def _pieces(documents: Iterable[Sequence[int]], block_size: int):

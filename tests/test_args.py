@@ -7,7 +7,7 @@ import pytest
 import transformers
 
 from jtrainer import TrainingArguments
-from jtrainer.args import IGNORED_FIELDS, warn_ignored_fields
+from jtrainer.trainer.args import IGNORED_FIELDS, warn_ignored_fields
 
 # jtrainer's own fields, and HF defaults that legitimately differ here (with the reason).
 JAX_ONLY_FIELDS = {

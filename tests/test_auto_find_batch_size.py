@@ -4,8 +4,9 @@ import jax
 import pytest
 from conftest import short_run_args, tiny_llama_config, token_rows
 
-from jtrainer import Trainer, batch_size, env
+from jtrainer import Trainer, env
 from jtrainer.models.llama import LlamaForCausalLM
+from jtrainer.sizing import batch_size
 
 _args = short_run_args
 
@@ -74,7 +75,7 @@ def test_auto_find_batch_size_resumes_with_the_batch_it_found(monkeypatch, tmp_p
     monkeypatch.setenv(env.DEVICE_MEMORY_BYTES.name, str(fits + 1024))  # batches of 16 and 8 do not fit, 4 does
     whole = run(tmp_path / "whole")
     caplog.clear()
-    with caplog.at_level("WARNING", logger="jtrainer.trainer"):
+    with caplog.at_level("WARNING", logger="jtrainer.trainer.trainer"):
         resumed = run(tmp_path / "resumed", str(tmp_path / "whole" / "checkpoint-2"))
     assert not [r for r in caplog.records if "out of memory" in r.getMessage()]
     assert (resumed.args.per_device_train_batch_size, resumed.args.gradient_accumulation_steps) == (4, 4)

@@ -169,7 +169,7 @@ def test_lora_same_run_as_transformers_trainer(tmp_path, name):
     assert "model.safetensors" not in files
     import orbax.checkpoint as ocp
 
-    from jtrainer import checkpoint
+    from jtrainer.checkpointing import checkpoint
 
     with ocp.StandardCheckpointer() as reader:
         saved = reader.metadata(checkpoint._orbax_path(str(checkpoint_4 / "train_state"))).item_metadata.tree

@@ -13,7 +13,8 @@ import pytest
 from flax import nnx
 from jobs.ckpt_job import PAUSE_ENV, make_trainer
 
-from jtrainer import Trainer, TrainingArguments, checkpoint
+from jtrainer import Trainer, TrainingArguments
+from jtrainer.checkpointing import checkpoint
 
 HERE = os.path.dirname(__file__)
 

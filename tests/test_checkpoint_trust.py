@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from jobs.ckpt_job import make_trainer
 
-from jtrainer import checkpoint, storage
+from jtrainer import storage
+from jtrainer.checkpointing import checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -127,6 +127,6 @@ def test_liger_kernel_config_and_unsupported_models(caplog):
     from transformers import GPT2Config
 
     gpt2 = GPT2LMHeadModel.from_config(GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=32))
-    with caplog.at_level(logging.WARNING, logger="jtrainer.trainer"):
+    with caplog.at_level(logging.WARNING, logger="jtrainer.trainer.trainer"):
         Trainer(gpt2, _args(use_liger_kernel=True), train_dataset=token_rows(4))
     assert "GPT2LMHeadModel has no chunked loss" in caplog.text

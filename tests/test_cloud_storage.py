@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 from jobs.ckpt_job import make_trainer
 
-from jtrainer import TrainingArguments, checkpoint, storage
+from jtrainer import TrainingArguments, storage
+from jtrainer.checkpointing import checkpoint
 from jtrainer.errors import BadInput
 from jtrainer.models.llama import LlamaForCausalLM
 
@@ -119,7 +120,7 @@ def test_a_crash_leftover_on_gcs_is_skipped_then_removed_and_tampering_is_caught
 
 
 def test_the_run_lock_holds_on_gcs(gcs):
-    from jtrainer import run_lock
+    from jtrainer.checkpointing import run_lock
 
     out = "gs://bkt/locked"
     other = {

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from jobs.ckpt_job import PAUSE_ENV, make_trainer
 
-from jtrainer import TrainerCallback, checkpoint
+from jtrainer import TrainerCallback
+from jtrainer.checkpointing import checkpoint
 
 HERE = os.path.dirname(__file__)
 
@@ -142,7 +143,11 @@ def test_a_failing_disk_keeps_the_committed_checkpoints(tmp_path, disk):
     _, err = proc.communicate(timeout=300)
     _restore_write_access(out)
     assert proc.returncode == 1, err.decode()[-3000:]
-    error = [line for line in err.decode().splitlines() if line.startswith("jtrainer.checkpoint.CheckpointWriteError")]
+    error = [
+        line
+        for line in err.decode().splitlines()
+        if line.startswith("jtrainer.checkpointing.checkpoint.CheckpointWriteError")
+    ]
     assert error, err.decode()[-3000:]
     cause = "File too large" if disk == "full" else "Permission denied"
     assert f"Checkpoint {out}/checkpoint-4 could not be written ({cause}: {out}/checkpoint-4.tmp" in error[0]

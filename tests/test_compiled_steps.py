@@ -4,7 +4,7 @@ from conftest import short_run_args, tiny_llama_config, token_rows
 
 
 def test_the_cache_keeps_the_most_recently_used_entries():
-    from jtrainer.compiled_steps import StepCache
+    from jtrainer.runtime.compiled_steps import StepCache
 
     cache = StepCache(max_entries=2)
     cache["a"], cache["b"] = 1, 2
@@ -17,8 +17,9 @@ def test_the_cache_keeps_the_most_recently_used_entries():
 
 def test_a_trainer_step_is_shared_until_cleared():
     import jtrainer
-    from jtrainer import Trainer, compiled_steps
+    from jtrainer import Trainer
     from jtrainer.models.llama import LlamaForCausalLM
+    from jtrainer.runtime import compiled_steps
 
     def run():
         model = LlamaForCausalLM.from_config(tiny_llama_config())

@@ -105,7 +105,7 @@ def test_hf_datasets_iterable_and_tokenizer_padding(tmp_path):
 
 
 def test_group_by_length_and_seeded_order():
-    from jtrainer.data import index_order
+    from jtrainer.trainer.data import index_order
 
     lengths = list(np.random.RandomState(0).randint(1, 100, 300))
     a = index_order(300, seed=1, epoch=0, strategy="random", batch_size=4)

@@ -160,7 +160,7 @@ def test_a_torch_trainer_checkpoint_loads_and_resumes(tmp_path):
         args=TrainingArguments(output_dir=scratch_dir(), max_steps=2, report_to="none"),
         train_dataset=token_rows(4, length=8),
     )
-    from jtrainer import checkpoint
+    from jtrainer.checkpointing import checkpoint
 
     checkpoint.verify_checkpoint(folder)
     ours.train(resume_from_checkpoint=folder)

@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jtrainer.losses import IGNORE_INDEX, token_cross_entropy_sum
-from jtrainer.models.linear import _weight_grad_transposing, dense
+from jtrainer.models.kernels.dense import _weight_grad_transposing, dense
+from jtrainer.numerics.losses import IGNORE_INDEX, token_cross_entropy_sum
 
 
 @pytest.mark.parametrize("shape,d_in,d_out", [((6,), 4, 12), ((2, 5), 12, 4), ((3,), 8, 8)])
@@ -66,7 +66,7 @@ def test_cross_entropy_gradient_equals_autodiff_of_log_softmax(label_smoothing):
 
 @pytest.mark.parametrize("length,kv_heads", [(256, 2), (128, 4), (48, 1)])  # 4, 2 and 1 query blocks
 def test_causal_attention_equals_jax_nn_with_fully_masked_rows(length, kv_heads):
-    from jtrainer.models.attention import TokenMask, causal_attention
+    from jtrainer.models.kernels.attention import TokenMask, causal_attention
 
     keys = jax.random.split(jax.random.key(0), 4)
     q = jax.random.normal(keys[0], (2, length, 4, 8))
@@ -89,7 +89,7 @@ def test_causal_attention_equals_jax_nn_with_fully_masked_rows(length, kv_heads)
 
 
 def test_causal_attention_is_jax_nn_off_cpu(monkeypatch):
-    from jtrainer.models.attention import causal_attention
+    from jtrainer.models.kernels.attention import causal_attention
 
     q = k = v = jnp.ones((1, 128, 2, 4))
 
@@ -114,7 +114,7 @@ def _attention_inputs(dtype=jnp.float32, length=64):
 def test_attention_takes_causality_itself_on_every_path(monkeypatch, window, padded):
     """A padding-only mask (or none) and a sliding window give what the dense causal mask gives jax.nn, on the
     CPU formulation and on the fused path (XLA's, as on TPUs and for fp32 on GPUs)."""
-    from jtrainer.models import attention
+    from jtrainer.models.kernels import attention
 
     q, k, v, padding = _attention_inputs()
     mask = attention.TokenMask(padding if padded else None)
@@ -130,7 +130,7 @@ def test_attention_takes_causality_itself_on_every_path(monkeypatch, window, pad
 
 
 def test_cudnn_attention_chosen_for_half_precision_on_gpus_and_overridable(monkeypatch):
-    from jtrainer.models.attention import fused_implementation
+    from jtrainer.models.kernels.attention import fused_implementation
 
     half, full = jnp.ones((1, 8, 2, 16), jnp.bfloat16), jnp.ones((1, 8, 2, 16), jnp.float32)
     assert fused_implementation(half) == "xla"  # CPU
@@ -146,7 +146,7 @@ def test_cudnn_attention_chosen_for_half_precision_on_gpus_and_overridable(monke
 def test_cudnn_refusal_falls_back_to_xla_unless_forced(monkeypatch, caplog):
     """Here (no cuDNN) jax.nn refuses implementation="cudnn" while tracing, as it refuses shapes cuDNN cannot
     run on a GPU: the layer then runs XLA's attention and says so once; JTRAINER_ATTENTION=cudnn raises."""
-    from jtrainer.models import attention
+    from jtrainer.models.kernels import attention
 
     q, k, v, padding = _attention_inputs(jnp.bfloat16)
     dense = attention.causal_mask(q.shape[1]) & padding[:, None, None, :]

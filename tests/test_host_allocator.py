@@ -1,4 +1,4 @@
-"""The malloc settings that keep XLA's CPU temporaries mapped between steps (jtrainer.host_allocator)."""
+"""The malloc settings that keep XLA's CPU temporaries mapped between steps (jtrainer.runtime.host_allocator)."""
 
 import ast
 import os
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from jtrainer import host_allocator
+from jtrainer.runtime import host_allocator
 
 JOB = os.path.join(os.path.dirname(__file__), "jobs", "page_fault_job.py")
 

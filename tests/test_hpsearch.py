@@ -5,7 +5,7 @@ import os
 import pytest
 from conftest import count_compiles, tiny_llama_config, token_rows
 
-import jtrainer.trainer
+import jtrainer.trainer.trainer
 from jtrainer import Trainer, TrainingArguments
 from jtrainer.models.llama import LlamaForCausalLM
 

@@ -1,5 +1,6 @@
-"""The package's import graph: no cycle (counting imports inside functions too), the CLI above the library, and
-every module importable on its own."""
+"""The package's import graph: no cycle (counting imports inside functions too), the layers (each subpackage
+imports only its own layer and those below it; the CLI above everything), and every module importable on its
+own."""
 
 import ast
 import os
@@ -76,6 +77,55 @@ def test_no_import_cycle():
 
 def test_the_cycle_finder_finds_cycles():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == [["a", "b", "c", "a"]]
+
+
+# The layers, bottom first. A module may import its own layer and the layers below it, never one above.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    # core: settings, errors, HF's host-side classes and storage paths; no jtrainer imports above these
+    ("core", ("env", "errors", "versions", "host_rng", "state", "storage", "callbacks")),
+    ("parallel", ("parallel",)),  # the mesh, many processes
+    ("runtime", ("runtime",)),  # process start-up, malloc tuning, the compiled-step cache
+    ("numerics", ("numerics",)),  # the step, losses, optimizers, schedules: pure functions
+    ("models", ("models",)),  # the native families and their kernels
+    ("utilities", ("generation", "packing")),  # user-facing functions over models and data
+    ("bridge", ("bridge",)),  # transformers' torch models under the step
+    ("checkpointing", ("checkpointing",)),
+    ("sizing", ("sizing",)),
+    ("trainer", ("trainer",)),  # HF's front end and the loop
+    ("cli", ("cli",)),  # the `jtrainer` command
+]
+
+
+def _layer(module: str) -> int:
+    """The index in LAYERS of a jtrainer module (the package's __init__, the public API, sits with the CLI)."""
+    if module == "jtrainer":
+        return len(LAYERS) - 1
+    first = module.split(".")[1]
+    return next(i for i, (_, members) in enumerate(LAYERS) if first in members)
+
+
+def test_every_module_belongs_to_a_layer():
+    unplaced = []
+    for name in _modules():
+        try:
+            _layer(name)
+        except StopIteration:
+            unplaced.append(name)
+    assert unplaced == []
+
+
+def test_no_module_imports_a_layer_above_its_own():
+    upward = {
+        name: sorted(dep for dep in deps if _layer(dep) > _layer(name))
+        for name, deps in _graph().items()
+        if any(_layer(dep) > _layer(name) for dep in deps)
+    }
+    assert upward == {}, {name: (LAYERS[_layer(name)][0], deps) for name, deps in upward.items()}
+
+
+def test_the_layer_rule_finds_an_upward_import():
+    assert _layer("jtrainer.numerics.step") < _layer("jtrainer.trainer.trainer") < _layer("jtrainer.cli.check")
+    assert _layer("jtrainer.state") < _layer("jtrainer.parallel.sharding")
 
 
 def test_the_cli_is_the_application_layer():

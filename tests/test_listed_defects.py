@@ -49,7 +49,7 @@ def test_the_finite_check_of_saves_compiles_once(tmp_path):
         args=short_run_args(tmp_path, max_steps=4, save_strategy="steps", save_steps=1),
         train_dataset=token_rows(16),
     )
-    from jtrainer import saving
+    from jtrainer.trainer import saving
 
     saving._all_finite.clear_cache()  # another test of this worker may have compiled it for this layout
     with count_compiles("_all_finite") as compiles:

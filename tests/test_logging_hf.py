@@ -56,7 +56,7 @@ def test_log_metrics_prints_as_transformers_and_n_gpu_is_hfs():
     expected, got = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(expected):
         log_metrics(Theirs(), "train", metrics)
-    from jtrainer.metrics_io import MetricsMixin
+    from jtrainer.trainer.metrics_io import MetricsMixin
 
     class Ours(MetricsMixin):
         def is_world_process_zero(self):

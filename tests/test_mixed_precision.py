@@ -7,8 +7,9 @@ import optax
 import pytest
 from conftest import count_compiles, short_run_args, tiny_llama_config, token_rows
 
-from jtrainer import Trainer, TrainingArguments, mixed_precision
+from jtrainer import Trainer, TrainingArguments
 from jtrainer.models.llama import LlamaForCausalLM
+from jtrainer.numerics import mixed_precision
 
 _args = short_run_args
 
@@ -101,7 +102,7 @@ def test_full_eval_computes_in_half_precision(half):
 def test_resume_across_a_change_of_fp16_or_nan_inf_policy(tmp_path, caplog):
     """HF resumes a checkpoint whatever fp16 was at the save: the optimizer's state is restored from under the
     saved wrappers and put under this run's, whose state (the loss scale, the skip counter) starts afresh."""
-    from jtrainer import opt_state
+    from jtrainer.numerics import opt_state
 
     rows = token_rows(12)
 
@@ -115,7 +116,7 @@ def test_resume_across_a_change_of_fp16_or_nan_inf_policy(tmp_path, caplog):
         return trainer
 
     plain = run(tmp_path / "plain")
-    with caplog.at_level("WARNING", logger="jtrainer.checkpoint"):
+    with caplog.at_level("WARNING", logger="jtrainer.checkpointing.checkpoint"):
         to_half = run(tmp_path / "to_half", str(tmp_path / "plain" / "checkpoint-2"), fp16=True)
     assert "saved with no wrapper around the optimizer, this run uses fp16 loss scaling" in caplog.text
     assert _logs(to_half)[-1] == pytest.approx(_logs(plain)[-1], rel=1e-2)

@@ -94,7 +94,7 @@ def test_a_killed_process_makes_the_other_fail_fast(tmp_path):
 
 def test_sigterm_to_one_process_makes_both_save_the_same_step(tmp_path):
     sys.path.insert(0, HERE)
-    from jtrainer import checkpoint
+    from jtrainer.checkpointing import checkpoint
 
     out = tmp_path / "run"
     cmd = [sys.executable, os.path.join(HERE, "jobs", "ckpt_job.py"), str(out), "100000", "0", "0", MESH, "8"]

@@ -7,9 +7,9 @@ import optax
 import pytest
 
 from jtrainer import TrainingArguments
-from jtrainer.opt_state import find_hyperparams
-from jtrainer.optim import SUPPORTED_OPTIMIZERS, decay_mask, make_optimizer, parse_optim_args
-from jtrainer.schedules import GreedyScheduler, PlateauScheduler, make_schedule, schedule_multiplier
+from jtrainer.numerics.opt_state import find_hyperparams
+from jtrainer.numerics.optim import SUPPORTED_OPTIMIZERS, decay_mask, make_optimizer, parse_optim_args
+from jtrainer.numerics.schedules import GreedyScheduler, PlateauScheduler, make_schedule, schedule_multiplier
 
 SCHEDULES = [
     ("linear", {}),
@@ -62,7 +62,7 @@ def test_host_rate_is_hf_float64(name, kwargs, warmup):
     torch = pytest.importorskip("torch")
     from transformers.optimization import get_scheduler
 
-    from jtrainer.schedules import host_learning_rate
+    from jtrainer.numerics.schedules import host_learning_rate
 
     base, total = 3e-4, 30
     hf_args = __import__("transformers").TrainingArguments("o", warmup_steps=warmup, report_to="none")

@@ -15,9 +15,9 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from jtrainer import TrainingArguments  # noqa: E402
-from jtrainer.opt_state import current_learning_rate  # noqa: E402
-from jtrainer.optim import SUPPORTED_OPTIMIZERS, make_optimizer, schedule_free_eval_params  # noqa: E402
-from jtrainer.schedules import schedule_multiplier  # noqa: E402
+from jtrainer.numerics.opt_state import current_learning_rate  # noqa: E402
+from jtrainer.numerics.optim import SUPPORTED_OPTIMIZERS, make_optimizer, schedule_free_eval_params  # noqa: E402
+from jtrainer.numerics.schedules import schedule_multiplier  # noqa: E402
 
 STEPS = 10
 
@@ -242,7 +242,7 @@ def test_options_hf_cannot_match_are_refused_at_construction(optim, optim_args, 
 
 
 def test_options_without_effect_warn(caplog):
-    from jtrainer.optim import optimizer_context
+    from jtrainer.numerics.optim import optimizer_context
 
     with caplog.at_level("WARNING"):
         optimizer_context(TrainingArguments("o", optim="sgd", optim_args="momentum=0.9,foo=1", report_to="none"))

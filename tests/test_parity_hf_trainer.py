@@ -194,7 +194,7 @@ def test_num_items_in_batch_counts_labels_as_transformers_trainer(tmp_path, name
     import transformers
 
     import jtrainer.models as models
-    from jtrainer.trainer import _counts_shifted_labels
+    from jtrainer.trainer.trainer import _counts_shifted_labels
 
     configs = {
         "Llama": tiny_llama_config(),

@@ -125,8 +125,9 @@ def test_a_longer_resume_follows_transformers_new_schedule(tmp_path):
 
 
 def test_torch_checkpoints_are_found_and_what_cannot_continue_is_refused(tmp_path, monkeypatch):
-    from jtrainer import checkpoint, get_last_checkpoint
-    from jtrainer.torch_checkpoint import TorchCheckpointError
+    from jtrainer import get_last_checkpoint
+    from jtrainer.checkpointing import checkpoint
+    from jtrainer.checkpointing.torch_checkpoint import TorchCheckpointError
 
     hf_out = _hf_checkpoint(tmp_path, "llama")
     assert get_last_checkpoint(str(hf_out)) == str(hf_out / "checkpoint-4")  # as HF's get_last_checkpoint
@@ -158,7 +159,8 @@ class _RunsCode:
 
 
 def test_a_pickle_that_would_run_code_is_skipped_naming_the_file(tmp_path):
-    from jtrainer import checkpoint, get_last_checkpoint
+    from jtrainer import get_last_checkpoint
+    from jtrainer.checkpointing import checkpoint
 
     hf_out = _hf_checkpoint(tmp_path, "llama")
     torch.save({"python": _RunsCode()}, hf_out / "checkpoint-4" / "rng_state.pth")

@@ -13,8 +13,8 @@ import pytest
 from jobs.ckpt_job import PAUSE_ENV, make_trainer
 from test_commit_safety import _spawn, _wait
 
-from jtrainer import checkpoint, run_lock
-from jtrainer.run_lock import LOCK_NAME, OutputDirLocked, RunLock
+from jtrainer.checkpointing import checkpoint, run_lock
+from jtrainer.checkpointing.run_lock import LOCK_NAME, OutputDirLocked, RunLock
 
 
 def _write_lock(folder, host, pid, age_s=0.0):
@@ -58,7 +58,7 @@ def test_dead_or_silent_holders_are_taken_over(tmp_path, caplog):
             with pytest.raises(OutputDirLocked, match=f"pid {pid} on host {host}"):
                 RunLock(folder).acquire()
             continue
-        with caplog.at_level(logging.WARNING, logger="jtrainer.run_lock"):
+        with caplog.at_level(logging.WARNING, logger="jtrainer.checkpointing.run_lock"):
             lock = RunLock(folder).acquire()
         assert "Took over the lock" in caplog.text
         with open(lock.path) as f:
@@ -74,7 +74,7 @@ def test_an_empty_or_damaged_lock_is_taken_over_at_once(tmp_path, caplog, conten
     folder.mkdir()
     (folder / LOCK_NAME).write_text(content)
     started = time.monotonic()
-    with caplog.at_level(logging.WARNING, logger="jtrainer.run_lock"):
+    with caplog.at_level(logging.WARNING, logger="jtrainer.checkpointing.run_lock"):
         lock = RunLock(str(folder)).acquire()
     assert time.monotonic() - started < 5 and "Took over the lock" in caplog.text
     with open(lock.path) as f:

@@ -75,7 +75,7 @@ def test_scanned_export_is_transformers_folder_and_loads_sharded(tmp_path):
             np.asarray(scanned(jnp.asarray(ids)).logits), back(torch.tensor(ids)).logits.numpy(), atol=2e-5
         )
     # Onto a mesh: every device reads only its slices of every layer's tensors.
-    from jtrainer import sharding
+    from jtrainer.parallel import sharding
 
     mesh = sharding.make_mesh(sharding.resolve_mesh_shape(SimpleNamespace(mesh_shape={"fsdp": -1}), jax.device_count()))
     placed = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), mesh=mesh, scan_layers=True)
@@ -152,7 +152,7 @@ def test_layers_that_differ_cannot_be_scanned_and_a_checkpoint_says_how_it_was_b
     with pytest.raises(ValueError, match="scan_layers runs one compiled layer for all, but this config's layers"):
         AutoModelForCausalLM.from_config(config, scan_layers=True)
 
-    from jtrainer import checkpoint
+    from jtrainer.checkpointing import checkpoint
 
     def trainer(scan):
         args = TrainingArguments(

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 from conftest import tiny_llama_config
 
-from jtrainer import Trainer, TrainingArguments, sharding
+from jtrainer import Trainer, TrainingArguments
 from jtrainer.models.llama import LlamaForCausalLM
+from jtrainer.parallel import sharding
 
 HERE = os.path.dirname(__file__)
 LAYOUTS = [

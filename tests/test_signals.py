@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from jtrainer import checkpoint
-from jtrainer.run_lock import LOCK_NAME
+from jtrainer.checkpointing import checkpoint
+from jtrainer.checkpointing.run_lock import LOCK_NAME
 
 HERE = os.path.dirname(__file__)
 CLI_JOB = os.path.join(HERE, "jobs", "cli_job.py")

@@ -13,11 +13,12 @@ import pytest
 from conftest import count_compiles, scratch_dir, tiny_llama_config, token_rows
 from flax import nnx
 
-import jtrainer.trainer
-from jtrainer import Trainer, TrainingArguments, throughput
-from jtrainer.losses import shift_labels, token_cross_entropy_sum
+import jtrainer.trainer.trainer
+from jtrainer import Trainer, TrainingArguments
 from jtrainer.models.llama import LlamaForCausalLM
+from jtrainer.numerics.losses import shift_labels, token_cross_entropy_sum
 from jtrainer.packing import pack_sequences, packing_efficiency
+from jtrainer.sizing import throughput
 
 
 def _args(**over):

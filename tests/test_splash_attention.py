@@ -1,4 +1,4 @@
-"""jtrainer.models.splash_attention (the TPU attention kernel) against XLA's attention, run here in Pallas'
+"""jtrainer.models.kernels.splash_attention (the TPU attention kernel) against XLA's attention, run here in Pallas'
 interpret mode: values and q/k/v gradients, for causality, grouped-query heads, padding, packed rows and
 sliding windows; on 8 CPU devices, queries split over `sequence` (context parallelism) and heads over
 `tensor` give one device's values."""
@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jtrainer.models import attention, splash_attention
+from jtrainer.models.kernels import attention, splash_attention
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LENGTH = 512

@@ -1,4 +1,4 @@
-"""jtrainer.startup: importing jtrainer changes nothing outside it; `jtrainer.initialize()` (called by
+"""jtrainer.runtime.startup: importing jtrainer changes nothing outside it; `jtrainer.initialize()` (called by
 TrainingArguments, the Trainer and the CLI) applies the start-up effects once."""
 
 import os

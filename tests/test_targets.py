@@ -7,10 +7,10 @@ import sys
 
 import pytest
 
-from jtrainer import targets
 from jtrainer.cli import main, parse_train_args
 from jtrainer.cli.check import run_check
 from jtrainer.errors import BadInput
+from jtrainer.sizing import targets
 
 CONFIG = "configs/llama_1b_fsdp_v5e_16.yaml"
 SMALL = [
@@ -227,7 +227,7 @@ def test_the_check_of_scanned_layers_gives_no_mfu_from_counts_xla_makes_once(cap
     ],
 )
 def test_the_mesh_follows_the_torus_keeps_each_hosts_rows_together_and_puts_slices_on_data(name, slices, sizes, ring):
-    from jtrainer import sharding
+    from jtrainer.parallel import sharding
 
     target = targets.resolve(name, slices)
     grid = sharding.make_mesh(sizes, list(target.devices)).devices

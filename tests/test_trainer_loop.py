@@ -237,7 +237,7 @@ def test_shape_probe_loses_no_batch_and_collates_once(tmp_path):
 
 
 def test_peek_then_iterate_yields_each_batch_once():
-    from jtrainer.data import BatchLoader
+    from jtrainer.trainer.data import BatchLoader
 
     rows = [{"x": np.array([i])} for i in range(10)]
     collate = lambda b: {"x": np.stack([r["x"] for r in b])}  # noqa: E731

@@ -1,10 +1,10 @@
 """The Trainer's parts and the state they share: every attribute a part assigns is declared in
-jtrainer.trainer_parts, and only its owner assigns it (or the parts SHARED names)."""
+jtrainer.trainer.trainer_parts, and only its owner assigns it (or the parts SHARED names)."""
 
 import ast
 import os
 
-from jtrainer import trainer_parts
+from jtrainer.trainer import trainer_parts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PARTS = ("trainer", "optimizer_setup", "evaluation", "saving", "hpsearch", "hub", "metrics_io")
@@ -12,7 +12,7 @@ CALLERS = (*PARTS, "seq2seq")  # Seq2SeqTrainer extends the Trainer; evaluation 
 
 
 def _classes(part: str):
-    tree = ast.parse(open(os.path.join(ROOT, "jtrainer", f"{part}.py")).read())
+    tree = ast.parse(open(os.path.join(ROOT, "jtrainer", "trainer", f"{part}.py")).read())
     return [n for n in tree.body if isinstance(n, ast.ClassDef)]
 
 
@@ -28,7 +28,7 @@ def _writes() -> dict[str, set[str]]:
     """Attribute -> the parts whose classes assign `self.<attribute>`."""
     found: dict[str, set[str]] = {}
     for part in PARTS:
-        tree = ast.parse(open(os.path.join(ROOT, "jtrainer", f"{part}.py")).read())
+        tree = ast.parse(open(os.path.join(ROOT, "jtrainer", "trainer", f"{part}.py")).read())
         for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
             for node in ast.walk(cls):
                 if isinstance(node, ast.Assign):
@@ -61,13 +61,13 @@ def test_only_the_owner_assigns_an_attribute():
 
 
 def test_every_part_derives_from_the_declaration():
-    from jtrainer.evaluation import EvaluationMixin
-    from jtrainer.hpsearch import HyperparameterSearchMixin
-    from jtrainer.hub import HubMixin
-    from jtrainer.metrics_io import MetricsMixin
-    from jtrainer.optimizer_setup import OptimizerMixin
-    from jtrainer.saving import SavingMixin
-    from jtrainer.trainer import Trainer
+    from jtrainer.trainer.evaluation import EvaluationMixin
+    from jtrainer.trainer.hpsearch import HyperparameterSearchMixin
+    from jtrainer.trainer.hub import HubMixin
+    from jtrainer.trainer.metrics_io import MetricsMixin
+    from jtrainer.trainer.optimizer_setup import OptimizerMixin
+    from jtrainer.trainer.saving import SavingMixin
+    from jtrainer.trainer.trainer import Trainer
 
     for part in (
         EvaluationMixin,
@@ -99,7 +99,7 @@ def _methods_and_uses():
 
 def _declared_methods() -> set[str]:
     """The methods TrainerParts declares (under `if TYPE_CHECKING:` in its body)."""
-    tree = ast.parse(open(os.path.join(ROOT, "jtrainer", "trainer_parts.py")).read())
+    tree = ast.parse(open(os.path.join(ROOT, "jtrainer", "trainer", "trainer_parts.py")).read())
     parts = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "TrainerParts")
     return {
         f.name

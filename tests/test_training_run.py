@@ -1,4 +1,4 @@
-"""The loop's own state (jtrainer.training_run): logged losses with HF's NaN/Inf filter, equal to
+"""The loop's own state (jtrainer.trainer.training_run): logged losses with HF's NaN/Inf filter, equal to
 transformers.Trainer's on the same micro-batch losses, and the loop's state kept in one object."""
 
 import math
@@ -10,7 +10,7 @@ from conftest import torch_rows
 from flax import nnx
 
 from jtrainer import Trainer, TrainingArguments
-from jtrainer.training_run import LossLog, summed_step_losses
+from jtrainer.trainer.training_run import LossLog, summed_step_losses
 
 # Each micro-batch of 2 rows has the loss x.mean(): finite, NaN and inf ones in chosen places.
 BATCH_LOSSES = [1.0, 2.0, math.nan, 4.0, 5.0, math.inf, 7.0, 8.0, 9.0]

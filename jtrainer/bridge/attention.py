@@ -1,5 +1,5 @@
 """transformers' attention, routed to jtrainer's on TPUs: a bridged Gemma or Llama trains long rows through the
-splash kernel (`jtrainer.models.attention`) as the native families do.
+splash kernel (`jtrainer.models.kernels.attention`) as the native families do.
 
 transformers picks a model's attention by name (`config._attn_implementation`) from two registries: the
 attention function (`AttentionInterface`) and the function that builds its mask (`AttentionMaskInterface`). Both
@@ -25,7 +25,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-from jtrainer.models import attention as native_attention
+from jtrainer.models.kernels import attention as native_attention
 
 NAME = "jtrainer"
 

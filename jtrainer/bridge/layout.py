@@ -1,8 +1,9 @@
 """Where a transformers model's weights go on the mesh: logical axes from its own tensor-parallel plan
 (`model.tp_plan`: colwise / rowwise linear layers, row-split embeddings) and expert-parallel plan (`model.ep_plan`:
-the stacked weights of a mixture of experts, experts first), which the rules table of `jtrainer.sharding` maps to
-mesh axes like a native model's ('mlp'/'vocab' -> tensor, 'embed' -> fsdp, 'expert' -> expert). Weights the plans
-do not name are fsdp-split on their largest dimension (`sharding.default_spec`). Pure: no torch."""
+the stacked weights of a mixture of experts, experts first), which the rules table of
+`jtrainer.parallel.sharding` maps to mesh axes like a native model's ('mlp'/'vocab' -> tensor, 'embed' -> fsdp,
+'expert' -> expert). Weights the plans do not name are fsdp-split on their largest dimension
+(`sharding.default_spec`). Pure: no torch."""
 
 from __future__ import annotations
 

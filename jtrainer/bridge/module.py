@@ -19,11 +19,11 @@ import numpy as np
 import torch
 from flax import nnx
 
-from jtrainer import sharding
 from jtrainer.bridge import adapters, attention, layout, torchax_compat
 from jtrainer.bridge.unlowered import unlowered_op
 from jtrainer.models import remat
 from jtrainer.models.outputs import Outputs
+from jtrainer.parallel import sharding
 from jtrainer.state import Frozen  # requires_grad=False: transformers.Trainer's optimizer never sees it
 
 _NEFTUNE_HOOKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # embeddings -> NEFTune's hook handle

@@ -1,5 +1,6 @@
 """Resuming a transformers.Trainer `checkpoint-N` for a torch model trained through the bridge (a peft model
-included): the names and layouts `jtrainer.torch_checkpoint.restore` needs, read off the torch model itself."""
+included): the names and layouts `jtrainer.checkpointing.torch_checkpoint.restore` needs, read off the torch
+model itself."""
 
 from __future__ import annotations
 

@@ -18,12 +18,13 @@ import argparse
 import signal
 import sys
 
-from jtrainer import startup, targets
 from jtrainer.cli.config import DEFAULT_CONFIG, RunArguments, parse_train_args, read_config
 from jtrainer.cli.console import say
 from jtrainer.cli.launch import run_launch
 from jtrainer.cli.train import Diverged, Stopped, resume_point, run_train
 from jtrainer.errors import BadInput
+from jtrainer.runtime import startup
+from jtrainer.sizing import targets
 
 __all__ = [
     "DEFAULT_CONFIG",

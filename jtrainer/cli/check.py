@@ -5,7 +5,7 @@ with memory per device, FLOPs and whether it fits, before any data is read or an
 The model is built abstractly (shapes only); the batch is ones of the configured shape; the steps are the ones
 training runs (`Trainer.compile_train_step`, `Trainer.compile_eval_step`). Without `--target` it compiles for
 this machine's devices; with one, for a TPU slice or GPU nodes that are not here (compile-only topologies,
-`jtrainer.targets`): sizing a run
+`jtrainer.sizing.targets`): sizing a run
 before renting it. A step that does not fit makes `jtrainer check` exit 1.
 """
 
@@ -20,13 +20,14 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jtrainer import args as args_module
-from jtrainer import batch_size, targets
 from jtrainer.cli import memory_report, tasks
 from jtrainer.cli.console import say
 from jtrainer.cli.memory_report import size
-from jtrainer.models import attention, remat, splash_attention
+from jtrainer.models import remat
+from jtrainer.models.kernels import attention, splash_attention
+from jtrainer.sizing import batch_size, targets
 from jtrainer.state import Frozen
+from jtrainer.trainer import args as args_module
 
 # Fields honoured through a JAX mechanism rather than the torch one HF uses (none of them is in IGNORED_FIELDS).
 EMULATED: dict[str, str] = {
@@ -138,9 +139,9 @@ def _per_device_bytes(arg_info, shardings) -> int:
 def compile_step(model_args, data_args, training_args, target: targets.Target | None = None) -> dict[str, Any]:
     """Compile the config's train step ahead of time, on this machine's devices or for `target`; its memory per
     device (by kind), FLOPs and whether it fits. Raises StepDoesNotFit when XLA refuses the layout."""
-    from jtrainer import sharding
-    from jtrainer.seq2seq import Seq2SeqTrainer
-    from jtrainer.trainer import Trainer
+    from jtrainer.parallel import sharding
+    from jtrainer.trainer.seq2seq import Seq2SeqTrainer
+    from jtrainer.trainer.trainer import Trainer
 
     args = copy.copy(training_args)
     args.push_to_hub = False  # a dry run creates no repository
@@ -254,7 +255,7 @@ def _step_shapes(model, args, data_args, mesh) -> memory_report.StepShapes:
                 return value
         return -1
 
-    from jtrainer import sharding
+    from jtrainer.parallel import sharding
 
     return memory_report.StepShapes(
         rows=args.per_device_train_batch_size * sharding.data_parallel_size(mesh),
@@ -298,7 +299,7 @@ def roofline(numbers: dict[str, Any], target: targets.Target, undercounted: str 
     and 6ND per chip (XLA's cost analysis counts a loop's body once). Where XLA's counts are missing (GPU
     targets) or known to be short (`undercounted` says why: the layers' scan), only the lower bound of 6ND at
     peak is given, without an MFU (it would be 100% by construction). None for a chip of unknown peak."""
-    from jtrainer.throughput import peak_flops
+    from jtrainer.sizing.throughput import peak_flops
 
     peak = peak_flops(target.devices[0])
     if not peak:

@@ -52,7 +52,7 @@ def parse_train_args(argv: list[str], command: str = "train"):
     from transformers import HfArgumentParser
 
     from jtrainer import Seq2SeqTrainingArguments
-    from jtrainer.args import honour_fields
+    from jtrainer.trainer.args import honour_fields
 
     honour_fields("resume_from_checkpoint")  # passed to train() by run_train
 

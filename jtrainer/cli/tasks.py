@@ -313,7 +313,7 @@ def check_fresh_model(model_args: ModelArguments) -> None:
 def check_mesh(training_args, devices: int | None = None) -> None:
     """mesh_shape (or parallelism_config / fsdp) must fit the devices (here, or `devices` of a target), checked
     before any data is read or step compiled."""
-    from jtrainer import sharding
+    from jtrainer.parallel import sharding
 
     try:
         sharding.resolve_mesh_shape(training_args, devices or len(sharding.mesh_devices()))

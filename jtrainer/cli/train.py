@@ -54,8 +54,8 @@ def run_train(
     and print a summary."""
     import jax
 
-    from jtrainer import run_lock
-    from jtrainer.optim import check_optimizer
+    from jtrainer.checkpointing import run_lock
+    from jtrainer.numerics.optim import check_optimizer
 
     try:
         check_optimizer(training_args)  # fail before reading text and training a tokenizer
@@ -74,8 +74,9 @@ def resume_point(training_args, run_args: RunArguments) -> str | None:
     run's checkpoints). An output_dir holding other files but no checkpoint is refused, as HF's scripts do."""
     import jax
 
-    from jtrainer import checkpoint, distributed
-    from jtrainer.run_lock import LOCK_NAME
+    from jtrainer.checkpointing import checkpoint
+    from jtrainer.checkpointing.run_lock import LOCK_NAME
+    from jtrainer.parallel import distributed
 
     out, explicit = training_args.output_dir, training_args.resume_from_checkpoint
     if explicit and run_args.overwrite_output_dir:
@@ -127,7 +128,7 @@ def _train_job(model_args: ModelArguments, data_args: DataArguments, training_ar
     from transformers import DataCollatorForSeq2Seq, DataCollatorWithPadding
 
     from jtrainer import Seq2SeqTrainer, Trainer
-    from jtrainer.saving import params_finite
+    from jtrainer.trainer.saving import params_finite
 
     # A resumed job keeps the tokenizer it trained (saved in every checkpoint) instead of training it again.
     saved_tokenizer = resume if resume and storage.isfile(storage.join(resume, "tokenizer_config.json")) else None

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jtrainer.models import remat
-from jtrainer.models.linear import dense
+from jtrainer.models.kernels import dense
 
 
 def call_block(owner, block, *args):
@@ -243,8 +243,8 @@ class PretrainedMixin:
         disk; with `mesh`, straight onto its sharding, slice by slice. `dtype` ("auto", a name, a torch or jax
         dtype) casts them; unset, they stay float32 master weights.
         """
-        from jtrainer import sharding
         from jtrainer.models import hf_io, loading
+        from jtrainer.parallel import sharding
 
         asked = dict(kwargs)
         loading.refuse_inapplicable(asked)  # before any download

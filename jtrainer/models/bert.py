@@ -11,11 +11,11 @@ import optax
 from flax import nnx
 from transformers import BertConfig
 
-from jtrainer.losses import IGNORE_INDEX, token_cross_entropy_sum, token_loss
 from jtrainer.models.base import Embed, PretrainedMixin, StaticConfig, call_block
 from jtrainer.models.layers import ACTIVATION_AXES, ACTIVATIONS, LayerNorm, embedding, linear
 from jtrainer.models.outputs import ModelOutput
-from jtrainer.sharding import TENSOR, constrain
+from jtrainer.numerics.losses import IGNORE_INDEX, token_cross_entropy_sum, token_loss
+from jtrainer.parallel.sharding import TENSOR, constrain
 
 
 class BertEmbeddings(nnx.Module):

@@ -8,14 +8,13 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from transformers import GPT2Config
 
-from jtrainer.losses import token_loss
 from jtrainer.models import remat
-from jtrainer.models.attention import TokenMask, causal_attention
 from jtrainer.models.base import Embed, PretrainedMixin, StaticConfig, call_block
+from jtrainer.models.kernels import TokenMask, causal_attention, dense
 from jtrainer.models.layers import ACTIVATION_AXES, ACTIVATIONS, LayerNorm
-from jtrainer.models.linear import dense
 from jtrainer.models.outputs import ModelOutput
-from jtrainer.sharding import TENSOR, constrain
+from jtrainer.numerics.losses import token_loss
+from jtrainer.parallel.sharding import TENSOR, constrain
 
 
 class Conv1D(nnx.Module):

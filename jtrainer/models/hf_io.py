@@ -323,7 +323,7 @@ def load_weights(
     an error unless `ignore_mismatched_sizes` (the parameter is then initialised afresh); the report is
     logged as HF logs it and returned.
     """
-    from jtrainer import sharding
+    from jtrainer.parallel import sharding
 
     files = TensorFiles(directory)
     params = nnx.state(model, nnx.Param)

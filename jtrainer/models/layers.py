@@ -1,5 +1,6 @@
 """The layers the model families share: activations by HF's names, dense and embedding layers whose parameters
-carry logical axis names (see jtrainer.sharding), torch's LayerNorm and HF's RMSNorm with HF's parameter names."""
+carry logical axis names (see jtrainer.parallel.sharding), torch's LayerNorm and HF's RMSNorm with HF's parameter
+names."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jtrainer.models.base import Embed
-from jtrainer.models.linear import dense_dot_general
+from jtrainer.models.kernels import dense_dot_general
 
 # The logical axes of a [batch, length, width] activation between blocks.
 ACTIVATION_AXES = ("batch", "length", "act_embed")

@@ -18,14 +18,13 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-from jtrainer.losses import chunked_token_loss, token_loss
 from jtrainer.models import remat
-from jtrainer.models.attention import TokenMask, causal_attention
 from jtrainer.models.base import Embed, PretrainedMixin, StaticConfig, call_block
+from jtrainer.models.kernels import TokenMask, causal_attention, project
 from jtrainer.models.layers import ACTIVATION_AXES, RMSNorm, linear
-from jtrainer.models.linear import project
 from jtrainer.models.outputs import ModelOutput
-from jtrainer.sharding import TENSOR, constrain
+from jtrainer.numerics.losses import chunked_token_loss, token_loss
+from jtrainer.parallel.sharding import TENSOR, constrain
 
 # Activations between layers: rows over (data, fsdp), positions over `sequence`, features whole.
 
@@ -202,7 +201,7 @@ class LlamaModel(nnx.Module):
     def __call__(self, input_ids_BxL, attention_mask_BxS=None, position_ids_BxL=None, cache=None, segment_ids_BxL=None):
         """Hidden states; with a KVCache, also the updated cache (the attention mask then covers the cache).
 
-        `segment_ids_BxL` (packed sequences, see `jtrainer.data.pack_sequences`): a token attends only to
+        `segment_ids_BxL` (packed sequences, see `jtrainer.trainer.data.pack_sequences`): a token attends only to
         earlier tokens of its own segment; 0 marks padding."""
         b, length = input_ids_BxL.shape
         start = 0 if cache is None else cache.index

@@ -12,11 +12,11 @@ import jax.numpy as jnp
 from flax import nnx
 from transformers import T5Config
 
-from jtrainer.losses import IGNORE_INDEX, token_loss
 from jtrainer.models.base import PretrainedMixin, StaticConfig, call_block
 from jtrainer.models.layers import ACTIVATION_AXES, ACTIVATIONS, RMSNorm, embedding, linear
 from jtrainer.models.outputs import ModelOutput
-from jtrainer.sharding import TENSOR, constrain
+from jtrainer.numerics.losses import IGNORE_INDEX, token_loss
+from jtrainer.parallel.sharding import TENSOR, constrain
 
 
 def relative_position_bucket(relative_position, bidirectional: bool, num_buckets: int, max_distance: int):

@@ -134,7 +134,7 @@ if __name__ == "__main__":
     import signal
 
     signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, even when started in background
-    from jtrainer import checkpoint
+    from jtrainer.checkpointing import checkpoint
 
     checkpoint.before_commit = pause_before_commit
 

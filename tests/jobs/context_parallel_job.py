@@ -19,7 +19,7 @@ import numpy as np  # noqa: E402
 from conftest import tiny_llama_config  # noqa: E402
 
 from jtrainer import Trainer, TrainingArguments  # noqa: E402
-from jtrainer.models import splash_attention  # noqa: E402
+from jtrainer.models.kernels import splash_attention  # noqa: E402
 from jtrainer.models.llama import LlamaForCausalLM  # noqa: E402
 
 LENGTH = 1024

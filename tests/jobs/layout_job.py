@@ -21,7 +21,7 @@ from conftest import tiny_llama_config, token_rows  # noqa: E402
 
 from jtrainer import Trainer, TrainingArguments  # noqa: E402
 from jtrainer.models.llama import LlamaForCausalLM  # noqa: E402
-from jtrainer.sharding import per_device_bytes  # noqa: E402
+from jtrainer.parallel.sharding import per_device_bytes  # noqa: E402
 
 
 def run(layout: dict, out_dir: str) -> dict:

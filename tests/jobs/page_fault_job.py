@@ -25,4 +25,4 @@ for _ in range(24):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     reductions(x).block_until_ready()
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-print({"tuned": jtrainer.host_allocator.should_tune(), "faults": faults})
+print({"tuned": jtrainer.runtime.host_allocator.should_tune(), "faults": faults})

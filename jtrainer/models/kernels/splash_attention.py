@@ -35,8 +35,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jtrainer import sharding
 from jtrainer.models import remat
+from jtrainer.parallel import sharding
 
 # The kernel's tile along queries and keys (MaxText's default on TPU v5e/v5p); shorter rows take one tile.
 BLOCK = 512

@@ -1,6 +1,6 @@
 """Checkpoints and exports for the Trainer: when and what to save, resume, best model, HF-format export.
 
-The storage itself (atomic commit, manifest, orbax, rotation) lives in `jtrainer.checkpoint`.
+The storage itself (atomic commit, manifest, orbax, rotation) lives in `jtrainer.checkpointing.checkpoint`.
 """
 
 from __future__ import annotations
@@ -19,10 +19,13 @@ from flax import nnx
 from transformers.trainer_callback import ExportableState, TrainerState
 from transformers.trainer_utils import SaveStrategy
 
-from jtrainer import bridge, checkpoint, host_rng, optim, sharding, storage, torch_checkpoint
+from jtrainer import bridge, host_rng, storage
 from jtrainer.bridge import adapters
+from jtrainer.checkpointing import checkpoint, torch_checkpoint
+from jtrainer.numerics import optim
+from jtrainer.parallel import sharding
 from jtrainer.state import Frozen, LoopState, TrainState, split_params
-from jtrainer.trainer_parts import TrainerParts
+from jtrainer.trainer.trainer_parts import TrainerParts
 
 
 class Resumed(NamedTuple):

@@ -18,10 +18,11 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import numpy as np
 
-    from jtrainer import data, schedules
-    from jtrainer.saving import Resumed
+    from jtrainer.numerics import schedules
+    from jtrainer.numerics.step import LossSpec
     from jtrainer.state import TrainState
-    from jtrainer.step import LossSpec
+    from jtrainer.trainer import data
+    from jtrainer.trainer.saving import Resumed
 
 OWNER: dict[str, str] = {
     **dict.fromkeys(
@@ -172,11 +173,15 @@ class TrainerParts:
     _param_specs: Any
     _train_state: Any = None  # jtrainer.state.TrainState
     _torch_holds: Any = None  # a torch model's weights came from this (train state, optimizer eval mode)
-    _run: Any = None  # jtrainer.training_run.TrainingRun: the last loop's state (log accumulators, last step, ...)
+    _run: Any = (
+        None  # jtrainer.trainer.training_run.TrainingRun: the last loop's state (log accumulators, last step, ...)
+    )
     # optimizer_setup
     optimizer: Any = None
     lr_scheduler: Any = None
-    _learning_rate: Any = None  # jtrainer.schedules.LearningRate: the schedule the Trainer built, in all its forms
+    _learning_rate: Any = (
+        None  # jtrainer.numerics.schedules.LearningRate: the schedule the Trainer built, in all its forms
+    )
     _optimizer_recipe: tuple | None = None  # what the built optimizer depends on besides numbers
     _optimizer_eval_mode: bool = False  # HF's optimizer.eval() (schedule-free optimizers) until the next step
     _non_embedding_count: Any = None

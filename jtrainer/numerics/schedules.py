@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from transformers.trainer_utils import SchedulerType
 
-from jtrainer import opt_state as opt_states
+from jtrainer.numerics import opt_state as opt_states
 
 Schedule = Callable[[jax.Array], jax.Array]
 

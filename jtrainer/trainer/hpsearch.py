@@ -20,7 +20,7 @@ import jax
 import numpy as np
 from transformers.trainer_utils import BestRun, HPSearchBackend, default_compute_objective, default_hp_space_optuna
 
-from jtrainer.trainer_parts import TrainerParts
+from jtrainer.trainer.trainer_parts import TrainerParts
 
 logger = logging.getLogger(__name__)
 

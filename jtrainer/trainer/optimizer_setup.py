@@ -12,11 +12,12 @@ import optax
 from flax import nnx
 from transformers.trainer_utils import SchedulerType
 
-from jtrainer import bridge, optim, schedules
-from jtrainer import opt_state as opt_states
+from jtrainer import bridge
 from jtrainer.models.base import count_parameters
 from jtrainer.models.layers import LayerNorm
-from jtrainer.trainer_parts import TrainerParts
+from jtrainer.numerics import opt_state as opt_states
+from jtrainer.numerics import optim, schedules
+from jtrainer.trainer.trainer_parts import TrainerParts
 
 # The modules HF excludes from weight decay by type (its ALL_LAYERNORM_LAYERS is [torch.nn.LayerNorm]): flax's
 # LayerNorm and jtrainer's port of torch's. RMSNorms are matched by name only, as in HF.

@@ -22,8 +22,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jtrainer import data, throughput
+from jtrainer.sizing import throughput
 from jtrainer.state import LoopState
+from jtrainer.trainer import data
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jtrainer.opt_state import nested_states
+from jtrainer.numerics.opt_state import nested_states
 
 INITIAL_SCALE = 2.0**16
 GROWTH_FACTOR = 2.0

@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from jtrainer import storage
-from jtrainer.trainer_parts import TrainerParts
+from jtrainer.trainer.trainer_parts import TrainerParts
 
 
 class MetricsMixin(TrainerParts):

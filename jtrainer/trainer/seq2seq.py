@@ -16,10 +16,11 @@ import numpy as np
 import transformers
 from transformers import GenerationConfig
 
-from jtrainer import bridge, distributed, sharding
-from jtrainer.args import TrainingArguments
+from jtrainer import bridge
 from jtrainer.generation import generate
-from jtrainer.trainer import Trainer
+from jtrainer.parallel import distributed, sharding
+from jtrainer.trainer.args import TrainingArguments
+from jtrainer.trainer.trainer import Trainer
 
 
 @dataclasses.dataclass

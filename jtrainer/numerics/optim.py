@@ -3,8 +3,8 @@ updates).
 
 Optimizers are optax chains wrapped in `optax.inject_hyperparams`, so the rate used by each update sits in the
 optimizer state (what HF logs as `learning_rate`) and per-evaluation schedulers (`reduce_lr_on_plateau`) can
-change it from the host without recompiling. The schedules are jtrainer.schedules'; the state surgery
-jtrainer.opt_state's.
+change it from the host without recompiling. The schedules are jtrainer.numerics.schedules'; the state surgery
+jtrainer.numerics.opt_state's.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jtrainer import torch_optimizers
-from jtrainer.opt_state import hyperparameter, nested_states
-from jtrainer.schedules import Multiplier, Schedule
+from jtrainer.numerics import torch_optimizers
+from jtrainer.numerics.opt_state import hyperparameter, nested_states
+from jtrainer.numerics.schedules import Multiplier, Schedule
 
 logger = logging.getLogger(__name__)
 

@@ -296,7 +296,7 @@ def hold(folder: str, is_main: bool = True) -> Iterator[None]:
         except OutputDirLocked as e:
             error = e
     if jax.process_count() > 1:
-        from jtrainer import distributed
+        from jtrainer.parallel import distributed
 
         if distributed.agree_max(int(error is not None)) and error is None:
             if is_main:

@@ -25,7 +25,8 @@ from transformers.debug_utils import DebugOption
 from transformers.trainer_utils import HubStrategy, IntervalStrategy, SaveStrategy, SchedulerType
 from transformers.training_args import OptimizerNames, _convert_str_dict
 
-from jtrainer import env, startup, storage
+from jtrainer import env, storage
+from jtrainer.runtime import startup
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +112,7 @@ class TrainingArguments(transformers.TrainingArguments):
         default=None,
         metadata={
             "help": 'Overrides of the logical-axis -> mesh-axis table, e.g. {"mlp": "fsdp", "vocab": null}. '
-            "See jtrainer.sharding.DEFAULT_RULES."
+            "See jtrainer.parallel.sharding.DEFAULT_RULES."
         },
     )
     nan_inf_policy: str = field(
@@ -179,7 +180,7 @@ class TrainingArguments(transformers.TrainingArguments):
             return True
         if self.fp16 or not self.default_bf16:
             return False
-        from jtrainer.sharding import mesh_devices
+        from jtrainer.parallel.sharding import mesh_devices
 
         device = mesh_devices()[0]  # the target's, when `jtrainer check --target` compiles for another machine
         if device.platform == "tpu":

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from jtrainer import host_rng
-from jtrainer.losses import IGNORE_INDEX
+from jtrainer.numerics.losses import IGNORE_INDEX
 
 Batch = dict[str, np.ndarray]
 

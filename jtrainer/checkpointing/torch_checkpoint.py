@@ -334,8 +334,8 @@ def restore(folder: str, *, args, layout: ModelLayout, mesh, rules, decay_mask, 
     run's schedule (this run's `lr_scheduler_type` and warmup over the saved `max_steps`) and refuses when that
     does not give the saved rate. Anything else that cannot continue as torch would is refused by name.
     """
-    from jtrainer import opt_state as opt_states
-    from jtrainer import schedules
+    from jtrainer.numerics import opt_state as opt_states
+    from jtrainer.numerics import schedules
 
     with storage.local_folder(folder) as local:
         missing = missing_files(local)

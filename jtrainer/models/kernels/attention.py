@@ -39,9 +39,10 @@ from collections.abc import Iterator
 import jax
 import jax.numpy as jnp
 
-from jtrainer import env, sharding
-from jtrainer.models import splash_attention
-from jtrainer.models.linear import cpu_backend
+from jtrainer import env
+from jtrainer.models.kernels import splash_attention
+from jtrainer.models.kernels.dense import cpu_backend
+from jtrainer.parallel import sharding
 
 logger = logging.getLogger(__name__)
 

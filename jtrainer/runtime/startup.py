@@ -1,9 +1,9 @@
 """Start-up: the process-wide effects jtrainer needs, in one explicit function, `jtrainer.initialize()`.
 
 Importing jtrainer changes nothing outside it. `initialize()` does three things, once per process:
-1. joins the other processes of a multi-host job (`jtrainer.distributed.maybe_initialize`: `jtrainer launch`'s
+1. joins the other processes of a multi-host job (`jtrainer.parallel.distributed.maybe_initialize`: `jtrainer launch`'s
    variables, Cloud TPU VMs, SLURM) — this has to happen before JAX touches a device;
-2. tunes glibc's malloc when JAX runs on CPU (`jtrainer.host_allocator`; $JTRAINER_TUNE_MALLOC=0 opts out);
+2. tunes glibc's malloc when JAX runs on CPU (`jtrainer.runtime.host_allocator`; $JTRAINER_TUNE_MALLOC=0 opts out);
 3. turns on JAX's persistent compilation cache (below; $JTRAINER_COMPILATION_CACHE_DIR=none opts out).
 
 `TrainingArguments(...)` calls it — the point where HF's TrainingArguments sets up its distributed state, so a
@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import jax
 
-from jtrainer import distributed, env, host_allocator
+from jtrainer import env
+from jtrainer.parallel import distributed
+from jtrainer.runtime import host_allocator
 
 OFF = ("none", "off", "")
 

@@ -21,7 +21,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jtrainer import sharding
+from jtrainer.parallel import sharding
 
 
 def cpu_backend() -> bool:

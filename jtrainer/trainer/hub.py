@@ -15,9 +15,9 @@ from pathlib import Path
 from transformers.modelcard import TrainingSummary
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, HubStrategy, SaveStrategy
 
-from jtrainer import checkpoint
-from jtrainer.run_lock import LOCK_NAME
-from jtrainer.trainer_parts import TrainerParts
+from jtrainer.checkpointing import checkpoint
+from jtrainer.checkpointing.run_lock import LOCK_NAME
+from jtrainer.trainer.trainer_parts import TrainerParts
 
 MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json")
 

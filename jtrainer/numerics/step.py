@@ -20,9 +20,9 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jtrainer.losses import IGNORE_INDEX, count_label_tokens, shift_labels, token_cross_entropy_sum
-from jtrainer.mixed_precision import loss_scale
-from jtrainer.opt_state import current_learning_rate, schedule_count
+from jtrainer.numerics.losses import IGNORE_INDEX, count_label_tokens, shift_labels, token_cross_entropy_sum
+from jtrainer.numerics.mixed_precision import loss_scale
+from jtrainer.numerics.opt_state import current_learning_rate, schedule_count
 from jtrainer.state import Frozen, TrainState, split_params
 
 # What JAX raises for code written for torch or the host (a torch method or function on a traced array, a numpy

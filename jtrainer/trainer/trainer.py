@@ -1,10 +1,10 @@
 """Trainer: HF's host loop over one compiled JAX train step.
 
-Reads like HF's `_inner_training_loop`; the numerics live in `step.py`, `losses.py` and `optim.py`, the data
-pipeline in `data.py`, evaluation in `evaluation.py`, checkpoints in `saving.py` (when and what) and
-`checkpoint.py` (how). HF's other methods come as mixins: optimizer and scheduler (`optimizer_setup.py`),
-hyperparameter search (`hpsearch.py`), the Hub (`hub.py`), metric files (`metrics_io.py`). The host only
-dispatches steps, reads metrics when it logs, and runs HF's callbacks.
+Reads like HF's `_inner_training_loop`; the numerics live in `jtrainer.numerics` (the step, losses, optimizers,
+the run's `LearningRate`), the data pipeline in `data.py`, evaluation in `evaluation.py`, checkpoints in `saving.py`
+(when and what) and `jtrainer.checkpointing` (how). HF's other methods come as mixins: optimizer and scheduler
+(`optimizer_setup.py`), hyperparameter search (`hpsearch.py`), the Hub (`hub.py`), metric files (`metrics_io.py`).
+The host only dispatches steps, reads metrics when it logs, and runs HF's callbacks.
 """
 
 from __future__ import annotations
@@ -38,36 +38,14 @@ from transformers.trainer_callback import (
 )
 from transformers.trainer_utils import IntervalStrategy, SaveStrategy, TrainOutput, speed_metrics
 
-from jtrainer import (
-    batch_size,
-    bridge,
-    checkpoint,
-    compiled_steps,
-    data,
-    distributed,
-    host_rng,
-    mixed_precision,
-    optim,
-    run_lock,
-    saving,
-    sharding,
-    startup,
-    storage,
-)
-from jtrainer.args import TrainingArguments
+from jtrainer import bridge, host_rng, storage
 from jtrainer.bridge import adapters
-from jtrainer.evaluation import EvaluationMixin
-from jtrainer.hpsearch import HyperparameterSearchMixin
-from jtrainer.hub import HubMixin
-from jtrainer.losses import LabelSmoother, check_class_labels, count_label_tokens
-from jtrainer.metrics_io import MetricsMixin
+from jtrainer.checkpointing import checkpoint, run_lock
 from jtrainer.models.base import PretrainedMixin
 from jtrainer.models.base import set_neftune as set_native_neftune
-from jtrainer.optimizer_setup import OptimizerMixin
-from jtrainer.overrides import check_loader, check_optimizer_override, check_overrides, overrides
-from jtrainer.saving import SavingMixin
-from jtrainer.state import Frozen, LoopState, TrainState, split_params
-from jtrainer.step import (
+from jtrainer.numerics import mixed_precision, optim
+from jtrainer.numerics.losses import LabelSmoother, check_class_labels, count_label_tokens
+from jtrainer.numerics.step import (
     UNTRACEABLE,
     LossMode,
     LossSpec,
@@ -80,8 +58,21 @@ from jtrainer.step import (
     make_train_step,
     split_outputs,
 )
-from jtrainer.step import compute_loss as step_compute_loss
-from jtrainer.training_run import LossLog, PreemptionNotice, Throughput, TrainingRun, sigterm_notice
+from jtrainer.numerics.step import compute_loss as step_compute_loss
+from jtrainer.parallel import distributed, sharding
+from jtrainer.runtime import compiled_steps, startup
+from jtrainer.sizing import batch_size
+from jtrainer.state import Frozen, LoopState, TrainState, split_params
+from jtrainer.trainer import data, saving
+from jtrainer.trainer.args import TrainingArguments
+from jtrainer.trainer.evaluation import EvaluationMixin
+from jtrainer.trainer.hpsearch import HyperparameterSearchMixin
+from jtrainer.trainer.hub import HubMixin
+from jtrainer.trainer.metrics_io import MetricsMixin
+from jtrainer.trainer.optimizer_setup import OptimizerMixin
+from jtrainer.trainer.overrides import check_loader, check_optimizer_override, check_overrides, overrides
+from jtrainer.trainer.saving import SavingMixin
+from jtrainer.trainer.training_run import LossLog, PreemptionNotice, Throughput, TrainingRun, sigterm_notice
 
 logger = logging.getLogger(__name__)
 # HF's own messages (banners, "Training completed"), through transformers' logger, so a script's

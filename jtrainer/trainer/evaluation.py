@@ -23,11 +23,9 @@ from transformers.trainer_utils import (
     speed_metrics,
 )
 
-from jtrainer import bridge, compiled_steps, data, distributed, sharding
-from jtrainer.losses import IGNORE_INDEX
-from jtrainer.overrides import check_loader
-from jtrainer.state import split_params
-from jtrainer.step import (
+from jtrainer import bridge
+from jtrainer.numerics.losses import IGNORE_INDEX
+from jtrainer.numerics.step import (
     EvalOutputs,
     LossSpec,
     PreprocessPlacement,
@@ -36,7 +34,12 @@ from jtrainer.step import (
     make_eval_step,
     make_shard_loss_step,
 )
-from jtrainer.trainer_parts import TrainerParts
+from jtrainer.parallel import distributed, sharding
+from jtrainer.runtime import compiled_steps
+from jtrainer.state import split_params
+from jtrainer.trainer import data
+from jtrainer.trainer.overrides import check_loader
+from jtrainer.trainer.trainer_parts import TrainerParts
 
 
 def concat_padded(arrays: list[np.ndarray], pad: int = IGNORE_INDEX) -> np.ndarray:

@@ -38,9 +38,10 @@ import optax
 import orbax.checkpoint as ocp
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from jtrainer import storage, torch_checkpoint
+from jtrainer import storage
+from jtrainer.checkpointing import torch_checkpoint
 from jtrainer.errors import BadInput
-from jtrainer.mixed_precision import LossScaleState
+from jtrainer.numerics.mixed_precision import LossScaleState
 
 logger = logging.getLogger(__name__)
 

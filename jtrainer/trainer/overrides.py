@@ -19,7 +19,7 @@ UNSUPPORTED_OVERRIDES: dict[str, str] = {
     "_prepare_input": "the data collator",
     "compute_loss_context_manager": "TrainingArguments bf16/fp16 (mixed precision is a cast inside the step)",
     "autocast_smart_context_manager": "TrainingArguments bf16/fp16 (mixed precision is a cast inside the step)",
-    "get_batch_samples": "get_train_dataloader (returning a jtrainer.data.BatchLoader)",
+    "get_batch_samples": "get_train_dataloader (returning a jtrainer.trainer.data.BatchLoader)",
     "_get_num_items_in_batch": "compute_loss (it receives num_items_in_batch)",
     "_wrap_model": "the mesh arguments (mesh_shape, logical_axis_rules)",
     "_clip_grad_norm": "max_grad_norm, or an optax chain passed as optimizers=(tx, None)",
@@ -49,13 +49,13 @@ def check_overrides(trainer: Any) -> None:
 def check_loader(trainer: Any, loader: Any, method: str):
     """A dataloader method (perhaps overridden) must give a jtrainer BatchLoader: batches are padded to static
     shapes and split over the mesh, which a torch DataLoader's batches are not."""
-    from jtrainer.data import BatchLoader
+    from jtrainer.trainer.data import BatchLoader
 
     if not isinstance(loader, BatchLoader):
         raise TypeError(
             f"{type(trainer).__name__}.{method} returned a {type(loader).__name__}; jtrainer needs a "
-            "jtrainer.data.BatchLoader (static shapes, split over the mesh). Return "
-            "jtrainer.data.BatchLoader(dataset, batch_size, collate, ...) or pass data_collator= instead."
+            "jtrainer.trainer.data.BatchLoader (static shapes, split over the mesh). Return "
+            "jtrainer.trainer.data.BatchLoader(dataset, batch_size, collate, ...) or pass data_collator= instead."
         )
     return loader
 
