@@ -14,6 +14,7 @@ os.environ.setdefault("JTRAINER_COMPILATION_CACHE_DIR", "none")
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from flax import nnx  # noqa: E402
 
 # Tests do not measure speed: compile fast.
 jax.config.update("jax_disable_most_optimizations", True)
@@ -142,3 +143,61 @@ def bridged_loss_and_grads(torch_model, **inputs):
 
     loss, grads = jax.jit(jax.value_and_grad(loss_of))(params)
     return float(loss), {".".join(map(str, path[1:])): np.asarray(v[...]) for path, v in nnx.to_flat_state(grads)}
+
+
+def eval_args(out, **over):
+    """TrainingArguments of a short run that evaluates in batches of 4 (logging every step, no saves)."""
+    from jtrainer import TrainingArguments
+
+    kw = dict(
+        output_dir=str(out),
+        per_device_train_batch_size=4,
+        per_device_eval_batch_size=4,
+        learning_rate=1e-2,
+        report_to="none",
+        disable_tqdm=True,
+        save_strategy="no",
+        logging_steps=1,
+    )
+    kw.update(over)
+    return TrainingArguments(**kw)
+
+
+def class_rows(n, seed=0):
+    """Three-class rows whose tokens tell the class (Classifier learns them), with an unused text column."""
+    rng = np.random.RandomState(seed)
+    rows = []
+    for _ in range(n):
+        label = rng.randint(0, 3)
+        ids = rng.randint(label * 20, label * 20 + 20, 6)
+        rows.append({"input_ids": ids, "label": label, "unused_text": "x"})
+    return rows
+
+
+def accuracy(pred):
+    """compute_metrics: the accuracy of argmax predictions."""
+    return {"accuracy": float(np.mean(np.argmax(pred.predictions, -1) == pred.label_ids))}
+
+
+# User models: flax.nnx modules that are not jtrainer families.
+class Classifier(nnx.Module):
+    """A user model that returns logits only, as a dict: the Trainer computes the loss."""
+
+    def __init__(self, rngs):
+        self.embed = nnx.Embed(64, 16, rngs=rngs)
+        self.head = nnx.Linear(16, 3, rngs=rngs)
+
+    def __call__(self, input_ids, attention_mask=None):
+        return {"logits": self.head(self.embed(input_ids).mean(axis=1))}
+
+
+class WithDropout(nnx.Module):
+    """A user model with dropout, returning logits only."""
+
+    def __init__(self, rngs):
+        self.embed = nnx.Embed(64, 16, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+        self.head = nnx.Linear(16, 64, rngs=rngs)
+
+    def __call__(self, input_ids, attention_mask=None, labels=None):
+        return {"logits": self.head(self.drop(self.embed(input_ids)))}

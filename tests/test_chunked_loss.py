@@ -8,10 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import scratch_dir, tiny_llama_config, token_rows
+from conftest import short_run_args, tiny_llama_config, token_rows
 from flax import nnx
 
-from jtrainer import Trainer, TrainingArguments
+from jtrainer import Trainer
 from jtrainer.models.gpt2 import GPT2LMHeadModel
 from jtrainer.models.llama import LlamaForCausalLM
 
@@ -80,19 +80,8 @@ def test_chunked_train_step_needs_less_memory():
 
 
 def _args(**over):
-    kw = dict(
-        output_dir=scratch_dir(),
-        per_device_train_batch_size=4,
-        learning_rate=1e-2,
-        report_to="none",
-        disable_tqdm=True,
-        save_strategy="no",
-        logging_steps=1,
-        max_steps=4,
-        train_sampling_strategy="sequential",
-    )
-    kw.update(over)
-    return TrainingArguments(**kw)
+    """conftest's short run, four steps."""
+    return short_run_args(**{"max_steps": 4, **over})
 
 
 def test_trainer_with_use_liger_kernel_trains_and_evaluates_as_without():

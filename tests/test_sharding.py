@@ -146,7 +146,7 @@ def test_from_pretrained_places_weights_on_their_shardings(tmp_path):
 import sys, numpy as np, jax, jax.numpy as jnp
 sys.path.insert(0, sys.argv[2])
 from conftest import tiny_llama_config
-from jtrainer import sharding
+from jtrainer.parallel import sharding
 from jtrainer.models import AutoModelForCausalLM, LlamaForCausalLM
 LlamaForCausalLM.from_config(tiny_llama_config()).save_pretrained(sys.argv[1])
 mesh = sharding.make_mesh(sharding.resolve_mesh_shape(type("A", (), {"mesh_shape": {"fsdp": 4, "tensor": 2}})(), 8))

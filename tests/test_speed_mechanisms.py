@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import count_compiles, scratch_dir, tiny_llama_config, token_rows
+from conftest import count_compiles, short_run_args, tiny_llama_config, token_rows
 from flax import nnx
 
 import jtrainer.trainer.trainer
@@ -22,19 +22,8 @@ from jtrainer.sizing import throughput
 
 
 def _args(**over):
-    kw = dict(
-        output_dir=scratch_dir(),
-        per_device_train_batch_size=4,
-        learning_rate=1e-2,
-        report_to="none",
-        disable_tqdm=True,
-        save_strategy="no",
-        logging_steps=1,
-        max_steps=4,
-        train_sampling_strategy="sequential",
-    )
-    kw.update(over)
-    return TrainingArguments(**kw)
+    """conftest's short run, four steps."""
+    return short_run_args(**{"max_steps": 4, **over})
 
 
 def test_packed_rows_compute_what_documents_compute_alone():

@@ -119,7 +119,7 @@ def test_tpus_choose_the_kernel_cpus_keep_their_formulation(monkeypatch):
 MESH_SCRIPT = r"""
 import sys, json, numpy as np, jax, jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
-from jtrainer import sharding
+from jtrainer.parallel import sharding
 from jtrainer.models import attention, splash_attention
 splash_attention.BLOCK = 128
 length = 1024

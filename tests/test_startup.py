@@ -19,7 +19,7 @@ def test_import_has_no_effect_and_the_arguments_initialize(tmp_path):
         """
         import jax
         import jtrainer
-        from jtrainer import startup
+        from jtrainer.runtime import startup
         assert jax.config.jax_compilation_cache_dir is None, "import set the compilation cache"
         assert not startup._initialized
         jtrainer.TrainingArguments(output_dir="out", report_to="none")

@@ -5,26 +5,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import scratch_dir, tiny_llama_config, token_rows
+from conftest import short_run_args, tiny_llama_config, token_rows
 
-from jtrainer import Trainer, TrainingArguments
+from jtrainer import Trainer
 from jtrainer.models.llama import LlamaForCausalLM
 
 
 def _args(**over):
-    kw = dict(
-        output_dir=scratch_dir(),
-        per_device_train_batch_size=4,
-        learning_rate=1e-2,
-        report_to="none",
-        disable_tqdm=True,
-        save_strategy="no",
-        logging_steps=1,
-        max_steps=4,
-        train_sampling_strategy="sequential",
-    )
-    kw.update(over)
-    return TrainingArguments(**kw)
+    """conftest's short run, four steps."""
+    return short_run_args(**{"max_steps": 4, **over})
 
 
 def _model(seed=0):

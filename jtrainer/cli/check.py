@@ -105,7 +105,7 @@ def _without_compilation_cache(active: bool):
     if not active:
         yield
         return
-    before = jax.config.read("jax_enable_compilation_cache")
+    before = getattr(jax.config, "jax_enable_compilation_cache")
     jax.config.update("jax_enable_compilation_cache", False)
     try:
         yield

@@ -44,7 +44,7 @@ def accelerator_plugins_installed() -> bool:
 
 
 def _configured_platforms() -> str:
-    return os.environ.get("JAX_PLATFORMS") or jax.config.read("jax_platforms") or ""
+    return os.environ.get("JAX_PLATFORMS") or getattr(jax.config, "jax_platforms") or ""
 
 
 def cpu_is_the_backend() -> bool:

@@ -35,7 +35,7 @@ def default_cache_dir() -> str | None:
 
 def enable_compilation_cache(directory: str | None) -> None:
     """Point JAX's persistent compilation cache at `directory`; None turns it off."""
-    if jax.config.read("jax_compilation_cache_dir") == directory:
+    if getattr(jax.config, "jax_compilation_cache_dir") == directory:
         return
     jax.config.update("jax_compilation_cache_dir", directory)
     # Cache train steps however quickly they compiled: small models on CPU compile in well under a second.
@@ -58,7 +58,7 @@ def run_cache_dir(args) -> str | None:
 
 def apply_default_cache() -> None:
     """Turn the default cache on unless the user configured JAX's cache themselves."""
-    if jax.config.read("jax_compilation_cache_dir") is None and default_cache_dir() is not None:
+    if getattr(jax.config, "jax_compilation_cache_dir") is None and default_cache_dir() is not None:
         enable_compilation_cache(default_cache_dir())
 
 

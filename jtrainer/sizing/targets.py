@@ -233,7 +233,7 @@ def compile_here_on_cpu() -> None:
     import jax
     from jax._src import xla_bridge
 
-    if not jax.config.read("jax_platforms") and not xla_bridge.backends_are_initialized():
+    if not getattr(jax.config, "jax_platforms") and not xla_bridge.backends_are_initialized():
         jax.config.update("jax_platforms", "cpu")
 
 

@@ -1,4 +1,5 @@
-"""Hand-written backward passes (models.linear.dense, losses' cross-entropy) equal autodiff of the plain formula."""
+"""jtrainer.models.kernels: the kernel choice per platform, and the hand-written backward passes (kernels.dense,
+kernels.attention, and losses' cross-entropy) equal autodiff of the plain formula."""
 
 import jax
 import jax.numpy as jnp

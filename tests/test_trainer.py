@@ -247,3 +247,21 @@ def test_peek_then_iterate_yields_each_batch_once():
         seen = [b["x"].ravel().tolist() for b, _ in loader]
         assert first["x"].ravel().tolist() == [0, 1, 2, 3]
         assert seen == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+
+
+def test_training_runs_in_train_mode_whatever_mode_the_model_is_in():
+    """HF's training_step calls model.train(): dropout is on even if the script left the model in eval mode."""
+    from conftest import WithDropout, scratch_dir, short_run_args, token_rows
+    from flax import nnx
+
+    from jtrainer import Trainer
+
+    def losses(mode):
+        model = WithDropout(nnx.Rngs(0))
+        getattr(model, mode)()
+        trainer = Trainer(model=model, args=short_run_args(scratch_dir(), max_steps=2), train_dataset=token_rows(8))
+        trainer.train()
+        assert model.drop.deterministic is (mode == "eval")  # the model's own mode is left as it was
+        return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+    np.testing.assert_allclose(losses("eval"), losses("train"))

@@ -2,9 +2,9 @@
 
 import numpy as np
 import pytest
-from conftest import tiny_llama_config, token_rows
+from conftest import Classifier, accuracy, class_rows, tiny_llama_config, token_rows
+from conftest import eval_args as _args
 from flax import nnx
-from test_eval_and_data import Classifier, _args, accuracy, class_rows
 
 from jtrainer import EarlyStoppingCallback, Trainer
 from jtrainer.models.llama import LlamaForCausalLM
@@ -63,3 +63,23 @@ def test_resume_from_checkpoint_continues_the_run(tmp_path):
     with pytest.raises(ValueError, match="No valid checkpoint found"):
         resumed.args.output_dir = str(tmp_path / "empty")
         resumed.train(resume_from_checkpoint=True)
+
+
+def test_the_finite_check_of_saves_compiles_once(tmp_path):
+    """save_steps with load_best_model / NaN checks: the parameters' finite check is one program, not one per save."""
+    from conftest import count_compiles, short_run_args, tiny_llama_config, token_rows
+
+    from jtrainer import Trainer
+    from jtrainer.models.llama import LlamaForCausalLM
+
+    trainer = Trainer(
+        model=LlamaForCausalLM.from_config(tiny_llama_config()),
+        args=short_run_args(tmp_path, max_steps=4, save_strategy="steps", save_steps=1),
+        train_dataset=token_rows(16),
+    )
+    from jtrainer.trainer import saving
+
+    saving._all_finite.clear_cache()  # another test of this worker may have compiled it for this layout
+    with count_compiles("_all_finite") as compiles:
+        trainer.train()
+    assert len(compiles) == 1  # four saves, one program

@@ -2,51 +2,12 @@
 
 import numpy as np
 import pytest
-from conftest import count_compiles, scratch_dir, tiny_llama_config, token_rows
+from conftest import Classifier, accuracy, class_rows, count_compiles, scratch_dir, tiny_llama_config, token_rows
+from conftest import eval_args as _args
 from flax import nnx
 
-from jtrainer import EvalPrediction, Trainer, TrainingArguments
+from jtrainer import Trainer
 from jtrainer.models.llama import LlamaForCausalLM
-
-
-def _args(out, **over):
-    kw = dict(
-        output_dir=str(out),
-        per_device_train_batch_size=4,
-        per_device_eval_batch_size=4,
-        learning_rate=1e-2,
-        report_to="none",
-        disable_tqdm=True,
-        save_strategy="no",
-        logging_steps=1,
-    )
-    kw.update(over)
-    return TrainingArguments(**kw)
-
-
-class Classifier(nnx.Module):
-    """A user model that returns logits only, as a dict: the Trainer computes the loss."""
-
-    def __init__(self, rngs):
-        self.embed = nnx.Embed(64, 16, rngs=rngs)
-        self.head = nnx.Linear(16, 3, rngs=rngs)
-
-    def __call__(self, input_ids, attention_mask=None):
-        return {"logits": self.head(self.embed(input_ids).mean(axis=1))}
-
-
-def class_rows(n, seed=0):
-    rng = np.random.RandomState(seed)
-    rows = []
-    for _ in range(n):
-        label = rng.randint(0, 3)
-        ids = rng.randint(label * 20, label * 20 + 20, 6)
-        rows.append({"input_ids": ids, "label": label, "unused_text": "x"})
-    return rows
-
-
-def accuracy(pred: EvalPrediction):
-    return {"accuracy": float(np.mean(np.argmax(pred.predictions, -1) == pred.label_ids))}
 
 
 def test_user_model_metrics_and_ragged_eval(tmp_path):
@@ -186,3 +147,18 @@ def test_tokenizer_collators_with_varied_lengths(tmp_path):
         model=model, args=_args(tmp_path, prediction_loss_only=True), processing_class=tokenizer, compute_loss_func=None
     ).predict([{"input_ids": r["input_ids"]} for r in rows[:6]])
     assert metrics.predictions is None
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_evaluation_leaves_the_model_in_its_mode(mode):
+    from conftest import WithDropout, scratch_dir, short_run_args, token_rows
+
+    from jtrainer import Trainer
+
+    model = WithDropout(nnx.Rngs(0))
+    getattr(model, mode)()
+    trainer = Trainer(
+        model=model, args=short_run_args(scratch_dir(), per_device_eval_batch_size=4), eval_dataset=token_rows(8)
+    )
+    trainer.evaluate()
+    assert model.drop.deterministic is (mode == "eval")
