@@ -32,6 +32,24 @@ def test_import_has_no_effect_and_the_arguments_initialize(tmp_path):
     assert f"cache {tmp_path / 'cache'}" in done.stdout
 
 
+def test_building_a_jtrainer_model_first_initializes():
+    """Scripts that build the model before the arguments (the README's quickstart) start up there."""
+    done = _run(
+        """
+        import sys
+        sys.path.insert(0, "tests")
+        from conftest import tiny_llama_config
+        from jtrainer.models import LlamaForCausalLM
+        from jtrainer.runtime import startup
+        assert not startup._initialized
+        LlamaForCausalLM.from_config(tiny_llama_config())
+        print("initialized", startup._initialized)
+        """
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "initialized True" in done.stdout
+
+
 def test_a_process_of_many_that_used_a_device_first_gets_one_line():
     done = _run(
         """

@@ -13,6 +13,7 @@ from flax import nnx
 
 from jtrainer.models import remat
 from jtrainer.models.kernels import dense
+from jtrainer.runtime import startup
 
 
 def call_block(owner, block, *args):
@@ -206,6 +207,7 @@ class PretrainedMixin:
         parameters; `trust_remote_code` and `attn_implementation` as in from_pretrained)."""
         from jtrainer.models import loading
 
+        startup.initialize()  # before the first device is touched (a multi-host job joins here if not yet)
         loading.refuse_inapplicable(kwargs, config)
         _, kwargs = loading.split_keywords(kwargs)
         model = cls(config, rngs=nnx.Rngs(seed), **kwargs)
@@ -246,6 +248,7 @@ class PretrainedMixin:
         from jtrainer.models import hf_io, loading
         from jtrainer.parallel import sharding
 
+        startup.initialize()  # before the first device is touched (a multi-host job joins here if not yet)
         asked = dict(kwargs)
         loading.refuse_inapplicable(asked)  # before any download
         hub, kwargs = loading.split_keywords(dict(kwargs))

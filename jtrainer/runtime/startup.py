@@ -6,10 +6,10 @@ Importing jtrainer changes nothing outside it. `initialize()` does three things,
 2. tunes glibc's malloc when JAX runs on CPU (`jtrainer.runtime.host_allocator`; $JTRAINER_TUNE_MALLOC=0 opts out);
 3. turns on JAX's persistent compilation cache (below; $JTRAINER_COMPILATION_CACHE_DIR=none opts out).
 
-`TrainingArguments(...)` calls it — the point where HF's TrainingArguments sets up its distributed state, so a
-script that builds its arguments before its model (as HF's examples do) needs nothing more —, and so do
-`Trainer(...)` and the `jtrainer` command. A script that touches devices first (builds a model, then its
-arguments) calls `jtrainer.initialize()` at its top.
+`TrainingArguments(...)` calls it — the point where HF's TrainingArguments sets up its distributed state —, and so
+do jtrainer's models' `from_config` / `from_pretrained`, `Trainer(...)` and the `jtrainer` command: whichever
+comes first in a script, before it touches a device. A script that touches devices before any of these (its own
+flax module, jax arrays) calls `jtrainer.initialize()` at its top.
 
 The compilation cache: a second run of the same job (same model, shapes, mesh and jax version) loads its
 compiled steps from disk instead of compiling them. The directory is `TrainingArguments.jax_compilation_cache_dir`,
