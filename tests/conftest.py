@@ -5,7 +5,10 @@ import contextlib
 import logging
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
+import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Tests count compilations: no persistent compilation cache unless a test turns one on.
@@ -15,6 +18,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from flax import nnx  # noqa: E402
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
 
 # Tests do not measure speed: compile fast.
 jax.config.update("jax_disable_most_optimizations", True)
@@ -201,3 +206,52 @@ class WithDropout(nnx.Module):
 
     def __call__(self, input_ids, attention_mask=None, labels=None):
         return {"logits": self.head(self.drop(self.embed(input_ids)))}
+
+
+def side_by_side_args(cls, out, **over):
+    """HF's TrainingArguments class or jtrainer's (`cls`), with the arguments of the side-by-side runs."""
+    kw = dict(
+        output_dir=str(out),
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        learning_rate=3e-3,
+        weight_decay=0.1,
+        warmup_steps=2,
+        lr_scheduler_type="linear",
+        max_grad_norm=0.5,
+        num_train_epochs=2,
+        logging_steps=1,
+        train_sampling_strategy="sequential",
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        seed=0,
+        use_cpu=True,
+        optim="adamw_torch",
+    )
+    kw.update(over)
+    return cls(**kw)
+
+
+def spawn_checkpoint_job(out, *args, env=None):
+    """tests/jobs/ckpt_job.py in a subprocess (stderr piped, for the messages of a failure)."""
+    return subprocess.Popen(
+        [
+            sys.executable,
+            os.path.join(os.path.dirname(os.path.abspath(__file__)), "jobs", "ckpt_job.py"),
+            str(out),
+            *map(str, args),
+        ],
+        env=dict(os.environ, JAX_PLATFORMS="cpu", **(env or {})),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+
+
+def wait_until(condition, proc, what, timeout=180):
+    """Poll `condition()` while `proc` runs; fail with its stderr if it ends first, or after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+        assert time.monotonic() < deadline, f"{what} never happened"
+        time.sleep(0.1)

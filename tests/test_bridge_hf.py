@@ -15,8 +15,8 @@ if importlib.util.find_spec("torchax") is None:  # imported by jtrainer.bridge, 
     pytest.skip("torchax is not installed", allow_module_level=True)
 transformers = pytest.importorskip("transformers")
 
+from conftest import side_by_side_args as _args  # noqa: E402
 from conftest import tiny_llama_config, token_rows, torch_rows  # noqa: E402
-from test_parity_hf_trainer import _args  # noqa: E402,F401  (the side-by-side arguments; test_bridge imports it)
 
 VOCAB = 64
 

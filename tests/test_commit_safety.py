@@ -6,34 +6,16 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import jax
 import numpy as np
 import pytest
+from conftest import spawn_checkpoint_job as _spawn
+from conftest import wait_until as _wait
 from jobs.ckpt_job import PAUSE_ENV, make_trainer
 
 from jtrainer import TrainerCallback
 from jtrainer.checkpointing import checkpoint
-
-HERE = os.path.dirname(__file__)
-
-
-def _spawn(out, *args, env=None):
-    return subprocess.Popen(
-        [sys.executable, os.path.join(HERE, "jobs", "ckpt_job.py"), str(out), *map(str, args)],
-        env=dict(os.environ, JAX_PLATFORMS="cpu", **(env or {})),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-
-
-def _wait(condition, proc, what, timeout=180):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
-        assert time.monotonic() < deadline, f"{what} never happened"
-        time.sleep(0.1)
 
 
 def _step(out):

@@ -6,31 +6,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("accelerate")
 
+from conftest import side_by_side_args as _args  # noqa: E402
 from conftest import tiny_llama_config, token_rows, torch_rows  # noqa: E402
-
-
-def _args(cls, out, **over):
-    kw = dict(
-        output_dir=str(out),
-        per_device_train_batch_size=4,
-        gradient_accumulation_steps=2,
-        learning_rate=3e-3,
-        weight_decay=0.1,
-        warmup_steps=2,
-        lr_scheduler_type="linear",
-        max_grad_norm=0.5,
-        num_train_epochs=2,
-        logging_steps=1,
-        train_sampling_strategy="sequential",
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
-        seed=0,
-        use_cpu=True,
-        optim="adamw_torch",
-    )
-    kw.update(over)
-    return cls(**kw)
 
 
 def test_same_run_as_transformers_trainer(tmp_path):

@@ -10,8 +10,9 @@ import sys
 import time
 
 import pytest
+from conftest import spawn_checkpoint_job as _spawn
+from conftest import wait_until as _wait
 from jobs.ckpt_job import PAUSE_ENV, make_trainer
-from test_commit_safety import _spawn, _wait
 
 from jtrainer.checkpointing import checkpoint, run_lock
 from jtrainer.checkpointing.run_lock import LOCK_NAME, OutputDirLocked, RunLock
