@@ -1,7 +1,7 @@
 """torchax, imported and set up for the bridge in one place.
 
 torchax runs torch code on `jax.Array`s: a `torch.Tensor` subclass holding one, and torch's ops lowered to JAX.
-Three things about torchax 0.0.13 are fixed here, each tested in tests/test_bridge_compat.py so that the test
+Three things about torchax 0.0.13 are fixed here, each tested in tests/test_bridge.py so that the test
 fails once torchax no longer needs it:
 
 1. Its op tables name about twenty named-tensor overloads torch 2.13 removed (`aten.prod.dim_Dimname`, ...): at
