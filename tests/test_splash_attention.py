@@ -120,7 +120,7 @@ MESH_SCRIPT = r"""
 import sys, json, numpy as np, jax, jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 from jtrainer.parallel import sharding
-from jtrainer.models import attention, splash_attention
+from jtrainer.models.kernels import attention, splash_attention
 splash_attention.BLOCK = 128
 length = 1024
 keys = jax.random.split(jax.random.key(0), 5)

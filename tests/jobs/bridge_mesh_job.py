@@ -19,8 +19,12 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from conftest import count_compiles, scratch_dir, tiny_llama_config, token_rows  # noqa: E402
 
+import jtrainer  # noqa: E402
 from jtrainer import Trainer, TrainingArguments  # noqa: E402
 
+# This script asks jax for its devices before it builds the TrainingArguments: start-up first (under `jtrainer
+# launch`, joining the other process must come before JAX touches a device).
+jtrainer.initialize()
 mesh = None if sys.argv[1] == "one" else json.loads(sys.argv[1])
 torch.manual_seed(0)
 kind = os.environ.get("JOB_MODEL", "llama")
