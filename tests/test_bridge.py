@@ -16,9 +16,9 @@ transformers = pytest.importorskip("transformers")
 if importlib.util.find_spec("torchax") is None:
     pytest.skip("torchax is not installed", allow_module_level=True)
 
+from bridge_cases import _case  # noqa: E402
 from conftest import scratch_dir, tiny_llama_config, token_rows, torch_rows  # noqa: E402
 from conftest import side_by_side_args as _args  # noqa: E402
-from test_bridge_hf import _case  # noqa: E402
 
 from jtrainer import Trainer, TrainingArguments  # noqa: E402
 from jtrainer.bridge import torchax_compat  # noqa: E402

@@ -17,9 +17,9 @@ if importlib.util.find_spec("torchax") is None:  # imported by jtrainer.bridge, 
     pytest.skip("torchax is not installed", allow_module_level=True)
 transformers = pytest.importorskip("transformers")
 
+from bridge_cases import _causal, _padded_lm_rows, assert_same_logs  # noqa: E402
 from conftest import bridged_loss_and_grads, torch_rows  # noqa: E402
 from conftest import side_by_side_args as _args  # noqa: E402
-from test_bridge_hf import _causal, _padded_lm_rows, assert_same_logs  # noqa: E402
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
