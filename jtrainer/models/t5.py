@@ -148,7 +148,8 @@ class T5Block(nnx.Module):
 class T5Stack(nnx.Module):
     def __init__(self, config: T5Config, is_decoder: bool, rngs: nnx.Rngs):
         self.is_decoder = is_decoder
-        n = int(config.num_decoder_layers if is_decoder else config.num_layers)  # type: ignore[arg-type]
+        # T5Config types num_decoder_layers Optional and fills it from num_layers when unset.
+        n: int = config.num_decoder_layers if is_decoder else config.num_layers  # type: ignore[assignment]
         self.block = nnx.List([T5Block(config, i == 0, is_decoder, rngs) for i in range(n)])
         self.final_layer_norm = RMSNorm(config.d_model, config.layer_norm_epsilon)
         self.gradient_checkpointing, self.remat_policy = False, None

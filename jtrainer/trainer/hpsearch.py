@@ -151,4 +151,4 @@ def _run_optuna(trainer, n_trials: int, direction: str | list[str], **kwargs) ->
     if study._is_multi_objective():
         return [BestRun(str(best.number), best.values, best.params) for best in study.best_trials]
     best = study.best_trial
-    return BestRun(str(best.number), float(best.value), best.params)  # type: ignore[arg-type]
+    return BestRun(str(best.number), best.value, best.params)  # type: ignore[arg-type]  # a finished trial has a value
