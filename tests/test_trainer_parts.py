@@ -28,8 +28,7 @@ def _writes() -> dict[str, set[str]]:
     """Attribute -> the parts whose classes assign `self.<attribute>`."""
     found: dict[str, set[str]] = {}
     for part in PARTS:
-        tree = ast.parse(open(os.path.join(ROOT, "jtrainer", "trainer", f"{part}.py")).read())
-        for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
+        for cls in _classes(part):
             for node in ast.walk(cls):
                 if isinstance(node, ast.Assign):
                     targets = node.targets

@@ -420,14 +420,9 @@ class LearningRate:
             dict(args.lr_scheduler_kwargs or {}),
         )
 
-    @property
-    def steps_per_evaluation(self) -> bool:
-        return self.kind in PER_EVALUATION
-
-    def scheduler(self, base_rate: float | None = None) -> Schedule:
+    def scheduler(self) -> Schedule:
         """HF's lr_scheduler as a traced function of the scheduler step."""
-        base = self.base_rate if base_rate is None else base_rate
-        return make_schedule(self.kind, base, self.warmup_steps, self.total_steps, self.kwargs)
+        return make_schedule(self.kind, self.base_rate, self.warmup_steps, self.total_steps, self.kwargs)
 
     def multiplier(self) -> Multiplier:
         return schedule_multiplier(self.kind, self.base_rate, self.kwargs)

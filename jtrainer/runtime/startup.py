@@ -58,8 +58,9 @@ def run_cache_dir(args) -> str | None:
 
 def apply_default_cache() -> None:
     """Turn the default cache on unless the user configured JAX's cache themselves."""
-    if getattr(jax.config, "jax_compilation_cache_dir") is None and default_cache_dir() is not None:
-        enable_compilation_cache(default_cache_dir())
+    directory = default_cache_dir()
+    if getattr(jax.config, "jax_compilation_cache_dir") is None and directory is not None:
+        enable_compilation_cache(directory)
 
 
 _initialized = False  # a fact about the process: its malloc, its jax.distributed client, JAX's config

@@ -101,7 +101,8 @@ class OptimizerMixin(TrainerParts):
                 rate.drives_optimizer = True
             return self.optimizer
         args = self.args
-        per_evaluation = SchedulerType(args.lr_scheduler_type).value in schedules.PER_EVALUATION
+        kind = SchedulerType(args.lr_scheduler_type).value
+        per_evaluation = kind in schedules.PER_EVALUATION
         if rate is not None and not per_evaluation:
             # HF's schedule from the state's numbers: trials that change them reuse the compiled step.
             self.optimizer = optim.make_optimizer(
@@ -122,9 +123,7 @@ class OptimizerMixin(TrainerParts):
             )
         if per_evaluation:
             if rate is None:  # the user's lr_scheduler, with a per-evaluation lr_scheduler_type
-                rate = self._learning_rate = schedules.LearningRate(
-                    SchedulerType(args.lr_scheduler_type).value, float(args.learning_rate), 0, 0
-                )
+                rate = self._learning_rate = schedules.LearningRate(kind, float(args.learning_rate), 0, 0)
             rate.per_evaluation = schedules.per_evaluation_scheduler(args)
         return self.optimizer
 
