@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from flax import nnx
 
-from jtrainer.bridge import adapters, attention, layout, torchax_compat
+from jtrainer.bridge import adapters, attention, custom_autograd, layout, torchax_compat
 from jtrainer.bridge.unlowered import unlowered_op
 from jtrainer.models import remat
 from jtrainer.models.outputs import Outputs
@@ -300,6 +300,7 @@ class TorchModel(nnx.Module):
         remat = self.gradient_checkpointing and not self.deterministic
         with (
             env,
+            custom_autograd.own_backward(),
             _torch_mode(self.torch_model, not self.deterministic),
             _weights_kept(self.torch_model),
             _activations_laid_out(self.torch_model),

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import jax
 import torch
 
-from jtrainer.bridge import torchax_compat
+from jtrainer.bridge import custom_autograd, torchax_compat
 from jtrainer.bridge.module import TorchModel, outputs_to_jax
 from jtrainer.models.outputs import Outputs
 
@@ -53,7 +53,7 @@ def compute_loss_in_torch(compute_loss: Callable) -> Callable:
     @functools.wraps(compute_loss)
     def call(model, inputs, return_outputs: bool = False, num_items_in_batch=None):
         env = torchax_compat.environment()
-        with env:
+        with env, custom_autograd.own_backward():
             facing = model if isinstance(model, TorchModel) else TorchFacing(model)
             result = compute_loss(
                 facing,
@@ -73,7 +73,7 @@ def function_in_torch(function: Callable) -> Callable:
     @functools.wraps(function)
     def call(*args):
         env = torchax_compat.environment()
-        with env:
+        with env, custom_autograd.own_backward():
             result = function(*_to_torch(env, args))
         return outputs_to_jax(env, result)
 

@@ -16,6 +16,14 @@ fails once torchax no longer needs it:
 4. It has no lowering for `aten::_grouped_mm`, the grouped matmul of transformers' default experts implementation
    (Mixtral, Qwen3-MoE, gpt-oss, DeepSeek): here it is `jax.lax.ragged_dot` (tokens sorted by expert, one group of
    rows per expert), differentiated by JAX.
+5. Its batch norm computes the new running statistics and drops them: here training-mode batch norm writes them
+   into `running_mean` / `running_var` as torch does (the unbiased batch variance, `momentum`).
+6. Its view ops copy (`narrow(...).add_(1)` is lost): `aliasing` gives views torch's shared storage.
+7. It ignores `torch.no_grad()` (JAX differentiates through what torch does not): results computed with grad mode
+   off are `stop_gradient`. A CPU tensor made in forward without `device=` (`torch.tensor(0.5)`,
+   `torch.from_numpy(a)`) meeting a torchax tensor is a constant of the step (torchax raises "mixed math").
+8. `Tensor.type_as` changes the tensor it is called on (torch returns a new one), and `Tensor.flatten` always
+   copies: both are torch's own again.
 """
 
 from __future__ import annotations
@@ -28,6 +36,8 @@ import os
 import jax
 import jax.numpy as jnp
 import torch
+
+from jtrainer.bridge import aliasing
 
 DEVICE = torch.device("privateuseone", 0)  # what `tensor.device` says of a torchax tensor (see point 2)
 
@@ -158,6 +168,80 @@ def _grouped_mm_on_tensors(lhs, rhs, offs=None, bias=None, out_dtype=None):
     return torchax.tensor.Tensor(_grouped_mm(*arrays, out_dtype=dtype), env)
 
 
+def _update_running_statistics(env, input, running_mean, running_var, training, momentum) -> None:
+    """Training-mode batch norm's update of the running statistics, in place, as torch's (the unbiased batch
+    variance)."""
+    if not training or running_mean is None:
+        return
+    x = jax.lax.stop_gradient(env.t2j_iso(input)).astype(jnp.float32)
+    axes = (0, *range(2, x.ndim))
+    count = x.size // x.shape[1]
+    batch = {"mean": jnp.mean(x, axis=axes), "var": jnp.var(x, axis=axes) * (count / max(count - 1, 1))}
+    for stat, value in ((running_mean, batch["mean"]), (running_var, batch["var"])):
+        stat._elem = ((1 - momentum) * stat._elem + momentum * value).astype(stat._elem.dtype)
+
+
+def _stop_gradient(result, inputs: set[int]):
+    """Grad mode off: the op's new torchax tensors carry no gradient (tensors it mutated keep theirs)."""
+    import torchax.tensor
+
+    for leaf in torch.utils._pytree.tree_leaves(result):
+        if isinstance(leaf, torchax.tensor.Tensor) and id(leaf) not in inputs:
+            leaf._elem = jax.lax.stop_gradient(leaf._elem)
+
+
+def _with_torch_semantics(env, dispatch):
+    """torchax's dispatch with points 5-7 of the module docstring."""
+    import torchax.tensor
+
+    def as_constant(value):
+        if isinstance(value, torchax.tensor.Tensor) or value.is_meta or value.device.type != "cpu":
+            return value
+        return torchax.tensor.Tensor(env.t2j_copy(value.detach()), env)
+
+    def run(func, types, args, kwargs=None):
+        kwargs = kwargs or {}
+        leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+        ours = [leaf for leaf in leaves if isinstance(leaf, torchax.tensor.Tensor)]
+        if ours and len(ours) < sum(isinstance(leaf, torch.Tensor) for leaf in leaves):
+            args, kwargs = torch.utils._pytree.tree_map_only(torch.Tensor, as_constant, (args, kwargs))
+            ours = [leaf for leaf in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]
+        if func is torch.Tensor.contiguous and ours and not aliasing.is_contiguous(args[0]):
+            return torchax.tensor.Tensor(args[0]._elem, env)  # torch copies a non-contiguous view
+        tracked = [(tensor, tensor._elem) for tensor in ours if aliasing.is_tracked(tensor)]
+        result = dispatch(func, types, args, kwargs)
+        if func in _BATCH_NORMS:
+            _update_running_statistics(env, *_batch_norm_args(func, args, kwargs))
+        for tensor, before in tracked:
+            if tensor._elem is not before:
+                aliasing.written(tensor)
+        if ours and aliasing.is_view_op(func):
+            aliasing.record_view(func, args, kwargs, result, lambda f, a, k: dispatch(f, (), a, k))
+        if ours and not torch.is_grad_enabled():
+            _stop_gradient(result, {id(t) for t in ours})
+        return result
+
+    return run
+
+
+_BATCH_NORMS = (
+    torch.ops.aten._native_batch_norm_legit.default,
+    torch.ops.aten._native_batch_norm_legit_no_training.default,
+    torch.ops.aten.native_batch_norm.default,
+)
+
+
+def _batch_norm_args(func, args, kwargs):
+    """(input, running_mean, running_var, training, momentum) of any of _BATCH_NORMS."""
+    bound = dict(zip([argument.name for argument in func._schema.arguments], args)) | kwargs
+    names = ("input", "running_mean", "running_var", "training", "momentum")
+    return tuple(bound.get(name, False if name == "training" else None) for name in names)
+
+
+def _type_as(self, other):
+    return self.to(other.dtype)
+
+
 @functools.cache
 def environment():
     """torchax's environment with the fixes above (imported on first use: torch and torchax load here)."""
@@ -182,4 +266,17 @@ def environment():
     for op in (torch.nn.functional.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention):
         env.override_op_definition(op, _sdpa_on_tensors)
     env.override_op_definition(torch.ops.aten._grouped_mm.default, _grouped_mm_on_tensors)
+    # Basic indexing is a view like any other (aliasing), not torchax's own View: torch's __getitem__ again.
+    env._ops.pop(torch.Tensor.__getitem__, None)
+    del torchax.tensor.Tensor.flatten
+    torchax.tensor.Tensor.type_as = _type_as
+    setitem = torchax.tensor.Tensor.__setitem__
+
+    def set_item(self, key, value):
+        setitem(self, key, value)
+        if aliasing.is_tracked(self):
+            aliasing.written(self)
+
+    torchax.tensor.Tensor.__setitem__ = set_item
+    env.dispatch = _with_torch_semantics(env, env.dispatch)
     return env
