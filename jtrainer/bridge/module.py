@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import weakref
 from typing import Any
 
@@ -164,6 +165,16 @@ def _constrained(value):
     return value.apply_jax(sharding.constrain, _ACTIVATION_AXES[value.ndim])
 
 
+def _embeddings(model: torch.nn.Module, side: str) -> torch.nn.Module | None:
+    """The model's input or output embeddings, or None where it has none: a plain module has no getter, and
+    PreTrainedModel's raises NotImplementedError for a model without embeddings (a regression head)."""
+    try:
+        module = getattr(model, f"get_{side}_embeddings", lambda: None)()
+    except NotImplementedError:
+        return None
+    return module if isinstance(module, torch.nn.Module) else None
+
+
 @contextlib.contextmanager
 def _activations_laid_out(model: torch.nn.Module):
     """Forward hooks, for one call, on the input embeddings, each layer transformers checkpoints (the decoder and
@@ -173,10 +184,7 @@ def _activations_laid_out(model: torch.nn.Module):
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     targets: list[torch.nn.Module] = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
-    for name in ("get_input_embeddings", "get_output_embeddings"):
-        module = getattr(model, name, lambda: None)()
-        if isinstance(module, torch.nn.Module):
-            targets.append(module)
+    targets += [m for m in (_embeddings(model, "input"), _embeddings(model, "output")) if m is not None]
     handles = [m.register_forward_hook(lambda module, args, output: _constrained(output)) for m in targets]
     try:
         yield
@@ -332,6 +340,23 @@ class TorchModel(nnx.Module):
                 node = node[part]
             node[leaf] = Buffer(env.t2j_iso(tensors[name]))
         return outputs if torch_io else outputs_to_jax(env, outputs)
+
+    def save_pretrained(self, output_dir: str) -> None:
+        """The torch model (holding the trained weights) written as transformers.Trainer writes it: a
+        `PreTrainedModel` or peft model by its own `save_pretrained`; any other module's `state_dict` to
+        `model.safetensors`."""
+        if hasattr(self.torch_model, "save_pretrained"):
+            self.torch_model.save_pretrained(output_dir)
+            return
+        import safetensors.torch
+        from transformers.utils import logging
+
+        logging.get_logger("transformers.trainer").info(
+            "Trainer.model is not a `PreTrainedModel`, only saving its state dict."
+        )
+        safetensors.torch.save_file(
+            self.torch_model.state_dict(), os.path.join(output_dir, "model.safetensors"), metadata={"format": "pt"}
+        )
 
     def _torch_tensors(self) -> dict[str, torch.Tensor]:
         """The torch model's parameters and buffers by name."""

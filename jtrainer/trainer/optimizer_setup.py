@@ -183,8 +183,10 @@ class OptimizerMixin(TrainerParts):
         """Counted once per model: `floating_point_ops` asks for it every micro-batch."""
         cached = self._non_embedding_count
         if cached is None or cached[0] is not self.nnx_model:
-            if bridge.is_bridged(self.nnx_model):  # transformers' own count, on the torch model
-                count = self.model.num_parameters(exclude_embeddings=True)
+            if bridge.is_bridged(self.nnx_model):  # transformers' own count; HF's 0 for a model without one
+                count = (
+                    self.model.num_parameters(exclude_embeddings=True) if hasattr(self.model, "num_parameters") else 0
+                )
             else:
                 count = count_parameters(self.nnx_model, exclude_embeddings=True)
             cached = self._non_embedding_count = (self.nnx_model, count)

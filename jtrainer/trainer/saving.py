@@ -400,8 +400,8 @@ class SavingMixin(TrainerParts):
         if not weights:
             self.model.config.save_pretrained(output_dir)
             hf_io.write_generation_config(self.model, output_dir)
-        elif tensors is None:
-            self.model.save_pretrained(output_dir)
+        elif tensors is None:  # the model writes itself (a bridged torch model: as transformers.Trainer does)
+            self.nnx_model.save_pretrained(output_dir)
         elif hasattr(self.model, "config"):
             hf_io.write_hf_folder(self.model.config, tensors, output_dir)
             hf_io.write_generation_config(self.model, output_dir)

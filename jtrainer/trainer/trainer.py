@@ -43,7 +43,7 @@ from jtrainer.bridge import adapters
 from jtrainer.checkpointing import checkpoint, run_lock
 from jtrainer.models.base import PretrainedMixin
 from jtrainer.models.base import set_neftune as set_native_neftune
-from jtrainer.numerics import mixed_precision, optim
+from jtrainer.numerics import dependence, mixed_precision, optim
 from jtrainer.numerics.losses import LabelSmoother, check_class_labels, count_label_tokens
 from jtrainer.numerics.step import (
     UNTRACEABLE,
@@ -108,6 +108,25 @@ def _accepts_loss_kwargs(model: Any) -> bool:
         return bool(model.accepts_loss_kwargs)
     params = data.call_signature(model).parameters.values()
     return any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+# torch's error when backward() starts from a loss no trainable parameter reaches (HF's Trainer raises it).
+NO_GRAD = "element 0 of tensors does not require grad and does not have a grad_fn"
+
+
+def _no_loss_error(outputs: Any, inputs: data.Batch) -> Exception:
+    """transformers.Trainer's error for a torch model given labels that returns no loss: its ValueError for a
+    dict, torch's for a tuple (HF takes `outputs[0]`, the logits, as the loss and backward() fails)."""
+    if isinstance(outputs, dict):
+        return ValueError(
+            "The model did not return a loss from the inputs, only the following keys: "
+            f"{','.join(outputs.keys())}. For reference, the inputs it received are {','.join(inputs.keys())}."
+        )
+    return RuntimeError(
+        "grad can be implicitly created only for scalar outputs: the model was given labels and returned no loss "
+        "(transformers.Trainer takes its first output as the loss). Return the loss first, or pass "
+        "compute_loss_func."
+    )
 
 
 def _takes_labels(model: Any, label_names: list[str]) -> bool:
@@ -402,6 +421,11 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
     def _loss_spec(self, sample: data.Batch, training: bool = True) -> LossSpec:
         """Decide, before compiling, how the loss is computed and normalised (HF's rules); a subclass's
         compute_loss override runs inside the step, its super() with the Trainer's own rules."""
+        if training and self.get_num_trainable_parameters() == 0:
+            raise RuntimeError(
+                f"{NO_GRAD}: {type(self.model).__name__} has no trainable parameters (each one has "
+                "requires_grad=False, or none exists): nothing would train."
+            )
         base = self._default_loss_spec(sample, training)
         if not overrides(self, "compute_loss"):
             return base
@@ -420,9 +444,9 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
             padding_neutral=False,
             num_classes=None,  # the override's labels may mean something else: the config's classes
         )
-        return self._probe_compute_loss(spec, sample)
+        return self._probe_compute_loss(spec, sample, training)
 
-    def _probe_compute_loss(self, spec: LossSpec, sample: data.Batch) -> LossSpec:
+    def _probe_compute_loss(self, spec: LossSpec, sample: data.Batch, training: bool = True) -> LossSpec:
         """Trace the override once on the batch's shapes, before compiling. An override written in torch (HF's
         documented examples) runs in the step through torchax when the script has torch (tried first for a torch
         model, after jax.numpy for a native one); code that runs neither way (numpy conversions, float()) fails
@@ -436,7 +460,7 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         errors = []
         for candidate in candidates:
             try:
-                loss = self._trace_compute_loss(candidate, sample)
+                loss, trained = self._trace_compute_loss(candidate, sample)
                 break
             except Exception as error:  # noqa: BLE001  (the next way may run it; else the first error is raised)
                 errors.append(error)
@@ -444,10 +468,16 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
             self._raise_untraceable(errors[0])
         if getattr(loss, "shape", None) != ():
             raise ValueError(f"{type(self).__name__}.compute_loss must return a scalar loss; it returned {loss!r}.")
+        if training and not trained:
+            raise RuntimeError(
+                f"{NO_GRAD}: no trainable parameter reaches the loss {type(self).__name__}.compute_loss returns "
+                "(a detach(), torch.no_grad() or stop_gradient cuts it off)."
+            )
         return candidate
 
     def _trace_compute_loss(self, spec: LossSpec, sample: data.Batch):
-        """The override's loss, traced on the batch's shapes (nothing runs)."""
+        """The override's loss, traced on the batch's shapes (nothing runs), and whether the trainable
+        parameters reach it."""
         graphdef, params, rest = split_params(self.nnx_model)
         probe = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in sample.items()}
 
@@ -457,7 +487,9 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
                 return step_compute_loss(model, inputs, spec, num_items)
 
         with self._mesh_context():
-            return jax.eval_shape(loss_of, params, rest, probe)
+            traced, loss = jax.make_jaxpr(loss_of, return_shape=True)(params, rest, probe)
+        trainable = [True] * len(jax.tree.leaves(params)) + [False] * len(jax.tree.leaves((rest, probe)))
+        return loss, any(dependence.outputs_reached(traced, trainable))
 
     def _raise_untraceable(self, error: Exception):
         name = f"{type(self).__name__}.compute_loss"
@@ -544,7 +576,10 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         ):
             # An encoder-decoder cannot run without labels (no decoder inputs): prediction only generates.
             return LossSpec(LossMode.TRAINER, padding_neutral=True, **common)
-        loss, _ = split_outputs(self._abstract_outputs(sample))
+        outputs = self._abstract_outputs(sample)
+        loss, _ = split_outputs(outputs)
+        if loss is None and has_labels and bridge.is_bridged(self.nnx_model):
+            raise _no_loss_error(outputs, sample)  # HF computes no loss of its own for a torch model
         if loss is not None:
             if has_labels and self.model_accepts_loss_kwargs and "labels" in sample:  # HF counts "labels" only
                 # jtrainer's models and transformers' (through the bridge) leave -100 labels out of their sums.
