@@ -15,6 +15,8 @@ launcher or a test may set it first; nothing else in the package reads `os.envir
 - `JTRAINER_LOCAL_PROCESS_ID` (default `0`): this process's index on its machine
   (`TrainingArguments.local_process_index`; set by `jtrainer launch`).
 - `JTRAINER_HEARTBEAT_TIMEOUT` (default `20`): seconds a silent peer process is waited for before the others fail.
+- `JTRAINER_BRIDGE_TRACEBACK` (default `0`): `1` shows the original JAX / torchax traceback behind the bridge's
+  one-line error for torch code that cannot run inside the compiled step.
 - `JTRAINER_STORAGE_TIMEOUT` (default `30`): seconds `jtrainer train|check` waits for the first answer of a
   gs:// or s3:// service its config names before refusing the job in one line.
 
@@ -72,6 +74,7 @@ PROCESS_ID = Setting("JTRAINER_PROCESS_ID", None, "this process's index among th
 LOCAL_PROCESS_ID = Setting("JTRAINER_LOCAL_PROCESS_ID", "0", "this process's index on its machine")
 HEARTBEAT_TIMEOUT = Setting("JTRAINER_HEARTBEAT_TIMEOUT", "20", "seconds a silent peer is waited for")
 STORAGE_TIMEOUT = Setting("JTRAINER_STORAGE_TIMEOUT", "30", "seconds the first answer of an object store is waited for")
+BRIDGE_TRACEBACK = Setting("JTRAINER_BRIDGE_TRACEBACK", "0", "1: the original traceback of untraceable torch code")
 
 ALL = (
     COMPILATION_CACHE_DIR,
@@ -84,4 +87,5 @@ ALL = (
     LOCAL_PROCESS_ID,
     HEARTBEAT_TIMEOUT,
     STORAGE_TIMEOUT,
+    BRIDGE_TRACEBACK,
 )

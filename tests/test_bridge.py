@@ -97,7 +97,9 @@ def test_an_op_torchax_cannot_lower_is_named():
 
     rows = [{"inputs": np.ones(4, np.float32), "labels": np.int64(0)} for _ in range(4)]
     trainer = Trainer(model=Spherical(), args=_args(TrainingArguments, scratch_dir()), train_dataset=rows)
-    with pytest.raises(NotImplementedError, match=r"Spherical's forward calls torch's aten::special_spherical_bessel"):
+    with pytest.raises(
+        NotImplementedError, match=r"Spherical's forward cannot run .*torch's aten::special_spherical_bessel"
+    ):
         trainer.train()
 
 

@@ -55,4 +55,11 @@ def as_nnx(model: Any):
 
     if adapters.is_peft_model(model):
         adapters.check_supported(model)
+    meta = [name for name, tensor in (*model.named_parameters(), *model.named_buffers()) if tensor.is_meta]
+    if meta:
+        raise ValueError(
+            f"{type(model).__name__}'s {meta[0]} (and {len(meta) - 1} more) is on torch's meta device (the model was "
+            "built under torch.device('meta')): it holds no values to train. Build it on the CPU, or load its "
+            "weights first (model.to_empty(device='cpu') then load_state_dict, or from_pretrained)."
+        )
     return TorchModel(model)

@@ -36,6 +36,7 @@ class Alias:
     root: Any  # torchax.tensor.Tensor
     steps: tuple[_Step, ...]
     meta: torch.Tensor
+    of_many: str | None = None  # "Output i of <op>" for one of several views an op returned (split, unbind)
 
     def values(self, root_array: jax.Array) -> jax.Array:
         for step in self.steps:
@@ -111,7 +112,9 @@ def record_view(func, args, kwargs, result, run: Callable) -> None:
             out = run(func, (torchax.tensor.Tensor(array, env), *args[1:]), kwargs)
             return (out[index] if isinstance(out, (list, tuple)) else out)._elem
 
-        _ALIASES[output] = Alias(root, (*steps, step), meta)
+        op = "".join(part.title() for part in func._schema.name.split("::")[-1].split("_"))  # torch's node name
+        of_many = f"Output {index} of {op}" if outputs is result else None
+        _ALIASES[output] = Alias(root, (*steps, step), meta, of_many)
         _VIEWS.setdefault(root, weakref.WeakValueDictionary())[id(output)] = output
 
 
@@ -137,6 +140,12 @@ def written(tensor) -> None:
             raise RuntimeError(
                 "unsupported operation: more than one element of the written-to tensor refers to a single memory "
                 "location. Please clone() the tensor before performing the operation."
+            )
+        if alias.of_many is not None and torch.is_grad_enabled():
+            raise RuntimeError(
+                f"{alias.of_many} is a view and is being modified inplace. This view is the output of a function "
+                "that returns multiple views. Such functions do not allow the output views to be modified inplace. "
+                "You should replace the inplace operation by an out-of-place one."
             )
         root = alias.root
         root._elem = alias.written(root._elem, tensor._elem)

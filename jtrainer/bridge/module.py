@@ -20,8 +20,7 @@ import numpy as np
 import torch
 from flax import nnx
 
-from jtrainer.bridge import adapters, attention, custom_autograd, layout, torchax_compat
-from jtrainer.bridge.unlowered import unlowered_op
+from jtrainer.bridge import adapters, attention, custom_autograd, layout, torchax_compat, untraceable
 from jtrainer.models import remat
 from jtrainer.models.outputs import Outputs
 from jtrainer.parallel import sharding
@@ -324,13 +323,10 @@ class TorchModel(nnx.Module):
                 try:
                     outputs = torch.func.functional_call(self.torch_model, tensors, args, kwargs, strict=False)
                 except Exception as error:
-                    op = unlowered_op(error)
-                    if op is None:
+                    explanation = untraceable.explained(error, f"{type(self.torch_model).__name__}'s forward")
+                    if explanation is None:
                         raise
-                    raise NotImplementedError(
-                        f"{type(self.torch_model).__name__}'s forward calls torch's {op}, which torchax cannot lower "
-                        "to JAX: jtrainer cannot train this model through the torch bridge."
-                    ) from None
+                    raise explanation from None
                 next_key = env.param.prng
         self.random["key"] = RandomKey(next_key)
         for name in _flatten(self.buffers):  # in-place updates (BatchNorm's running statistics)

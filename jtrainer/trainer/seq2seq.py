@@ -159,6 +159,7 @@ class Seq2SeqTrainer(Trainer):
                 f"{jax.process_count()} processes, evaluate without it or save the model and generate afterwards."
             )
         self._sync_model()
+        self.model.eval()  # HF's evaluation_loop calls model.eval(): no dropout while generating
         inputs = {k: v[:rows] for k, v in batch.items() if k not in self.label_names}
         labels = batch.get("labels")
         if labels is not None and "decoder_input_ids" in inputs and labels.shape == inputs["decoder_input_ids"].shape:
