@@ -7,9 +7,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jax  # noqa: E402
-
 import bridge_zoo  # noqa: E402
+import jax  # noqa: E402
 
 assert jax.device_count() == 8, jax.devices()
 names = ["Narrow", "SelectTranspose", "BatchNorm", "CustomAutograd", "TiedAndReused"]
