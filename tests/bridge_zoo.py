@@ -92,16 +92,6 @@ class NonContiguousReshape(Regression):
         return h + copy.sum() * 0.0
 
 
-class SplitAndUnbind(Regression):
-    def body(self, h):
-        h = h * 1.0
-        first, second = h.split(4, dim=1)
-        second.mul_(2.0)
-        for row in h.unbind(0)[:1]:
-            row.sub_(1.0)
-        return h + first * 0.0
-
-
 class BatchNorm(Regression):
     def __init__(self):
         super().__init__()
@@ -213,7 +203,7 @@ class ModelOutputReturn(Regression):
 
 
 ZOO = [
-    Regression, Narrow, SelectTranspose, ViewThenBase, UnsqueezeDiagonal, NonContiguousReshape, SplitAndUnbind,
+    Regression, Narrow, SelectTranspose, ViewThenBase, UnsqueezeDiagonal, NonContiguousReshape,
     BatchNorm, InPlaceBuffer, CustomAutograd, Frozen, TiedAndReused, NoGrad, ModeDependent, Constants, TupleOutput,
     ModelOutputReturn,
 ]  # fmt: skip

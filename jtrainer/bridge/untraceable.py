@@ -55,7 +55,7 @@ def _user_line(error: BaseException) -> str:
     if not frames:
         return ""
     frame = frames[-1]
-    source = (frame.line or linecache.getline(frame.filename, frame.lineno)).strip()
+    source = (frame.line or linecache.getline(frame.filename, frame.lineno or 0)).strip()
     return f" at {os.path.basename(frame.filename)}:{frame.lineno} (`{source}`)"
 
 
