@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -25,6 +26,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
+from jtrainer import env
 from jtrainer.models.kernels import attention as native_attention
 
 NAME = "jtrainer"
@@ -71,15 +73,9 @@ def mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, attention_mas
 def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     """transformers' attention function under the name "jtrainer" ([batch, heads, length, head_dim] in,
     [batch, length, heads, head_dim] out, no weights)."""
-    blockwise = (
-        isinstance(attention_mask, CausalPadding)
-        and getattr(module, "is_causal", True)
-        and not (dropout and module.training)
-        and kwargs.get("softcap") is None
-        and kwargs.get("s_aux") is None
-        and not kwargs.get("output_attentions")
-    )
-    if not blockwise:
+    reason = _not_blockwise(module, attention_mask, dropout, kwargs)
+    if reason is not None:
+        _fall_back(module, reason)
         if isinstance(attention_mask, CausalPadding):
             attention_mask = attention_mask.dense(query.shape[2])
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
@@ -92,6 +88,45 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
     import torchax.tensor
 
     return torchax.tensor.Tensor(out, env), None
+
+
+def _not_blockwise(module, attention_mask, dropout: float, kwargs) -> str | None:
+    """Why this attention call cannot run blockwise (None: it can)."""
+    if not isinstance(attention_mask, CausalPadding):
+        return (
+            "its mask is not plain causal self-attention (a KV cache, packed rows, a bidirectional or image-token mask)"
+        )
+    if not getattr(module, "is_causal", True):
+        return "it is not causal"
+    if dropout and module.training:
+        return f"attention dropout ({dropout}) in training"
+    if kwargs.get("softcap") is not None:
+        return "soft-capped attention logits"
+    if kwargs.get("s_aux") is not None:
+        return "attention sinks"
+    if kwargs.get("output_attentions"):
+        return "output_attentions asks for the attention weights"
+    return None
+
+
+_TOLD: set[tuple[str, str]] = set()
+
+
+def _fall_back(module, reason: str) -> None:
+    """An explicit JTRAINER_ATTENTION=splash that this call cannot take is an error; otherwise one warning per
+    layer class and reason that it runs transformers' SDPA with a dense [length, length] mask."""
+    layer = f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')})"
+    if native_attention.splash_forced():
+        raise ValueError(
+            f"{env.ATTENTION.name}=splash: {layer} cannot run through the splash kernel: {reason}. Unset "
+            f"{env.ATTENTION.name} to let such layers run transformers' SDPA attention."
+        )
+    if (type(module).__name__, reason) not in _TOLD:
+        _TOLD.add((type(module).__name__, reason))
+        logging.getLogger(__name__).warning(
+            f"{type(module).__name__} layers run transformers' SDPA attention with a dense [length, length] mask, "
+            f"not the splash kernel: {reason}."
+        )
 
 
 @contextlib.contextmanager

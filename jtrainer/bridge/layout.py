@@ -20,6 +20,16 @@ _STYLES: dict[str, dict[str, tuple[str | None, ...]]] = {
 }
 _STYLES["local_colwise"] = _STYLES["colwise"]
 _STYLES["local_rowwise"] = _STYLES["rowwise"]
+_STYLES["rowwise_split_input"] = _STYLES["rowwise"]  # the same weights; only the input's layout differs
+# Styles whose weights are laid out elsewhere (ep_plan's stacked experts) or not over 'tensor' by torch either.
+_NOT_SPLIT = frozenset({"grouped_gemm", "replicated_with_grad_allreduce"})
+
+
+def unknown_style(name: str, plan: dict[str, str]) -> str | None:
+    """The plan's style for weight `name` when it is one this module does not lay out (None otherwise)."""
+    name = name.removeprefix(_PEFT_PREFIX).replace(".base_layer.", ".")
+    style = plan_style(name, plan) or plan_style(name.rpartition(".")[0], plan)
+    return style if style is not None and style not in _STYLES and style not in _NOT_SPLIT else None
 
 
 def plan_style(module_name: str, plan: dict[str, str]) -> str | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 import weakref
 from typing import Any
@@ -206,6 +207,18 @@ def _torch_mode(model: torch.nn.Module, training: bool):
             module.training = flag
 
 
+def _warn_unknown_styles(weights: dict[str, torch.nn.Parameter], plan: dict[str, str]) -> None:
+    """One warning for the weights transformers' tp plan gives a style the bridge does not lay out."""
+    unknown = {name: style for name in weights if (style := layout.unknown_style(name, plan)) is not None}
+    if unknown:
+        shown = ", ".join(f"{name} ({style})" for name, style in list(unknown.items())[:4])
+        logging.getLogger(__name__).warning(
+            f"transformers' tensor-parallel plan gives {len(unknown)} weights a style jtrainer does not lay out: "
+            f"{shown}{', ...' if len(unknown) > 4 else ''}. They are split over 'fsdp' on their largest dimension "
+            "and replicated over 'tensor'."
+        )
+
+
 def _is_tensor_tree(value) -> bool:
     leaves = torch.utils._pytree.tree_leaves(value)
     return bool(leaves) and all(isinstance(leaf, torch.Tensor) for leaf in leaves)
@@ -247,6 +260,7 @@ class TorchModel(nnx.Module):
             axes = layout.logical_axes(name, tuple(tensor.shape), plan, hidden_size)
             return kind(to_array(tensor)) if axes is None else kind(to_array(tensor), logical_axes=axes)
 
+        _warn_unknown_styles({n: p for n, p in (trainable | frozen).items()}, plan)
         self.params = nnx.data(_nest({n: param(n, p) for n, p in trainable.items()}))
         self.frozen = nnx.data(_nest({n: param(n, p, Frozen) for n, p in frozen.items()}))
         self.buffers = nnx.data(_nest({n: Buffer(to_array(b)) for n, b in torch_model.named_buffers()}))

@@ -4,6 +4,7 @@ model itself."""
 
 from __future__ import annotations
 
+import logging
 import os
 
 import numpy as np
@@ -52,9 +53,25 @@ class TorchModelLayout:
         elif os.path.isfile(single := os.path.join(folder, "model.safetensors")):
             import safetensors.torch
 
-            torch_model.load_state_dict(safetensors.torch.load_file(single), strict=False)
+            _warn_after_load(
+                torch_model, torch_model.load_state_dict(safetensors.torch.load_file(single), strict=False)
+            )
         else:
             from transformers.trainer_utils import load_sharded_checkpoint
 
-            load_sharded_checkpoint(torch_model, folder, strict=False)
+            _warn_after_load(torch_model, load_sharded_checkpoint(torch_model, folder, strict=False))
         self.model.read_from_torch()
+
+
+def _warn_after_load(model, load_result) -> None:
+    """transformers.Trainer's `_issue_warnings_after_load`: missing keys (unless they are the model's
+    `_keys_to_ignore_on_save`, then its weights are tied again) and unexpected keys, in its words."""
+    logger = logging.getLogger("transformers.trainer")
+    if load_result.missing_keys:
+        ignored = getattr(model, "_keys_to_ignore_on_save", None)
+        if ignored and set(load_result.missing_keys) == set(ignored):
+            model.tie_weights()
+        else:
+            logger.warning(f"There were missing keys in the checkpoint model loaded: {load_result.missing_keys}.")
+    if load_result.unexpected_keys:
+        logger.warning(f"There were unexpected keys in the checkpoint model loaded: {load_result.unexpected_keys}.")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import math
 import os
 from collections.abc import Iterator
@@ -21,6 +22,8 @@ import numpy as np
 
 from jtrainer import storage
 from jtrainer.errors import BadInput
+
+logger = logging.getLogger(__name__)
 
 TASKS = ("causal_lm", "sequence_classification", "seq2seq")
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")  # one model (jtrainer.models.llama), GQA, scan_layers
@@ -58,6 +61,13 @@ class ModelArguments:
         metadata={
             "help": "Train transformers' own PyTorch model (any model_type transformers has) through the torch "
             "bridge instead of jtrainer's native family (needs jtrainer[torch])."
+        },
+    )
+    config_overrides: str | None = field(
+        default=None,
+        metadata={
+            "help": "A fresh bridged model's other config fields, as HF's run_clm: "
+            '"num_experts=4,num_experts_per_tok=2".'
         },
     )
     # peft LoRA on a bridge model, with TRL's names for the same options.
@@ -146,6 +156,11 @@ def _check_model(model_args: ModelArguments) -> dict | None:
         raise BadInput(
             f"tokenizer_name={m.tokenizer_name!r} holds no tokenizer (tokenizer.json or tokenizer_config.json): "
             "save one there with tokenizer.save_pretrained."
+        )
+    if m.config_overrides and (m.model_name_or_path or not m.bridge):
+        raise BadInput(
+            "config_overrides: it sets fields of a fresh transformers model (bridge: true, no model_name_or_path); "
+            "jtrainer's native families take the size fields only."
         )
     if m.bridge:
         _check_bridge(m)
@@ -242,6 +257,11 @@ def _check_bridge(model_args: ModelArguments) -> None:
         raise BadInput(f"lora_r={model_args.lora_r}: a LoRA rank is at least 1.")
     if not model_args.model_name_or_path and model_args.model_type not in CONFIG_MAPPING:
         raise BadInput(f"model_type={model_args.model_type!r} is not a transformers model type (bridge: true).")
+    if model_args.scan_layers:
+        raise BadInput(
+            "scan_layers: transformers' own models (bridge: true) run their layers as their code does, one by one; "
+            "set scan_layers false (jtrainer's native Llama family scans its layers)."
+        )
 
 
 def check_model_folder(
@@ -350,6 +370,45 @@ def head_dim(model_args: ModelArguments) -> int:
 
 
 def fresh_config(model_args: ModelArguments, vocab_size: int, special: dict[str, Any] | None = None):
+    """An HF config of `model_type` with the common size fields mapped onto the family's names; for a bridged
+    model, also onto the family's other widths (`moe_intermediate_size`, ...) and then `config_overrides`, with
+    one warning naming the size fields left at transformers' defaults."""
+    config = _family_config(model_args, vocab_size, special)
+    if not model_args.bridge:
+        return config
+    derived = [name for name in vars(config) if name.endswith("intermediate_size") and name != "intermediate_size"]
+    for name in derived:
+        if isinstance(getattr(config, name), int):
+            setattr(config, name, model_args.intermediate_size)
+    aliases = dict(getattr(config, "attribute_map", {}))  # the config's own names for stored fields
+    given = {aliases.get(name, name) for name in _apply_overrides(config, model_args.config_overrides)}
+    shown_as = {stored: alias for alias, stored in aliases.items()}
+    left = {
+        shown_as.get(name, name): value
+        for name, value in vars(config).items()
+        if "expert" in name and isinstance(value, int) and not isinstance(value, bool) and name not in given
+    }
+    if left:
+        shown = ", ".join(f"{name}={value}" for name, value in left.items())
+        logger.warning(
+            f"model_type={config.model_type!r}: {shown} are transformers' defaults (no size field names them); set "
+            'them with config_overrides (e.g. "num_experts=4,num_experts_per_tok=2").'
+        )
+    return config
+
+
+def _apply_overrides(config, overrides: str | None) -> set[str]:
+    """HF's run_clm `--config_overrides "n_embd=10,resid_pdrop=0.2"` on a fresh config: the names it set."""
+    if not overrides:
+        return set()
+    try:
+        config.update_from_string(overrides)
+    except ValueError as error:
+        raise BadInput(f"config_overrides={overrides!r}: {error}") from None
+    return {part.split("=", 1)[0].strip() for part in overrides.split(",")}
+
+
+def _family_config(model_args: ModelArguments, vocab_size: int, special: dict[str, Any] | None = None):
     """An HF config of `model_type` with the common size fields mapped onto the family's names."""
     import transformers
 

@@ -388,6 +388,7 @@ class PreprocessPlacement:
 
     on_host: bool = False
     reason: BaseException | None = None
+    warned: bool = False  # the host fallback's cost was told once
 
 
 def make_eval_step(

@@ -100,6 +100,7 @@ def _mean_loss(losses: np.ndarray, drop_non_finite: bool) -> float:
 
 
 hf_logger = logging.getLogger("transformers.trainer")  # HF's banners, as transformers.Trainer logs them
+logger = logging.getLogger(__name__)
 
 
 class EvaluationMixin(TrainerParts):
@@ -202,6 +203,18 @@ class EvaluationMixin(TrainerParts):
                 f"({self._preprocess_placement.reason!r}) and torch is not installed to call it with torch "
                 "tensors as HF does: write it with jax.numpy (e.g. logits.argmax(axis=-1)) or install torch."
             ) from self._preprocess_placement.reason
+
+        placement = self._preprocess_placement
+        if not placement.warned:
+            placement.warned = True
+            size = sum(np.asarray(x).nbytes for x in jax.tree.leaves(predictions))
+            logger.warning(
+                "preprocess_logits_for_metrics cannot run inside the compiled evaluation step "
+                f"({str(placement.reason).splitlines()[0] if placement.reason else 'untraceable'}): it runs on the "
+                f"host, and every batch's whole logits ({size / 2**20:.1f} MiB a batch here) are copied there first. "
+                "Write it with torch or jax.numpy ops on its arguments (no numpy, .item() or Python control flow on "
+                "values) to keep it in the step."
+            )
 
         def to_torch(tree):
             return jax.tree.map(lambda x: torch.from_numpy(np.array(x)), tree)  # a writable copy, as torch wants

@@ -132,6 +132,11 @@ def blockwise_requested() -> bool:
     return requested == "splash" or (requested == "auto" and on_tpu())
 
 
+def splash_forced() -> bool:
+    """Whether JTRAINER_ATTENTION=splash asks for the splash kernel explicitly (a fallback is then an error)."""
+    return _requested_implementation() == "splash"
+
+
 def implementation(q: jax.Array, k: jax.Array) -> str:
     """How self-attention of these queries and keys runs: "splash" on TPUs, else "cpu" (the blocked CPU
     formulation) or the fused kernel's name (`fused_implementation`); `JTRAINER_ATTENTION` overrides."""
