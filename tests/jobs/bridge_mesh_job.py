@@ -71,6 +71,12 @@ result = json.dumps(
     }
 )
 print(result)
-if len(sys.argv) > 2 and jax.process_index() == 0:
-    with open(sys.argv[2], "w") as f:
-        f.write(result)
+if len(sys.argv) > 2:  # every process: its torch model's tensors; together: the export
+    np.savez(
+        f"{sys.argv[2]}.process{jax.process_index()}.npz",
+        **{k: v.detach().numpy() for k, v in model.state_dict().items()},
+    )
+    trainer.save_model(f"{sys.argv[2]}.export")
+    if jax.process_index() == 0:
+        with open(sys.argv[2], "w") as f:
+            f.write(result)
