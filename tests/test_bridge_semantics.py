@@ -240,3 +240,20 @@ def test_the_zoo_on_eight_devices_gives_torchs_answer():
     for name, by_quantity in differences.items():
         assert by_quantity.pop("losses") < 1e-5, name
         assert max(by_quantity.values()) < 1e-5, (name, by_quantity)
+
+
+class _HostRandom(Regression):
+    def body(self, h):
+        return h + float(np.random.rand())  # drawn on the host: once, when the step compiles
+
+
+class _CpuRandom(Regression):
+    def body(self, h):
+        return h + torch.randn(bridge_zoo.WIDTH)  # torch's CPU generator: no device=
+
+
+@pytest.mark.parametrize("model_class, generator", [(_HostRandom, "numpy's"), (_CpuRandom, "torch's CPU generator")])
+def test_host_randomness_in_forward_is_refused_in_one_line(model_class, generator):
+    trainer = Trainer(model_class(), arguments(TrainingArguments, tempfile.mkdtemp()), train_dataset=rows())
+    with pytest.raises(NotImplementedError, match=rf"^{model_class.__name__}'s forward draws from {generator}"):
+        trainer.train()

@@ -335,7 +335,8 @@ class TorchModel(nnx.Module):
                 if not torch_io:
                     args, kwargs = env.j2t_iso((args, kwargs))
                 try:
-                    outputs = torch.func.functional_call(self.torch_model, tensors, args, kwargs, strict=False)
+                    with untraceable.no_host_draws(f"{type(self.torch_model).__name__}'s forward"):
+                        outputs = torch.func.functional_call(self.torch_model, tensors, args, kwargs, strict=False)
                 except Exception as error:
                     explanation = untraceable.explained(error, f"{type(self.torch_model).__name__}'s forward")
                     if explanation is None:

@@ -6,9 +6,11 @@ The original traceback stays behind `JTRAINER_BRIDGE_TRACEBACK=1`.
 
 from __future__ import annotations
 
+import contextlib
 import linecache
 import os
 import traceback
+from collections.abc import Iterator
 
 from jtrainer import env
 from jtrainer.bridge.unlowered import unlowered_op
@@ -70,3 +72,33 @@ def explained(error: BaseException, what: str) -> BaseException | None:
         f"{what} cannot run inside jtrainer's compiled step{_user_line(error)}: {why}. Fix: {fix}. "
         f"({env.BRIDGE_TRACEBACK.name}=1 shows the original traceback.)"
     )
+
+
+def _host_generators() -> dict[str, bytes]:
+    """The states of the host's global generators torch code may draw from while it is traced."""
+    import random
+
+    import numpy as np
+    import torch
+
+    state = np.random.get_state()
+    return {
+        "python's random": repr(random.getstate()).encode(),
+        "numpy's np.random": state[1].tobytes() + str(state[2]).encode(),
+        "torch's CPU generator (a random tensor made without device=)": torch.random.get_rng_state().numpy().tobytes(),
+    }
+
+
+@contextlib.contextmanager
+def no_host_draws(what: str) -> Iterator[None]:
+    """Torch code traced into the step that draws from a host generator would draw once, when the step compiles,
+    and repeat that draw every step (torch draws anew each time): refused in one line."""
+    before = _host_generators()
+    yield
+    drawn = [name for name, state in _host_generators().items() if state != before[name]]
+    if drawn:
+        raise NotImplementedError(
+            f"{what} draws from {' and '.join(drawn)} while jtrainer compiles its step: the draw would happen once "
+            "and repeat every step, where torch draws anew. Fix: draw with torch on the step's device "
+            "(torch.rand(..., device=x.device), dropout), which takes the step's key."
+        )
