@@ -81,10 +81,10 @@ def _host_generators() -> dict[str, bytes]:
     import numpy as np
     import torch
 
-    state = np.random.get_state()
+    _, keys, position, *_ = np.random.get_state(legacy=True)
     return {
         "python's random": repr(random.getstate()).encode(),
-        "numpy's np.random": state[1].tobytes() + str(state[2]).encode(),
+        "numpy's np.random": np.asarray(keys).tobytes() + str(position).encode(),
         "torch's CPU generator (a random tensor made without device=)": torch.random.get_rng_state().numpy().tobytes(),
     }
 
