@@ -202,10 +202,22 @@ class ModelOutputReturn(Regression):
         return SequenceClassifierOutput(loss=loss, logits=y)
 
 
+class KeywordsAndNoConfig(Regression):
+    """transformers' own tests' regression module: `config = None` and a forward taking **kwargs (HF then passes
+    num_items_in_batch, which it ignores)."""
+
+    def __init__(self):
+        super().__init__()
+        self.config = None
+
+    def forward(self, x, labels=None, **kwargs):
+        return super().forward(x, labels)
+
+
 ZOO = [
     Regression, Narrow, SelectTranspose, ViewThenBase, UnsqueezeDiagonal, NonContiguousReshape,
     BatchNorm, InPlaceBuffer, CustomAutograd, Frozen, TiedAndReused, NoGrad, ModeDependent, Constants, TupleOutput,
-    ModelOutputReturn,
+    ModelOutputReturn, KeywordsAndNoConfig,
 ]  # fmt: skip
 
 
