@@ -53,6 +53,32 @@ def test_fully_masked_queries_attend_to_nothing_as_in_torch():
     assert np.isnan(np.asarray(theirs)[0, 0, 2]).all()
 
 
+def test_torchax_still_copies_views_drops_running_statistics_and_ignores_no_grad():
+    """What torchax_compat's points 5-8 fix, asked of torchax itself: when one of these fails, torchax has fixed it
+    upstream and the fix can go (tests/test_bridge_semantics.py holds torch's answers)."""
+    import jax
+    import jax.numpy as jnp
+
+    env = torchax_compat.environment()  # torchax imports only with its fixes
+    import torchax.tensor
+    from torchax.ops import jaten
+
+    assert not env._get_op_or_decomp(torch.ops.aten.slice.Tensor).is_view_op  # a copy: writes through it are lost
+    stats = jnp.zeros(3), jnp.ones(3)
+    assert len(jaten._aten__native_batch_norm_legit(jnp.ones((4, 3)), None, None, *stats, True, 0.1, 1e-5)) == 3
+
+    def gated(x):  # torchax's own dispatch under torch.no_grad(): JAX still differentiates through
+        with env, torch.no_grad():
+            tensor = env.j2t_iso(x)
+            return torchax.tensor.Environment.dispatch(env, torch.ops.aten.mul.Tensor, (), (tensor, tensor), {})._elem
+
+    assert float(jax.grad(lambda x: gated(x).sum())(jnp.ones(2))[0]) == 2.0
+    with env:
+        tensor = env.j2t_iso(jnp.ones(2, jnp.float32))
+        torchax_compat.TORCHAX_OWN["type_as"](tensor, env.j2t_iso(jnp.ones(2, jnp.int32)))
+        assert tensor.dtype == torch.int32  # torchax's type_as changed the tensor it was called on
+
+
 def test_torch_outside_the_step_is_left_as_it_was(tmp_path):
     """After the bridge has run, torch has no new accelerator and transformers.Trainer in the same process trains on
     the CPU, as without jtrainer."""

@@ -238,6 +238,10 @@ def _batch_norm_args(func, args, kwargs):
     return tuple(bound.get(name, False if name == "training" else None) for name in names)
 
 
+# torchax's own methods the fixes replace (tests check that torchax still needs the fixes).
+TORCHAX_OWN: dict[str, object] = {}
+
+
 def _type_as(self, other):
     return self.to(other.dtype)
 
@@ -268,6 +272,7 @@ def environment():
     env.override_op_definition(torch.ops.aten._grouped_mm.default, _grouped_mm_on_tensors)
     # Basic indexing is a view like any other (aliasing), not torchax's own View: torch's __getitem__ again.
     env._ops.pop(torch.Tensor.__getitem__, None)
+    TORCHAX_OWN.update(type_as=torchax.tensor.Tensor.type_as, flatten=torchax.tensor.Tensor.flatten)
     del torchax.tensor.Tensor.flatten
     torchax.tensor.Tensor.type_as = _type_as
     setitem = torchax.tensor.Tensor.__setitem__
