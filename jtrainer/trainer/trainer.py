@@ -421,7 +421,7 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
     def _loss_spec(self, sample: data.Batch, training: bool = True) -> LossSpec:
         """Decide, before compiling, how the loss is computed and normalised (HF's rules); a subclass's
         compute_loss override runs inside the step, its super() with the Trainer's own rules."""
-        if training and self.get_num_trainable_parameters() == 0:
+        if training and not jax.tree.leaves(split_params(self.nnx_model)[1]):
             raise RuntimeError(
                 f"{NO_GRAD}: {type(self.model).__name__} has no trainable parameters (each one has "
                 "requires_grad=False, or none exists): nothing would train."

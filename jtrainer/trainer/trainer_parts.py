@@ -117,7 +117,6 @@ CALLS: dict[str, str] = {
     "_step_plateau": "optimizer_setup",
     "create_optimizer_and_scheduler": "optimizer_setup",
     "floating_point_ops": "optimizer_setup",
-    "get_num_trainable_parameters": "optimizer_setup",
     "_eval_step": "evaluation",
     "_evaluate": "evaluation",
     "_evaluate_loss_only": "evaluation",
@@ -255,7 +254,6 @@ class TrainerParts:
         def create_optimizer_and_scheduler(self, num_training_steps: int) -> None: ...
 
         def floating_point_ops(self, inputs: dict[str, Any]) -> int: ...
-        def get_num_trainable_parameters(self) -> int: ...
 
         # evaluation
         def _eval_step(self, spec: LossSpec, want_logits: bool, ignore_keys: tuple[str, ...]): ...
