@@ -159,6 +159,14 @@ def continued_by_process(stream: RngStream | None) -> Iterator[None]:
             stream.state = capture()
 
 
+@contextlib.contextmanager
+def collators_paused() -> Iterator[None]:
+    """No collator call (none swaps a stream's state in) while this runs: the process's generators change only
+    by what the caller does."""
+    with _LOCK:
+        yield
+
+
 def run_collator(fn, rows, stream: RngStream | None):
     """Call a collator: on `stream` if given, else on the process's generators (under the same lock)."""
     if stream is not None:

@@ -12,7 +12,7 @@ import os
 import traceback
 from collections.abc import Iterator
 
-from jtrainer import env
+from jtrainer import env, host_rng
 from jtrainer.bridge.unlowered import unlowered_op
 
 # Frames inside these packages are the machinery, not the code the user wrote.
@@ -93,9 +93,10 @@ def _host_generators() -> dict[str, bytes]:
 def no_host_draws(what: str) -> Iterator[None]:
     """Torch code traced into the step that draws from a host generator would draw once, when the step compiles,
     and repeat that draw every step (torch draws anew each time): refused in one line."""
-    before = _host_generators()
-    yield
-    drawn = [name for name, state in _host_generators().items() if state != before[name]]
+    with host_rng.collators_paused():  # the training collator's thread swaps the generators' states
+        before = _host_generators()
+        yield
+        drawn = [name for name, state in _host_generators().items() if state != before[name]]
     if drawn:
         raise NotImplementedError(
             f"{what} draws from {' and '.join(drawn)} while jtrainer compiles its step: the draw would happen once "
