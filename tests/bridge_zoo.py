@@ -9,6 +9,7 @@ import tempfile
 import numpy as np
 import torch
 import transformers
+from conftest import torch_rows
 from transformers.modeling_outputs import SequenceClassifierOutput
 
 WIDTH = 8
@@ -17,17 +18,6 @@ WIDTH = 8
 def rows(n=24, seed=0):
     rng = np.random.RandomState(seed)
     return [{"x": rng.randn(WIDTH).astype(np.float32), "labels": np.float32(rng.randn())} for _ in range(n)]
-
-
-class TorchRows(torch.utils.data.Dataset):
-    def __init__(self, rows):
-        self.rows = rows
-
-    def __len__(self):
-        return len(self.rows)
-
-    def __getitem__(self, i):
-        return {k: torch.tensor(v) for k, v in self.rows[i].items()}
 
 
 class Regression(torch.nn.Module):
@@ -252,7 +242,7 @@ def side_by_side(model_class, jtrainer_batch=4, torch_batch=4):
     hf = transformers.Trainer(
         model=copy.deepcopy(model),
         args=arguments(transformers.TrainingArguments, tempfile.mkdtemp(), torch_batch),
-        train_dataset=TorchRows(data),
+        train_dataset=torch_rows(data),
     )
     ours = Trainer(
         model=copy.deepcopy(model),
@@ -265,8 +255,8 @@ def side_by_side(model_class, jtrainer_batch=4, torch_batch=4):
     return {
         "losses": tuple([h["loss"] for h in t.state.log_history if "loss" in h] for t in (hf, ours)),
         "state": (hf.model.state_dict(), ours.model.state_dict()),
-        "eval_loss": (hf.evaluate(TorchRows(held_out))["eval_loss"], ours.evaluate(held_out)["eval_loss"]),
-        "predictions": (hf.predict(TorchRows(held_out)).predictions, ours.predict(held_out).predictions),
+        "eval_loss": (hf.evaluate(torch_rows(held_out))["eval_loss"], ours.evaluate(held_out)["eval_loss"]),
+        "predictions": (hf.predict(torch_rows(held_out)).predictions, ours.predict(held_out).predictions),
     }
 
 

@@ -20,7 +20,8 @@ if importlib.util.find_spec("torchax") is None:
 transformers = pytest.importorskip("transformers")
 
 import bridge_zoo  # noqa: E402
-from bridge_zoo import Regression, TorchRows, arguments, rows  # noqa: E402
+from bridge_zoo import Regression, arguments, rows  # noqa: E402
+from conftest import torch_rows  # noqa: E402
 
 from jtrainer import Trainer, TrainingArguments  # noqa: E402
 
@@ -93,7 +94,7 @@ def test_a_pretrained_model_without_embeddings_trains_checkpoints_and_resumes(tm
     hf = transformers.Trainer(
         _PreTrainedRegression(_RegressionConfig()),
         arguments(transformers.TrainingArguments, tmp_path / "hf", **over),
-        train_dataset=TorchRows(rows()),
+        train_dataset=torch_rows(rows()),
     )
     hf.train()
     ours = Trainer(
@@ -190,7 +191,7 @@ def test_transformers_trainer_refuses_the_same_torch_code():
         if trainer_class is not Trainer or error is NotImplementedError:
             continue
         hf = transformers.Trainer(
-            make(), arguments(transformers.TrainingArguments, tempfile.mkdtemp()), train_dataset=TorchRows(rows())
+            make(), arguments(transformers.TrainingArguments, tempfile.mkdtemp()), train_dataset=torch_rows(rows())
         )
         with pytest.raises(error, match=message.split(" .*")[0].removeprefix("^")):
             hf.train()
@@ -227,7 +228,7 @@ def test_seq2seq_generation_runs_in_eval_mode_as_transformers():
         copy.deepcopy(model), arguments(transformers.Seq2SeqTrainingArguments, tempfile.mkdtemp(), **over)
     )
     ours = Seq2SeqTrainer(copy.deepcopy(model), arguments(Seq2SeqTrainingArguments, tempfile.mkdtemp(), **over))
-    expected = hf.predict(TorchRows(data)).predictions
+    expected = hf.predict(torch_rows(data)).predictions
     np.testing.assert_array_equal(ours.predict(data).predictions, expected)
 
 
