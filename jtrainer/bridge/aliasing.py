@@ -63,9 +63,9 @@ _UNTRACKED = frozenset(
 def is_view_op(func) -> bool:
     """An aten op whose output aliases its input (schema `Tensor(a)`, not written)."""
     schema = getattr(func, "_schema", None)
-    if schema is None or not schema.returns or f"{schema.name}.{schema.overload_name}".rstrip(".") in _UNTRACKED:
+    if schema is None or not schema.returns:
         return False
-    if schema.name in _UNTRACKED:
+    if schema.name in _UNTRACKED or f"{schema.name}.{schema.overload_name}" in _UNTRACKED:
         return False
     alias = schema.returns[0].alias_info
     return alias is not None and not alias.is_write

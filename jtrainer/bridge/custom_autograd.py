@@ -113,14 +113,13 @@ def apply(function, *args, **kwargs):
         outputs, ctx = forward(arrays)
         residuals, restore = _split_context(ctx)
         found["restore"] = restore
-        return outputs, (residuals, [a.shape for a in arrays])
+        return outputs, residuals
 
-    def call_backward(saved, cotangents):
+    def call_backward(residuals, cotangents):
         with env, own_backward():  # JAX transposes after the forward's torch code has returned
-            return backward(saved, cotangents)
+            return backward(residuals, cotangents)
 
-    def backward(saved, cotangents):
-        residuals, shapes = saved
+    def backward(residuals, cotangents):
         ctx = found["restore"](env, residuals)
         grads_in = [
             env.j2t_iso(jnp.zeros(c.shape, dtype) if c.dtype == jax.dtypes.float0 else c)
@@ -129,9 +128,10 @@ def apply(function, *args, **kwargs):
         grads = function.backward(ctx, *grads_in)
         grads = grads if isinstance(grads, tuple) else (grads,)
         result = []
-        for i, shape in zip(positions, shapes):
+        for i in positions:  # the inputs' shapes and dtypes are static: the arguments' own
             grad = grads[i] if i < len(grads) else None
             array = args[i]._elem
+            shape = array.shape
             if not _differentiable(array):
                 result.append(np.zeros(shape, jax.dtypes.float0))
             elif grad is None:

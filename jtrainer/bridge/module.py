@@ -260,7 +260,7 @@ class TorchModel(nnx.Module):
             axes = layout.logical_axes(name, tuple(tensor.shape), plan, hidden_size)
             return kind(to_array(tensor)) if axes is None else kind(to_array(tensor), logical_axes=axes)
 
-        _warn_unknown_styles({n: p for n, p in (trainable | frozen).items()}, plan)
+        _warn_unknown_styles(trainable | frozen, plan)
         self.params = nnx.data(_nest({n: param(n, p) for n, p in trainable.items()}))
         self.frozen = nnx.data(_nest({n: param(n, p, Frozen) for n, p in frozen.items()}))
         self.buffers = nnx.data(_nest({n: Buffer(to_array(b)) for n, b in torch_model.named_buffers()}))
@@ -334,11 +334,12 @@ class TorchModel(nnx.Module):
                 tensors = {name: env.j2t_iso(var[...]) for name, var in flat.items()}
                 if not torch_io:
                     args, kwargs = env.j2t_iso((args, kwargs))
+                what = f"{type(self.torch_model).__name__}'s forward"
                 try:
-                    with untraceable.no_host_draws(f"{type(self.torch_model).__name__}'s forward"):
+                    with untraceable.no_host_draws(what):
                         outputs = torch.func.functional_call(self.torch_model, tensors, args, kwargs, strict=False)
                 except Exception as error:
-                    explanation = untraceable.explained(error, f"{type(self.torch_model).__name__}'s forward")
+                    explanation = untraceable.explained(error, what)
                     if explanation is None:
                         raise
                     raise explanation from None

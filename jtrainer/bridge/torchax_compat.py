@@ -199,13 +199,18 @@ def _with_torch_semantics(env, dispatch):
             return value
         return torchax.tensor.Tensor(env.t2j_copy(value.detach()), env)
 
+    def torchax_tensors(args, kwargs) -> tuple[list, bool]:
+        """The torchax tensors among the arguments, and whether other torch tensors are there too."""
+        tensors = [leaf for leaf in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]
+        ours = [tensor for tensor in tensors if isinstance(tensor, torchax.tensor.Tensor)]
+        return ours, len(ours) < len(tensors)
+
     def run(func, types, args, kwargs=None):
         kwargs = kwargs or {}
-        leaves = torch.utils._pytree.tree_leaves((args, kwargs))
-        ours = [leaf for leaf in leaves if isinstance(leaf, torchax.tensor.Tensor)]
-        if ours and len(ours) < sum(isinstance(leaf, torch.Tensor) for leaf in leaves):
+        ours, mixed = torchax_tensors(args, kwargs)
+        if ours and mixed:
             args, kwargs = torch.utils._pytree.tree_map_only(torch.Tensor, as_constant, (args, kwargs))
-            ours = [leaf for leaf in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]
+            ours, _ = torchax_tensors(args, kwargs)
         if func is torch.Tensor.contiguous and ours and not aliasing.is_contiguous(args[0]):
             return torchax.tensor.Tensor(args[0]._elem, env)  # torch copies a non-contiguous view
         tracked = [(tensor, tensor._elem) for tensor in ours if aliasing.is_tracked(tensor)]

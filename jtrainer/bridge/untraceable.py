@@ -32,11 +32,20 @@ _DATA_SHAPE = (
 )
 
 
+# JAX's errors for a traced value asked for on the host.
+_HOST_READ_ERRORS = frozenset(
+    {
+        "ConcretizationTypeError",
+        "TracerBoolConversionError",
+        "TracerIntegerConversionError",
+        "TracerArrayConversionError",
+    }
+)
+
+
 def _reason(error: BaseException) -> tuple[str, str] | None:
     name = type(error).__name__
-    if name in ("ConcretizationTypeError", "TracerBoolConversionError", "TracerIntegerConversionError"):
-        return _HOST_READ
-    if name == "TracerArrayConversionError":
+    if name in _HOST_READ_ERRORS:
         return _HOST_READ
     if name == "NonConcreteBooleanIndexError":
         return _DATA_SHAPE

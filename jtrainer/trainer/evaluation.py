@@ -208,9 +208,11 @@ class EvaluationMixin(TrainerParts):
         if not placement.warned:
             placement.warned = True
             size = sum(np.asarray(x).nbytes for x in jax.tree.leaves(predictions))
+            reason = placement.reason
+            why = "untraceable" if reason is None else next(iter(str(reason).splitlines()), type(reason).__name__)
             logger.warning(
                 "preprocess_logits_for_metrics cannot run inside the compiled evaluation step "
-                f"({str(placement.reason).splitlines()[0] if placement.reason else 'untraceable'}): it runs on the "
+                f"({why}): it runs on the "
                 f"host, and every batch's whole logits ({size / 2**20:.1f} MiB a batch here) are copied there first. "
                 "Write it with torch or jax.numpy ops on its arguments (no numpy, .item() or Python control flow on "
                 "values) to keep it in the step."
