@@ -35,6 +35,9 @@ CASES = [
     ("rmsprop", None, None),
     ("rmsprop", "momentum=0.9", None),
     ("rmsprop", "centered=True,alpha=0.9,eps=1e-6,momentum=0.5", None),
+    ("rmsprop_bnb", None, "bitsandbytes"),
+    ("rmsprop_bnb_32bit", None, "bitsandbytes"),
+    ("rmsprop_bnb_8bit", None, "bitsandbytes"),
     ("schedule_free_adamw", None, "schedulefree"),
     ("schedule_free_adamw", "weight_lr_power=1.5,r=0.5", "schedulefree"),
     ("schedule_free_sgd", None, "schedulefree"),
@@ -63,6 +66,7 @@ THIRTY_TWO_BIT = {
     "paged_lion_8bit": "lion_32bit",
     "ademamix_8bit": "ademamix",
     "paged_ademamix_8bit": "ademamix",
+    "rmsprop_bnb_8bit": "rmsprop_bnb_32bit",
     "adamw_torch_4bit": "adamw_torch",
     "adamw_torch_8bit": "adamw_torch",
 }
@@ -226,6 +230,7 @@ def test_names_without_their_package_run_adamw(tmp_path, optim):
     [
         ("sgd", "momentum=0,nesterov=True", "nesterov"),
         ("sgd", "momentum", "key=value"),
+        ("rmsprop_bnb", "alpha=0.9", "as strings"),
         ("stable_adamw", "decouple_lr=True", "max_lr"),
         ("adamw_anyprecision", "use_kahan_summation=True", "not reproduced"),
     ],

@@ -209,6 +209,7 @@ class OptimizerRule:
 
 
 _BNB_ADAMW = ("adamw_bnb_8bit", "adamw_8bit", "paged_adamw_32bit", "paged_adamw_8bit")
+_BNB_RMSPROP = ("rmsprop_bnb", "rmsprop_bnb_8bit", "rmsprop_bnb_32bit")
 _TORCHAO_ADAMW = ("adamw_torch_4bit", "adamw_torch_8bit")
 _ANYPRECISION_OPTIONS = ("use_kahan_summation", "momentum_dtype", "variance_dtype", "compensation_buffer_dtype")
 _ADEMAMIX_OPTIONS = ("beta1", "beta2", "beta3", "alpha", "eps", "t_alpha", "t_beta3")
@@ -233,6 +234,8 @@ OPTIMIZERS: dict[str, OptimizerRule] = {
     "sgd": OptimizerRule(_sgd, ("momentum", "dampening", "nesterov")),
     "adagrad": OptimizerRule(_adagrad, ("lr_decay", "eps")),
     "rmsprop": OptimizerRule(_rmsprop, ("momentum", "alpha", "eps", "centered")),
+    # bitsandbytes' RMSprop: torch's rule at its defaults (HF hands it optim_args as strings, which it cannot take).
+    **{name: OptimizerRule(_rmsprop, low_bit="8bit" in name) for name in _BNB_RMSPROP},
     "schedule_free_adamw": OptimizerRule(_schedule_free_adamw, ("weight_lr_power", "r")),
     "schedule_free_sgd": OptimizerRule(_schedule_free_sgd, ("weight_lr_power", "r")),
     "stable_adamw": OptimizerRule(_stable_adamw, ("decouple_lr", "max_lr", "kahan_sum")),
@@ -282,6 +285,11 @@ def check_optimizer(args) -> tuple[str, dict[str, str]]:
                 f"optim=adamw_anyprecision with optim_args {', '.join(changed)}: torchdistx's low-precision states "
                 "and Kahan summation are not reproduced by jtrainer; drop these options (float32 AdamW)."
             )
+    if name in _BNB_RMSPROP and options:
+        raise ValueError(
+            f"optim={name!r} with optim_args {args.optim_args!r}: HF passes them to bitsandbytes' RMSprop as strings, "
+            "which fails there; drop optim_args (or use optim='rmsprop', which reads them)."
+        )
     if name == "stable_adamw" and options.get("decouple_lr") and "max_lr" not in options:
         raise ValueError("optim_args decouple_lr for stable_adamw needs max_lr=<the schedule's peak rate>.")
     if (
