@@ -2,6 +2,7 @@
 gradients equal the whole-logits path (itself tested against transformers' torch models); the compiled step
 needs less memory; evaluation still returns logits."""
 
+import importlib.util
 import logging
 
 import jax
@@ -119,3 +120,32 @@ def test_liger_kernel_config_and_unsupported_models(caplog):
     with caplog.at_level(logging.WARNING, logger="jtrainer.trainer.trainer"):
         Trainer(gpt2, _args(use_liger_kernel=True), train_dataset=token_rows(4))
     assert "GPT2LMHeadModel has no chunked loss" in caplog.text
+
+
+def test_loss_only_evaluation_hands_any_model_skip_logits_as_hf():
+    """HF's prediction_step: use_liger_kernel and prediction_loss_only put skip_logits=True in the inputs of
+    whatever model (here a torch module through the bridge); predictions still ask for logits."""
+    torch = pytest.importorskip("torch")
+    if importlib.util.find_spec("torchax") is None:  # imported by the bridge, after its fixes
+        pytest.skip("torchax is not installed")
+    seen = []
+
+    class Regression(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.head = torch.nn.Linear(4, 1)
+
+        def forward(self, x, labels=None, skip_logits=False):
+            seen.append(skip_logits)
+            y = self.head(x).squeeze(-1)
+            return {"loss": torch.nn.functional.mse_loss(y, labels), "logits": None if skip_logits else y}
+
+    rng = np.random.RandomState(0)
+    rows = [{"x": rng.randn(4).astype(np.float32), "labels": np.float32(rng.randn())} for _ in range(8)]
+    trainer = Trainer(Regression(), _args(use_liger_kernel=True, per_device_eval_batch_size=8))
+    seen.clear()
+    trainer.evaluate(rows)
+    assert seen[-1] is True  # the evaluation step's trace (earlier calls: the loss rules' shape probe)
+    seen.clear()
+    assert trainer.predict(rows).predictions.shape == (8,)
+    assert seen[-1] is False

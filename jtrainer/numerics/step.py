@@ -69,6 +69,8 @@ class LossSpec:
     # HF's loss_is_scaled_for_ga: the loss is already normalised over the window; else divided by its micro-batches.
     scaled_for_ga: bool = True
     accepts_loss_kwargs: bool = False  # HF's model_accepts_loss_kwargs
+    # HF's use_liger_kernel: a loss-only evaluation hands the model skip_logits=True (whatever the model).
+    skip_logits_in_loss_only: bool = False
     compute_loss: Callable | None = None  # OVERRIDE: the subclass's bound compute_loss
     base: "LossSpec | None" = None  # OVERRIDE: the rules its super().compute_loss follows
 
@@ -378,9 +380,6 @@ def batch_label_values(inputs: dict[str, Any], label_names: tuple[str, ...]) -> 
     return values[0] if len(values) == 1 else values
 
 
-_MODEL_LOSS = (LossMode.MODEL_SUM, LossMode.MODEL_MEAN)  # the model computes the loss from the labels itself
-
-
 @dataclasses.dataclass
 class PreprocessPlacement:
     """Where `preprocess_logits_for_metrics` runs: in the step while JAX can trace it; `on_host` once it could
@@ -415,7 +414,7 @@ def make_eval_step(
                 loss, outputs = None, model(**{k: v for k, v in inputs.items() if k not in spec.label_names})
             else:  # HF 5.x counts the batch's items in evaluation too
                 num_items = count_label_tokens(labels, spec.count_shifted) if spec.pass_num_items else None
-                if not want_logits and spec.mode in _MODEL_LOSS and getattr(model, "loss_chunk_positions", None):
+                if not want_logits and spec.skip_logits_in_loss_only:
                     inputs = {**inputs, "skip_logits": True}  # HF's use_liger_kernel with prediction_loss_only
                 loss, outputs = compute_loss(model, inputs, spec, num_items, return_outputs=True)
         predictions = None

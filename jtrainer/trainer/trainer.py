@@ -18,6 +18,7 @@ import os
 import re
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -78,6 +79,21 @@ logger = logging.getLogger(__name__)
 # HF's own messages (banners, "Training completed"), through transformers' logger, so a script's
 # transformers.utils.logging.set_verbosity_info() shows them as under transformers.Trainer.
 hf_logger = logging.getLogger("transformers.trainer")
+
+
+def _label_smoother(args, model) -> LabelSmoother | None:
+    """HF's label smoother: none without label_smoothing_factor, and none (with HF's warning) for a multi-label
+    classifier, whose float targets it cannot smooth."""
+    if not args.label_smoothing_factor:
+        return None
+    if getattr(getattr(model, "config", None), "problem_type", None) == "multi_label_classification":
+        warnings.warn(
+            "Label smoothing is not compatible with multi-label classification. "
+            "Disabling label smoothing for this training run.",
+            UserWarning,
+        )
+        return None
+    return LabelSmoother(args.label_smoothing_factor)
 
 
 def _is_causal_lm(model: Any) -> bool:
@@ -238,7 +254,7 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         inspected = self._inspected_model
         self.label_names = list(args.label_names) if args.label_names is not None else _default_label_names(inspected)
         self.model_accepts_loss_kwargs = _accepts_loss_kwargs(inspected)
-        self.label_smoother = LabelSmoother(args.label_smoothing_factor) if args.label_smoothing_factor else None
+        self.label_smoother = _label_smoother(args, model)
         self.loss_is_scaled_for_ga: bool | None = None  # HF 5.x: set by a compute_loss override that normalises
         check_overrides(self)
         if args.full_determinism:
@@ -538,13 +554,14 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         as in HF; training fails here, named."""
         causal = _is_causal_lm(self._inspected_model)
         has_labels = any(name in sample for name in self.label_names)
-        smoothing = self.args.label_smoothing_factor
+        smoothing = self.label_smoother.epsilon if self.label_smoother is not None else 0.0
         common = dict(
             label_names=tuple(self.label_names),
             causal=causal,
             count_shifted=_counts_shifted_labels(self._inspected_model),
             compute_dtype=self.args.compute_dtype(training),
             accepts_loss_kwargs=self.model_accepts_loss_kwargs,
+            skip_logits_in_loss_only=self.args.use_liger_kernel,
         )
         if has_labels and self.compute_loss_func is not None:
             counted = "labels" in sample  # HF's num_items_in_batch counts the "labels" column only (else None)
