@@ -113,3 +113,69 @@ def test_an_older_transformers_is_refused_at_import_with_the_fix():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
     assert "jtrainer needs transformers>=5.23,<6 (found 5.17.0): pip install -U" in out.stderr
+
+
+# Fields whose value here differs from HF's on purpose: accelerate's config object (jtrainer has no accelerate).
+SERIALISED_EXCEPTIONS = {"accelerator_config"}
+
+
+@pytest.mark.parametrize(
+    "kwargs, environ",
+    [
+        (dict(use_cpu=True), {}),
+        (dict(use_cpu=True, report_to="none"), {"KUBEFLOW_TRAINER_SERVER_URL": "http://127.0.0.1:1"}),
+        (dict(use_cpu=True, report_to="tensorboard"), {"KUBEFLOW_TRAINER_SERVER_URL": "http://127.0.0.1:1"}),
+        (
+            dict(
+                use_cpu=True,
+                eval_strategy="steps",
+                logging_steps=3,
+                save_steps=3,
+                load_best_model_at_end=True,
+                bf16=True,
+                lr_scheduler_kwargs='{"num_cycles": 2}',
+                fsdp_config={"dtype": "torch-dtype"},
+                hub_token="secret",
+            ),
+            {"DISABLE_KUBEFLOW_INTEGRATION": "true", "KUBEFLOW_TRAINER_SERVER_URL": "http://127.0.0.1:1"},
+        ),
+    ],
+)
+def test_serialisation_and_post_init_side_effects_equal_hfs_class(kwargs, environ, monkeypatch):
+    """to_dict / to_json_string / to_sanitized_dict and __post_init__'s side effects (report_to's kubeflow,
+    use_cpu's pin memory, precision, dtype names), beside transformers' own TrainingArguments."""
+    torch = pytest.importorskip("torch")
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    if "fsdp_config" in kwargs:
+        kwargs = {**kwargs, "fsdp_config": {"dtype": torch.bfloat16}}
+    theirs = transformers.TrainingArguments("o", **kwargs)
+    ours = TrainingArguments("o", **kwargs)
+    for attribute in ("report_to", "dataloader_pin_memory", "bf16", "fp16", "mixed_precision"):
+        assert getattr(ours, attribute) == getattr(theirs, attribute), attribute
+    for method in ("to_dict", "to_sanitized_dict"):
+        hf, jt = getattr(theirs, method)(), getattr(ours, method)()
+        assert set(jt) - set(hf) == JAX_ONLY_FIELDS
+        differing = {k for k in hf if hf[k] != jt[k]} - SERIALISED_EXCEPTIONS
+        assert differing <= set(DEFAULT_EXCEPTIONS), {k: (hf[k], jt[k]) for k in differing}
+    hf_json, jt_json = json.loads(theirs.to_json_string()), json.loads(ours.to_json_string())
+    assert {k: v for k, v in jt_json.items() if k in hf_json and k not in SERIALISED_EXCEPTIONS} == {
+        k: v for k, v in hf_json.items() if k not in SERIALISED_EXCEPTIONS
+    } | {k: jt_json[k] for k in DEFAULT_EXCEPTIONS}
+
+
+def test_save_strategy_best_without_a_metric_has_hfs_words():
+    transformers_trainer = pytest.importorskip("torch") and transformers.Trainer
+    with pytest.raises(ValueError) as hf_error:
+        transformers_trainer(
+            torch_linear(), transformers.TrainingArguments("o", save_strategy="best", use_cpu=True, report_to="none")
+        )
+    with pytest.raises(ValueError) as ours:
+        TrainingArguments("o", save_strategy="best", report_to="none")
+    assert str(ours.value) == str(hf_error.value)
+
+
+def torch_linear():
+    import torch
+
+    return torch.nn.Linear(2, 1)

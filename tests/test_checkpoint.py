@@ -99,6 +99,23 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path, during):
     assert _tree_equal(resumed._train_state.params, reference._train_state.params)
 
 
+def test_enable_jit_checkpoint_saves_on_sigterm_and_returns_from_train(tmp_path):
+    """HF's switch: its JITCheckpointCallback is in the list; SIGTERM saves the step's checkpoint and train()
+    returns (the script goes on: it writes losses.json), where without it the process exits after the save."""
+    out = tmp_path / "run"
+    proc = _spawn(out, 10_000, 0, 0, env={"CKPT_JOB_JIT": "1"})
+    _wait_for(out / "step", proc)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 0, proc.stderr.read().decode()[-2000:]
+    losses = json.loads((out / "losses.json").read_text())
+    folder = checkpoint.get_last_checkpoint(str(out))
+    assert folder is not None and folder.endswith(f"checkpoint-{max(map(int, losses))}")
+    assert not any(p.name.startswith("checkpoint-") and p.name != os.path.basename(folder) for p in out.iterdir())
+    assert "Immediate JIT checkpoint completed successfully" in proc.stderr.read().decode()
+    callbacks = make_trainer(str(tmp_path / "b"), 1, 0, False).callback_handler.callback_list
+    assert "JITCheckpointCallback" not in callbacks
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     out = tmp_path_factory.mktemp("saved")

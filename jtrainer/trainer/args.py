@@ -155,6 +155,8 @@ class TrainingArguments(transformers.TrainingArguments):
         self.deepspeed_plugin = None
         self.distributed_state = None
         warn_ignored_fields(self)
+        if self.use_cpu:  # HF's side effect (after the warning: pinning is the user's field, not theirs here)
+            self.dataloader_pin_memory = False
 
     def chunked_loss_positions(self) -> int | None:
         """Positions per chunk of the causal-LM training loss (use_liger_kernel: Liger's fused linear
@@ -248,6 +250,8 @@ class TrainingArguments(transformers.TrainingArguments):
             self.report_to = []
         elif isinstance(self.report_to, str):
             self.report_to = [self.report_to]
+        if _in_kubeflow_trainjob() and "kubeflow" not in self.report_to:  # HF adds it inside a TrainJob
+            self.report_to = list(self.report_to) + ["kubeflow"]
 
     def _validate(self) -> None:
         """HF's validation rules (those that do not depend on torch), with HF's messages."""
@@ -296,8 +300,9 @@ class TrainingArguments(transformers.TrainingArguments):
                 " when --dataloader_num_workers > 0."
             )
         if self.save_strategy == SaveStrategy.BEST and self.metric_for_best_model is None:
-            raise ValueError(
-                "`save_strategy='best'` requires `metric_for_best_model`: set --metric_for_best_model (e.g. 'loss')."
+            raise ValueError(  # HF's words (its Trainer raises them)
+                "`args.metric_for_best_model` must be provided when using 'best' save_strategy or if "
+                "`args.load_best_model_at_end` is set to `True`."
             )
         if self.gradient_accumulation_steps < 1:
             raise ValueError(f"--gradient_accumulation_steps must be >= 1, got {self.gradient_accumulation_steps}.")
@@ -387,17 +392,12 @@ class TrainingArguments(transformers.TrainingArguments):
     def main_process_first(self, local=True, desc="work"):
         yield
 
-    def to_dict(self) -> dict[str, Any]:
-        """HF's dict of fields, with enums as their values and secrets masked."""
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
-        for key, value in d.items():
-            if hasattr(value, "value") and not isinstance(value, (int, float, str)):
-                d[key] = value.value
-            elif isinstance(value, list) and value and hasattr(value[0], "value"):
-                d[key] = [x.value for x in value]
-            if key.endswith("_token"):
-                d[key] = f"<{key.upper()}>"
-        return d
+
+def _in_kubeflow_trainjob() -> bool:
+    """transformers.integrations' is_kubeflow_available, read here: importing that module costs seconds."""
+    if os.getenv("DISABLE_KUBEFLOW_INTEGRATION", "FALSE").upper() == "TRUE":
+        return False
+    return os.getenv("KUBEFLOW_TRAINER_SERVER_URL") is not None
 
 
 def _check_best_model_strategies(args: Any) -> None:  # HF's field types allow None where _normalise set a number

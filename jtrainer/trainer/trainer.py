@@ -41,6 +41,7 @@ from transformers.trainer_utils import IntervalStrategy, SaveStrategy, TrainOutp
 
 from jtrainer import bridge, host_rng, storage
 from jtrainer.bridge import adapters
+from jtrainer.callbacks import JITCheckpointCallback
 from jtrainer.checkpointing import checkpoint, run_lock
 from jtrainer.models.base import PretrainedMixin
 from jtrainer.models.base import set_neftune as set_native_neftune
@@ -280,6 +281,10 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
             from transformers.integrations import get_reporting_integration_callbacks
 
             default_callbacks += get_reporting_integration_callbacks(args.report_to)
+        if args.enable_jit_checkpoint:  # HF's switch: SIGTERM's checkpoint, then train() returns
+            jit_callback = JITCheckpointCallback()
+            jit_callback.set_trainer(self)
+            default_callbacks.append(jit_callback)
         self.callback_handler = CallbackHandler(
             default_callbacks + list(callbacks or []), self.model, processing_class, self.optimizer, self.lr_scheduler
         )
@@ -905,8 +910,12 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         return batch_size.with_batch(args, per_device, effective // per_device)
 
     def _exit_if_preempted(self, run: TrainingRun, trial) -> None:
-        """After a step: if any process got SIGTERM, all save this step's checkpoint and exit with code 0."""
+        """After a step: if any process got SIGTERM, all save this step's checkpoint and exit with code 0 — or,
+        with HF's JITCheckpointCallback (enable_jit_checkpoint), stop training as HF does: train() returns."""
         if not distributed.agree_max(int(run.preemption.received)):
+            return
+        graceful = [cb for cb in self.callback_handler.callbacks if isinstance(cb, JITCheckpointCallback)]
+        if graceful and graceful[0].checkpoint_saved:
             return
         folder = checkpoint.checkpoint_folder(self._get_output_dir(trial), self.state.global_step)
         pending = self._pending_checkpoint is not None and self._pending_checkpoint.folder == folder
@@ -914,6 +923,11 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
             self._save_checkpoint(trial)
             self._announce_save()
         self._commit_pending_checkpoint()
+        if graceful:
+            graceful[0].checkpoint_saved = True
+            self.control.should_save, self.control.should_training_stop = False, True
+            logger.warning("Immediate JIT checkpoint completed successfully: %s; training stops here.", folder)
+            return
         logger.warning("Preempted: saved %s; resume with train(resume_from_checkpoint=True).", folder)
         raise SystemExit(0)
 

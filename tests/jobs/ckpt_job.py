@@ -3,7 +3,7 @@
     python tests/jobs/ckpt_job.py OUT_DIR MAX_STEPS SAVE_STEPS EVAL(0|1) [MESH_JSON GLOBAL_BATCH [RESUME_FROM]]
 Touches OUT_DIR/step (the global step) after every step, and OUT_DIR/evaluating during evaluations;
 with CKPT_JOB_RAISE_AT_STEP=N a callback raises after step N; with CKPT_JOB_SAVE_MODEL=1 save_model() writes
-OUT_DIR/final at the end; with CKPT_JOB_DISK_AT_STEP=N the disk fails after
+OUT_DIR/final at the end; CKPT_JOB_JIT=1 sets enable_jit_checkpoint; with CKPT_JOB_DISK_AT_STEP=N the disk fails after
 step N: CKPT_JOB_DISK=full (no file may grow past 1 KiB: EFBIG, as ENOSPC) or readonly (OUT_DIR loses write access).
 """
 
@@ -117,6 +117,7 @@ def make_trainer(out, max_steps, save_steps, evaluate, mesh_shape=None, global_b
         report_to="none",
         disable_tqdm=True,
         seed=3,
+        enable_jit_checkpoint=bool(os.environ.get("CKPT_JOB_JIT")),
     )
     return Trainer(
         model=LlamaForCausalLM.from_config(tiny_llama_config()),
