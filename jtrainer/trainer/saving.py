@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from transformers.trainer_callback import ExportableState, TrainerState
+from transformers.trainer_callback import ExportableState, TrainerControl, TrainerState
 from transformers.trainer_utils import SaveStrategy
 
 from jtrainer import bridge, host_rng, storage
@@ -354,18 +354,34 @@ class SavingMixin(TrainerParts):
                 )
 
     def _load_callback_state(self) -> None:
-        """HF's restore_callback_states_from_checkpoint: restore ExportableState callbacks by class name."""
-        saved = self.state.stateful_callbacks or {}
-        for cb in self.callback_handler.callbacks + [self.control]:
-            if not isinstance(cb, ExportableState):
+        """HF's restore_callback_states_from_checkpoint: each saved entry rebuilds one callback of its class (the
+        n-th saved state goes to the n-th instance), from its saved args, with its saved attributes; the rebuilt
+        ones replace the originals at the end of the list, as HF re-adds them; saved classes the Trainer does not
+        hold are named in HF's warning."""
+        present = self.callback_handler.callbacks + [self.control]
+        rebuilt, not_found = [], []
+        for name, entries in (self.state.stateful_callbacks or {}).items():
+            instances = [cb for cb in present if type(cb).__name__ == name]
+            if not instances:
+                not_found.append(name)
                 continue
-            entry = saved.get(cb.__class__.__name__)
-            entry = entry[-1] if isinstance(entry, list) and entry else entry
-            if isinstance(entry, dict):
-                for key, value in entry.get("args", {}).items():
-                    setattr(cb, key, value)
+            for instance, entry in zip(instances, entries if isinstance(entries, list) else [entries]):
+                restored = type(instance)(**entry.get("args", {}))
                 for key, value in entry.get("attributes", {}).items():
-                    setattr(cb, key, value)
+                    setattr(restored, key, value)
+                if isinstance(instance, TrainerControl):
+                    self.control = restored
+                else:
+                    rebuilt.append(restored)
+                self.callback_handler.remove_callback(type(restored))
+            hf_logger.info("Continuing training from checkpoint, restoring any callbacks that were passed in")
+        if not_found:
+            hf_logger.warning(
+                "Checkpoint included callbacks not included in current configuration. Ignoring. "
+                f"({', '.join(not_found)})"
+            )
+        for callback in rebuilt:
+            self.callback_handler.add_callback(callback)
 
     def _load_best_model(self) -> None:
         best = self.state.best_model_checkpoint
