@@ -166,8 +166,8 @@ def test_untraceable_compute_loss_fails_before_compiling(tmp_path):
 
 
 def test_create_optimizer_and_dataloader_overrides(tmp_path):
-    """Overrides jtrainer calls by name are honoured (an optax optimizer of one's own); ones written for torch
-    (a torch optimizer, a torch DataLoader) are refused, naming the method."""
+    """Overrides jtrainer calls by name are honoured (an optax optimizer of one's own, a torch DataLoader as HF
+    takes it); a torch optimizer set by an overridden create_optimizer is refused, naming the method."""
     import optax
 
     from jtrainer import Trainer, TrainingArguments
@@ -210,5 +210,13 @@ def test_create_optimizer_and_dataloader_overrides(tmp_path):
         def get_train_dataloader(self):
             return torch.utils.data.DataLoader(torch_rows(token_rows(8)), batch_size=4)
 
-    with pytest.raises(TypeError, match=r"TorchLoader\.get_train_dataloader returned a DataLoader"):
-        build(TorchLoader).train()
+    loaded = build(TorchLoader)
+    loaded.train()
+    assert loaded.state.global_step == 2
+
+    class NotBatches(Trainer):
+        def get_train_dataloader(self):
+            return 42
+
+    with pytest.raises(TypeError, match=r"NotBatches\.get_train_dataloader returned a int, which is not an"):
+        build(NotBatches).train()

@@ -250,8 +250,8 @@ class TrainingArguments(transformers.TrainingArguments):
             self.report_to = []
         elif isinstance(self.report_to, str):
             self.report_to = [self.report_to]
-        if _in_kubeflow_trainjob() and "kubeflow" not in self.report_to:  # HF adds it inside a TrainJob
-            self.report_to = list(self.report_to) + ["kubeflow"]
+        if _in_kubeflow_trainjob() and "kubeflow" not in (reporters := list(self.report_to or [])):
+            self.report_to = reporters + ["kubeflow"]  # HF adds it inside a Kubeflow TrainJob
 
     def _validate(self) -> None:
         """HF's validation rules (those that do not depend on torch), with HF's messages."""

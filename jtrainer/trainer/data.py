@@ -180,6 +180,12 @@ class BatchLoader:
     def local_rows(self) -> int:
         return self.row_range[1] - self.row_range[0]
 
+    @property
+    def total_batch_size(self) -> int:
+        """HF's DataLoader attribute: the rows of one batch over every process (`batch_size` here, which is the
+        global batch; HF's `batch_size` is one process's, the same on one host)."""
+        return self.batch_size
+
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
@@ -240,14 +246,26 @@ class BatchLoader:
                 group += first[: self.batch_size - len(group)]
             yield group, real
 
-    def _collate(self, rows: list[dict]) -> Batch:
+    def _rows(self, items: list[Any]) -> list[Any]:
+        """The rows of these items as torch's DataLoader reads them: `dataset.__getitems__(indices)` where the
+        dataset has it (a datasets.Dataset: its format and transform run once on the batch), else `dataset[i]`
+        per index; an iterable's items are its rows."""
+        if not self.sized:
+            return items
+        fetch_many = getattr(self.dataset, "__getitems__", None)
+        rows = list(fetch_many(items)) if fetch_many else [self.dataset[i] for i in items]
         keys = set(rows[0]) if isinstance(rows[0], dict) else None
         for row in rows[1:]:
             if keys is not None and set(row) != keys:
                 raise ValueError(
                     f"Rows disagree on their columns: {sorted(keys)} vs {sorted(row)}. Every row needs the same keys."
                 )
-        return to_numpy_batch(host_rng.run_collator(self.collate, rows, self.rng_stream))
+        return rows
+
+    def _collate(self, items: list[Any]) -> Batch:
+        """Read and collate on the collator's generators: a random transform of the dataset draws where HF's
+        fetch does, just before the collator."""
+        return to_numpy_batch(host_rng.run_collator(lambda i: self.collate(self._rows(i)), items, self.rng_stream))
 
     def _local_batch(self, group: list[Any], real: int) -> tuple[Batch, int]:
         start, stop = self.row_range
@@ -256,8 +274,6 @@ class BatchLoader:
         # zero-row batch with the right columns, which padding turns into all-padding rows.
         keep = len(mine)
         mine = mine or group[:1]
-        if self.sized:
-            mine = [self.dataset[i] for i in mine]
         batch = self._collate(mine)
         return {k: v[:keep] for k, v in batch.items()}, real
 
@@ -286,6 +302,76 @@ class BatchLoader:
             yield first
         for group, real in groups:
             yield self._local_batch(group, real)
+
+
+class IterableBatches:
+    """Any iterable of batches (a torch DataLoader, a generator) from an overridden `get_*_dataloader`, read as
+    HF's loop reads it: each item is one collated batch of this process's rows, used as given; jtrainer still pads
+    it to static shapes, prefetches and places it. The first batch's rows are the step's rows (a later, shorter
+    batch is padded; a longer one is an error). A re-iterable (a DataLoader) starts again each epoch; a generator
+    is read once."""
+
+    def __init__(self, batches: Any, processes: int = 1):
+        self.batches, self.processes = batches, processes
+        self.dataset = getattr(batches, "dataset", None)
+        self.sized = has_length(batches)
+        self.complete_last = False  # each process's batches are its own, as given
+        self.rng_stream: host_rng.RngStream | None = None
+        self._peeked: tuple[Iterator[Any], tuple[Batch, int]] | None = None
+        self._rows: int | None = None
+
+    @property
+    def local_rows(self) -> int:
+        if self._rows is None:
+            self.peek()
+        assert self._rows is not None
+        return self._rows
+
+    @property
+    def batch_size(self) -> int:
+        return self.local_rows * self.processes
+
+    total_batch_size = batch_size
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def set_epoch(self, epoch: int) -> None:
+        if hasattr(self.batches, "set_epoch"):  # HF calls it where the loader has it
+            self.batches.set_epoch(epoch)
+
+    def draw_from(self, state: host_rng.HostRngState) -> None:
+        """The iterable draws as it is read (HF's order); nothing is drawn again."""
+
+    def _next(self, iterator: Iterator[Any]) -> tuple[Batch, int]:
+        batch = to_numpy_batch(host_rng.run_loader_draw(lambda: next(iterator), self.rng_stream))
+        rows = len(next(iter(batch.values())))
+        if self._rows is None:
+            self._rows = rows
+        elif rows > self._rows:
+            raise ValueError(
+                f"The dataloader's batches grew from {self._rows} rows (the first) to {rows}: jtrainer compiles the "
+                "step for the first batch's rows; yield the biggest batch first, or batches of one size."
+            )
+        return batch, rows * self.processes
+
+    def peek(self) -> Batch:
+        if self._peeked is None:
+            iterator = iter(self.batches)
+            self._peeked = (iterator, self._next(iterator))
+        return self._peeked[1][0]
+
+    def __iter__(self) -> Iterator[tuple[Batch, int]]:
+        if self._peeked is not None:
+            (iterator, first), self._peeked = self._peeked, None
+            yield first
+        else:
+            iterator = iter(self.batches)
+        while True:
+            try:
+                yield self._next(iterator)
+            except StopIteration:
+                return
 
 
 def pad_value(key: str, pad_token_id: int) -> int:

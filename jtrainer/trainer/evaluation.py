@@ -275,7 +275,7 @@ class EvaluationMixin(TrainerParts):
         self.callback_handler.eval_dataloader = dataloader
         hf_logger.info(f"\n***** Running {description} *****")
         if dataloader.sized:
-            hf_logger.info(f"  Num examples = {len(dataloader.dataset)}")
+            hf_logger.info(f"  Num examples = {self.num_examples(dataloader)}")
         else:
             hf_logger.info("  Num examples: Unknown")
         hf_logger.info(f"  Batch size = {args.eval_batch_size}")

@@ -132,13 +132,42 @@ class OptimizerMixin(TrainerParts):
         self.create_optimizer()
 
     def get_learning_rates(self) -> list[float]:
-        if self._train_state is None:
+        """HF's: each optimizer group's current rate (that of the next update, as torch's groups hold it)."""
+        return [group["lr"] for group in self._param_groups()]
+
+    def _current_learning_rate(self) -> float:
+        """What HF's param_groups hold between steps: the rate of the next update (its scheduler has stepped)."""
+        updates = self.state.global_step
+        count = None if self._train_state is None else opt_states.schedule_count(self._train_state.opt_state)
+        if count is not None:
+            updates = int(count)
+        rate = self._learning_rate
+        if rate is not None and rate.per_evaluation is not None:
+            return rate.per_evaluation.last_lr
+        if rate is not None and rate.drives_optimizer:
+            return rate.host_rate(None, updates + 1)
+        if callable(self.lr_scheduler):  # the user's own schedule (optimizers=(..., schedule))
+            return float(self.lr_scheduler(updates))
+        return float(self.args.learning_rate)
+
+    def _param_groups(self) -> list[dict[str, Any]]:
+        """HF's optimizer groups: the trainable parameters HF decays, then the others, as the model holds them
+        (torch parameters for a torch model, nnx variables for a native one), with each group's rate and weight
+        decay. HF's error before an optimizer exists."""
+        if self.optimizer is None:
             raise ValueError("Trainer optimizer is None, please make sure you have setup the optimizer before.")
-        opt_state = self._train_state.opt_state
-        lr = opt_states.current_learning_rate(opt_state)
-        if lr is None:
-            return []
-        return [self._host_learning_rate(lr, opt_states.schedule_count(opt_state))]
+        decayed = set(self.get_decay_parameter_names())
+        named = self._trainable_named_parameters()
+        rate = self._current_learning_rate()
+        return [
+            {"params": [p for n, p in named if n in decayed], "lr": rate, "weight_decay": self.args.weight_decay},
+            {"params": [p for n, p in named if n not in decayed], "lr": rate, "weight_decay": 0.0},
+        ]
+
+    def _trainable_named_parameters(self) -> list[tuple[str, Any]]:
+        if bridge.is_torch_module(self.model):
+            return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        return [(dotted(path), node) for path, node in nnx.iter_graph(self.model) if type(node) is nnx.Param]
 
     def _host_learning_rate(self, device_lr, count) -> float:
         """The rate of the last update as HF logs it (LearningRate.host_rate); a user's own schedule is read from
@@ -165,16 +194,13 @@ class OptimizerMixin(TrainerParts):
         return train_state.replace(opt_state=self._learning_rate.after_update(train_state.opt_state))
 
     def get_optimizer_group(self, param=None):
-        params = nnx.to_pure_dict(nnx.state(self.nnx_model, nnx.Param))
-        names = [dotted(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-        decayed = set(self.get_decay_parameter_names())
-        groups = [
-            {"params": [n for n in names if n in decayed], "weight_decay": self.args.weight_decay},
-            {"params": [n for n in names if n not in decayed], "weight_decay": 0.0},
-        ]
-        if param is None:
-            return groups
-        return next(g for g in groups if param in g["params"])
+        """HF's: the group holding `param` (a parameter of the model), else every group's parameters."""
+        groups = self._param_groups()
+        if param is not None:
+            for group in groups:
+                if any(p is param for p in group["params"]):
+                    return group
+        return [group["params"] for group in groups]
 
     def get_num_trainable_parameters(self) -> int:
         return count_parameters(self.nnx_model)

@@ -19,7 +19,7 @@ UNSUPPORTED_OVERRIDES: dict[str, str] = {
     "_prepare_input": "the data collator",
     "compute_loss_context_manager": "TrainingArguments bf16/fp16 (mixed precision is a cast inside the step)",
     "autocast_smart_context_manager": "TrainingArguments bf16/fp16 (mixed precision is a cast inside the step)",
-    "get_batch_samples": "get_train_dataloader (returning a jtrainer.trainer.data.BatchLoader)",
+    "get_batch_samples": "get_train_dataloader (returning any iterable of batches)",
     "_get_num_items_in_batch": "compute_loss (it receives num_items_in_batch)",
     "_wrap_model": "the mesh arguments (mesh_shape, logical_axis_rules)",
     "_clip_grad_norm": "max_grad_norm, or an optax chain passed as optimizers=(tx, None)",
@@ -47,17 +47,20 @@ def check_overrides(trainer: Any) -> None:
 
 
 def check_loader(trainer: Any, loader: Any, method: str):
-    """A dataloader method (perhaps overridden) must give a jtrainer BatchLoader: batches are padded to static
-    shapes and split over the mesh, which a torch DataLoader's batches are not."""
-    from jtrainer.trainer.data import BatchLoader
+    """A dataloader method's result (perhaps overridden): jtrainer's BatchLoader, or any iterable of batches as
+    HF accepts (a torch DataLoader, a generator), read through data.IterableBatches."""
+    import jax
 
-    if not isinstance(loader, BatchLoader):
+    from jtrainer.trainer.data import BatchLoader, IterableBatches
+
+    if isinstance(loader, (BatchLoader, IterableBatches)):
+        return loader
+    if not hasattr(loader, "__iter__"):
         raise TypeError(
-            f"{type(trainer).__name__}.{method} returned a {type(loader).__name__}; jtrainer needs a "
-            "jtrainer.trainer.data.BatchLoader (static shapes, split over the mesh). Return "
-            "jtrainer.trainer.data.BatchLoader(dataset, batch_size, collate, ...) or pass data_collator= instead."
+            f"{type(trainer).__name__}.{method} returned a {type(loader).__name__}, which is not an iterable of "
+            "batches: return a torch DataLoader, a generator of dict batches, or jtrainer's BatchLoader."
         )
-    return loader
+    return IterableBatches(loader, processes=jax.process_count())
 
 
 def check_optimizer_override(trainer: Any) -> None:

@@ -82,6 +82,20 @@ logger = logging.getLogger(__name__)
 hf_logger = logging.getLogger("transformers.trainer")
 
 
+def _continue_generators_after(run: TrainingRun) -> None:
+    """After training, the process's host generators go on from where HF's one generator stands then: after the
+    last step's batches and the one its loader read ahead (a random collator's or transform's draws; the prefetch
+    may have drawn further on the training stream), or after the loader's own draws. Evaluations and collators
+    after train() then draw as in HF."""
+    stream = run.loader.rng_stream
+    if stream is None:
+        return
+    state = run.generators_after_step if stream.drawn else stream.state
+    if state is not None:
+        with host_rng.collators_paused():
+            host_rng.restore(state)
+
+
 def _label_smoother(args, model) -> LabelSmoother | None:
     """HF's label smoother: none without label_smoothing_factor, and none (with HF's warning) for a multi-label
     classifier, whose float targets it cannot smooth."""
@@ -174,6 +188,9 @@ class PreparedWindow(NamedTuple):
     batches: list[data.Batch]  # this process's micro-batches, as collated
     step_batch: StepBatch  # the same, padded and placed on the mesh
     loop_state: LoopState
+    # HF's one generator after this step: its loader (accelerate's) has read one batch ahead, so the next
+    # window's first batch has drawn already (None without a training stream)
+    generators_after: host_rng.HostRngState | None = None
 
 
 def _tile_rows(example: data.Batch, rows: int) -> dict[str, np.ndarray]:
@@ -276,7 +293,7 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         self.current_flos = 0.0
 
         # HF's own integration callbacks (tensorboard, wandb, mlflow, ...): they only read logs, args and config.
-        default_callbacks = [DefaultFlowCallback]
+        default_callbacks: list[Any] = [DefaultFlowCallback]
         if args.report_to:  # imported only when used: transformers.integrations costs ~0.8 s of import time
             from transformers.integrations import get_reporting_integration_callbacks
 
@@ -382,7 +399,10 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
     def _prepare_dataset(self, dataset: Any) -> Any:
         if self.args.remove_unused_columns:
             dataset = data.remove_unused_columns(dataset, self._signature_columns())
-        if data.is_hf_dataset(dataset) and hasattr(dataset, "with_format"):
+        # Python lists read as numpy arrays (faster, the same values); a format or transform the user set
+        # (with_transform, set_format("torch")) stays, as HF's DataLoader reads the dataset as given.
+        unformatted = (getattr(dataset, "format", None) or {}).get("type") is None
+        if data.is_hf_dataset(dataset) and hasattr(dataset, "with_format") and unformatted:
             dataset = dataset.with_format("numpy") if data.has_length(dataset) else dataset
         return dataset
 
@@ -931,6 +951,38 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         logger.warning("Preempted: saved %s; resume with train(resume_from_checkpoint=True).", folder)
         raise SystemExit(0)
 
+    def num_examples(self, dataloader) -> int:
+        """HF's: the rows of the loader's dataset, or its batches times the per-device batch size without one."""
+        try:
+            return len(dataloader.dataset)
+        except (AttributeError, TypeError):
+            return len(dataloader) * self.args.per_device_train_batch_size
+
+    def get_total_train_batch_size(self, args: TrainingArguments) -> int:
+        """HF's: rows per optimizer step over every data-parallel device (the step's global batch times the
+        accumulation)."""
+        rows = args.per_device_train_batch_size * sharding.data_parallel_size(self.mesh)
+        return rows * args.gradient_accumulation_steps
+
+    def get_tp_size(self) -> int:
+        """HF's tensor-parallel size: the mesh's `tensor` axis."""
+        return int(self.mesh.shape[sharding.TENSOR])
+
+    def get_cp_size(self) -> int:
+        """HF's context-parallel size (sequences split across devices): the mesh's `sequence` axis."""
+        return int(self.mesh.shape[sharding.SEQUENCE])
+
+    def get_sp_size(self) -> int:
+        """HF's DeepSpeed (Ulysses) sequence-parallel size: 1, jtrainer's sequence axis is get_cp_size's."""
+        return 1
+
+    def end(self) -> None:
+        """HF's end of a script: the processes' group is shut down (jtrainer has no accelerate trackers; the
+        report_to integrations finish their runs at the end of train(), as in HF). Call it once, after
+        everything that needs the other processes."""
+        if jax.process_count() > 1:
+            jax.distributed.shutdown()
+
     def set_initial_training_values(
         self, args: TrainingArguments, loader: data.BatchLoader
     ) -> tuple[int, int, int, int, float]:
@@ -941,7 +993,7 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
             n_batches = len(loader)
             if n_batches == 0:
                 raise ValueError(
-                    f"The train dataset has {len(loader.dataset)} rows, fewer than one batch of "
+                    f"The train dataset has {self.num_examples(loader)} rows, fewer than one batch of "
                     f"{loader.batch_size} with dataloader_drop_last=True: lower the batch size or keep the last batch."
                 )
             updates_per_epoch = max(n_batches // ga + int(n_batches % ga > 0), 1)
@@ -952,7 +1004,7 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
             else:
                 max_steps = math.ceil(args.num_train_epochs * updates_per_epoch)
                 epochs = math.ceil(args.num_train_epochs)
-                num_samples = len(loader.dataset) * args.num_train_epochs  # HF's: a float for fractional epochs
+                num_samples = self.num_examples(loader) * args.num_train_epochs  # HF's: a float for fractional epochs
             return epochs, updates_per_epoch, n_batches, max_steps, num_samples
         max_steps = args.max_steps
         return sys.maxsize, max_steps, max_steps * ga, max_steps, max_steps * total_batch
@@ -1061,7 +1113,7 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         args, loader = self.args, run.loader
         hf_logger.info("***** Running training *****")
         if loader.sized:
-            hf_logger.info(f"  Num examples = {len(loader.dataset):,}")
+            hf_logger.info(f"  Num examples = {self.num_examples(loader):,}")
         hf_logger.info(f"  Num Epochs = {run.epochs:,}")
         hf_logger.info(f"  Num update steps per epoch = {run.updates_per_epoch:,}")
         hf_logger.info(f"  Instantaneous batch size per device = {args.per_device_train_batch_size:,}")
@@ -1089,7 +1141,7 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         # order with the train steps. On one process the background thread also pads and places batches.
         in_background = jax.process_count() == 1
         if in_background:
-            windows = (self._prepare_window(run, b, rng) for b, rng in windows)
+            windows = (self._prepare_window(run, *item) for item in windows)
         step = skip - 1
         metrics = None
         main_input = getattr(self.model, "main_input_name", "input_ids")
@@ -1099,6 +1151,7 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
                 window = item if in_background else self._prepare_window(run, *item)
                 batches, step_batch = window.batches, window.step_batch
                 run.loop_state = window.loop_state  # as of this step: what its checkpoint saves
+                run.generators_after_step = window.generators_after
                 for i, batch in enumerate(batches):
                     step += 1
                     if i == 0:
@@ -1140,9 +1193,9 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         self.control = self.callback_handler.on_epoch_end(args, self.state, self.control)
         self._maybe_log_save_evaluate(run, metrics, trial, epoch, ignore_keys_for_eval)
 
-    def _prepare_window(self, run: TrainingRun, batches, collator_rng) -> "PreparedWindow":
+    def _prepare_window(self, run: TrainingRun, batches, collator_rng, generators_after=None) -> "PreparedWindow":
         step_batch = self._step_batch(run, batches)
-        return PreparedWindow(batches, step_batch, LoopState(collator_rng, run.shapes.length))
+        return PreparedWindow(batches, step_batch, LoopState(collator_rng, run.shapes.length), generators_after)
 
     def _windows(self, loader, shapes, updates_per_epoch, steps_in_epoch, skip, resumed: LoopState | None = None):
         """Yield each optimizer step's micro-batches (this process's rows) for one epoch, HF's get_batch_samples,
@@ -1157,17 +1210,20 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
                 loader.rng_stream.state = resumed.collator_rng
             shapes.length = resumed.padded_length  # pad as the run did (shapes change XLA's summation order)
         remainder = steps_in_epoch % ga or ga
+        stream = loader.rng_stream
+        state = lambda: stream.state if stream is not None else None  # noqa: E731
+        ahead = next(iterator, None)  # HF's loader reads one batch ahead of the loop (accelerate's DataLoaderShard)
         for update_step in range(skip // ga, updates_per_epoch):
             wanted = ga if update_step != updates_per_epoch - 1 else remainder
-            batches = []
-            for _ in range(wanted):
-                item = next(iterator, None)
-                if item is None:
-                    break
-                batches.append(item[0])
+            batches: list[data.Batch] = []
+            after = None
+            while len(batches) < wanted and ahead is not None:
+                batches.append(ahead[0])
+                after = state()  # the stream after this window's batches: what a checkpoint resumes from
+                ahead = next(iterator, None)
             if not batches:
                 return
-            yield batches, loader.rng_stream.state if loader.rng_stream is not None else None
+            yield batches, after, state()
 
     def _num_classes(self) -> int | None:
         """How many classes the model's logits score, for label checks (None: not a classifier, or regression /
@@ -1275,6 +1331,7 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
             num_steps=steps_trained,
         )
         self.store_flos()
+        _continue_generators_after(run)
         metrics["total_flos"] = self.state.total_flos
         metrics["train_loss"] = train_loss
         if not self.args.skip_memory_metrics:

@@ -104,6 +104,7 @@ CALLS: dict[str, str] = {
     "get_train_dataloader": "trainer",
     "is_world_process_zero": "trainer",
     "log": "trainer",
+    "num_examples": "trainer",
     "store_flos": "trainer",
     "_decay_mask_tree": "optimizer_setup",
     "_follow_resumed_schedule": "optimizer_setup",
@@ -217,6 +218,7 @@ class TrainerParts:
         def _model_params(self): ...
 
         def _sync_model(self) -> None: ...
+        def num_examples(self, dataloader: Any) -> int: ...
 
         def get_eval_dataloader(self, eval_dataset: Any = None) -> data.BatchLoader: ...
 

@@ -166,6 +166,7 @@ class TrainingRun:
     throughput: Throughput = dataclasses.field(default_factory=Throughput)
     preemption: PreemptionNotice = dataclasses.field(default_factory=PreemptionNotice)
     loop_state: LoopState | None = None  # the host side of the last step: what its checkpoint saves
+    generators_after_step: Any = None  # HF's one host generator after the last step (its loader's look-ahead)
     last_step_batch: Any = None  # the last step's StepBatch (the memory report compiles against its shapes)
     dispatched: Any = None  # the last dispatched step's losses (device arrays, maybe not computed yet)
 
