@@ -179,3 +179,50 @@ def test_batch_eval_metrics_calls_as_transformers(tmp_path, description, include
     prefix = "eval" if description == "evaluate" else "test"
     np.testing.assert_allclose(got[f"{prefix}_mean_prediction"], ref[f"{prefix}_mean_prediction"], rtol=1e-5)
     np.testing.assert_allclose(got[f"{prefix}_loss"], ref[f"{prefix}_loss"], rtol=1e-5)
+
+
+def test_batch_eval_metrics_hands_a_torch_model_torch_tensors_as_hf(tmp_path):
+    """For a torch model (the bridge) HF's batch metrics get torch tensors (HF's own test calls torch.abs on
+    them); a native model's get numpy (the test above)."""
+    import copy
+    import importlib.util
+
+    import transformers
+
+    from jtrainer import Trainer, TrainingArguments
+
+    if importlib.util.find_spec("torchax") is None:
+        pytest.skip("torchax is not installed")
+    seen = {"hf": [], "ours": []}
+
+    def metrics_of(name):
+        def compute_metrics(pred, compute_result=False):
+            values = (pred.predictions, pred.label_ids, pred.losses, *pred.inputs.values())
+            seen[name].append([type(v) for v in values])
+            return {"mean_abs": float(torch.abs(pred.predictions[0]).mean())}
+
+        return compute_metrics
+
+    kw = dict(
+        per_device_eval_batch_size=8,
+        report_to="none",
+        disable_tqdm=True,
+        use_cpu=True,
+        batch_eval_metrics=True,
+        include_for_metrics=["inputs", "loss"],
+    )
+    model, rows = TorchTwoHeads(False), _rows(16)
+    hf = transformers.Trainer(
+        model=model,
+        args=transformers.TrainingArguments(output_dir=str(tmp_path / "hf"), **kw),
+        compute_metrics=metrics_of("hf"),
+    )
+    ours = Trainer(
+        model=copy.deepcopy(model),
+        args=TrainingArguments(output_dir=str(tmp_path / "jt"), **kw),
+        compute_metrics=metrics_of("ours"),
+    )
+    expected, got = hf.evaluate(torch_rows(rows)), ours.evaluate(rows)
+    assert seen["ours"] == seen["hf"] and seen["hf"][0][0] is tuple
+    assert seen["hf"][0] == [tuple, tuple] + [torch.Tensor] * 4  # (y, z), both label names, losses, 3 inputs
+    np.testing.assert_allclose(got["eval_mean_abs"], expected["eval_mean_abs"], rtol=1e-6)

@@ -26,6 +26,27 @@ def is_bridged(model: Any) -> bool:
     return module is not None and isinstance(model, module.TorchModel)
 
 
+def as_torch_tensors(tree: Any) -> Any:
+    """numpy arrays (in dicts, tuples, lists) as CPU torch tensors sharing their memory: what HF hands a torch
+    model's metric functions."""
+    import torch
+
+    if isinstance(tree, dict):
+        return type(tree)({k: as_torch_tensors(v) for k, v in tree.items()})
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(as_torch_tensors(v) for v in tree)
+    if tree is None:
+        return None
+    return torch.from_numpy(np_array(tree))
+
+
+def np_array(value: Any):
+    import numpy as np
+
+    array = np.asarray(value)
+    return array if array.flags.writeable else array.copy()  # torch wants writable memory
+
+
 def check_installed(required: bool = True) -> bool:
     """Whether torch and torchax are present (found, not imported: torchax is imported with torchax_compat's
     fixes); if `required`, an error naming the extra when not."""

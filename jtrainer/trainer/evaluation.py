@@ -348,13 +348,23 @@ class EvaluationMixin(TrainerParts):
             self.control = self.callback_handler.on_prediction_step(args, self.state, self.control)
             if args.batch_eval_metrics and self.compute_metrics is not None:
                 if batch_preds is not None and batch_labels is not None:  # HF: the last batch computes the result
+                    # HF hands over the batch's loss repeated over its rows and its whole input dict, as the
+                    # model's framework holds them: torch tensors for a torch model, numpy for a native one.
+                    batch = (
+                        batch_preds,
+                        batch_labels,
+                        batch_losses if "loss" in include else None,
+                        host(padded) if "inputs" in include else None,
+                    )
+                    if bridge.is_bridged(self.nnx_model):
+                        batch = bridge.as_torch_tensors(batch)
+                    predictions, label_ids, batch_loss_values, batch_input_values = batch
                     metrics = self.compute_metrics(
                         EvalPrediction(
-                            predictions=batch_preds,
-                            label_ids=batch_labels,
-                            # HF hands over the batch's loss repeated over its rows and its whole input dict.
-                            losses=batch_losses if "loss" in include else None,
-                            inputs=host(padded) if "inputs" in include else None,
+                            predictions=predictions,
+                            label_ids=label_ids,
+                            losses=batch_loss_values,
+                            inputs=batch_input_values,
                         ),
                         compute_result=is_last,
                     )
