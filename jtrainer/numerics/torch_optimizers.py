@@ -8,10 +8,12 @@ step); `decays` is the weight-decay mask (True: the parameter is in HF's decay g
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 
@@ -292,5 +294,138 @@ def schedule_free(
         return updates, ScheduleFreeState(
             optax.safe_int32_increment(state.count), weight_sum, lr_max, z, exp_avg_sq, state.b1
         )
+
+    return optax.GradientTransformation(init, update)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# torch.optim.Adam (L2 weight decay), Adamax, NAdam, RAdam: the classes a user passes as optimizers=(...)
+
+
+def torch_adam(learning_rate, b1, b2, eps, weight_decay):
+    """torch.optim.Adam: g += wd * p (L2, not decoupled), then Adam with bias correction (optax's rule)."""
+    return optax.chain(
+        optax.add_decayed_weights(weight_decay),
+        optax.scale_by_adam(b1, b2, eps),
+        optax.scale_by_learning_rate(learning_rate),
+    )
+
+
+class AdamaxState(NamedTuple):
+    count: jax.Array  # type: ignore[assignment]  # optax's name for the step (shadows tuple.count)
+    exp_avg: Any
+    exp_inf: Any
+
+
+def torch_adamax(learning_rate, b1, b2, eps, weight_decay):
+    """torch.optim.Adamax: g += wd * p; m = b1 m + (1 - b1) g; u = max(b2 u, |g| + eps);
+    p -= lr / (1 - b1^t) * m / u."""
+
+    def init(params):
+        zeros = lambda: jax.tree.map(jnp.zeros_like, params)  # noqa: E731
+        return AdamaxState(jnp.zeros([], jnp.int32), zeros(), zeros())
+
+    def update(grads, state, params):
+        count = optax.safe_int32_increment(state.count)
+        grads = jax.tree.map(lambda g, p: g + weight_decay * p, grads, params)
+        exp_avg = jax.tree.map(lambda m, g: b1 * m + (1.0 - b1) * g, state.exp_avg, grads)
+        exp_inf = jax.tree.map(lambda u, g: jnp.maximum(b2 * u, jnp.abs(g) + eps), state.exp_inf, grads)
+        clr = learning_rate / (1.0 - b1 ** count.astype(jnp.float32))
+        updates = jax.tree.map(lambda m, u: -clr * m / u, exp_avg, exp_inf)
+        return updates, AdamaxState(count, exp_avg, exp_inf)
+
+    return optax.GradientTransformation(init, update)
+
+
+class NAdamState(NamedTuple):
+    count: jax.Array  # type: ignore[assignment]  # optax's name for the step (shadows tuple.count)
+    mu_product: jax.Array
+    exp_avg: Any
+    exp_avg_sq: Any
+
+
+def torch_nadam(learning_rate, b1, b2, eps, weight_decay, momentum_decay=4e-3):
+    """torch.optim.NAdam (decoupled_weight_decay=False): g += wd * p; mu_t = b1 (1 - 0.5 * 0.96^(t psi));
+    p -= lr (1 - mu_t) / (1 - prod mu) * g / d + lr mu_{t+1} / (1 - prod mu * mu_{t+1}) * m / d,
+    d = sqrt(v / (1 - b2^t)) + eps."""
+
+    def init(params):
+        zeros = lambda: jax.tree.map(jnp.zeros_like, params)  # noqa: E731
+        return NAdamState(jnp.zeros([], jnp.int32), jnp.ones([], jnp.float32), zeros(), zeros())
+
+    def update(grads, state, params):
+        count = optax.safe_int32_increment(state.count)
+        t = count.astype(jnp.float32)
+        grads = jax.tree.map(lambda g, p: g + weight_decay * p, grads, params)
+        mu = b1 * (1.0 - 0.5 * 0.96 ** (t * momentum_decay))
+        mu_next = b1 * (1.0 - 0.5 * 0.96 ** ((t + 1.0) * momentum_decay))
+        mu_product = state.mu_product * mu
+        exp_avg = jax.tree.map(lambda m, g: m + (g - m) * (1.0 - b1), state.exp_avg, grads)
+        exp_avg_sq = jax.tree.map(lambda v, g: b2 * v + (1.0 - b2) * g * g, state.exp_avg_sq, grads)
+        bias_correction2 = 1.0 - b2**t
+
+        def step(g, m, v):
+            denom = jnp.sqrt(v / bias_correction2) + eps
+            grad_part = learning_rate * (1.0 - mu) / (1.0 - mu_product) * g / denom
+            momentum_part = learning_rate * mu_next / (1.0 - mu_product * mu_next) * m / denom
+            return -(grad_part + momentum_part)
+
+        updates = jax.tree.map(step, grads, exp_avg, exp_avg_sq)
+        return updates, NAdamState(count, mu_product, exp_avg, exp_avg_sq)
+
+    return optax.GradientTransformation(init, update)
+
+
+class RAdamState(NamedTuple):
+    count: jax.Array  # type: ignore[assignment]  # optax's name for the step (shadows tuple.count)
+    exp_avg: Any
+    exp_avg_sq: Any
+
+
+def _radam_table(b2: float) -> np.ndarray:
+    """RAdam's per-step scalar for steps 1..n in float64, as torch computes it in Python: where rho_t > 5,
+    rect_t * sqrt(1 - b2^t) (else 0). Its float32 formula cancels catastrophically while 1 - b2^t is small
+    (rho_t is a difference of two numbers near 2 / (1 - b2)); past the table it does not (b2^t < e^-30)."""
+    steps = np.arange(1, int(math.ceil(30.0 / (1.0 - b2))) + 1, dtype=np.float64)
+    bias_correction2 = 1.0 - b2**steps
+    rho_inf = 2.0 / (1.0 - b2) - 1.0
+    rho_t = rho_inf - 2.0 * steps * b2**steps / bias_correction2
+    with np.errstate(invalid="ignore"):
+        rect = np.sqrt((rho_t - 4.0) * (rho_t - 2.0) * rho_inf / ((rho_inf - 4.0) * (rho_inf - 2.0) * rho_t))
+    adaptive = np.where(rho_t > 5.0, rect * np.sqrt(bias_correction2), 0.0)
+    return adaptive.astype(np.float32)
+
+
+def torch_radam(learning_rate, b1, b2, eps, weight_decay):
+    """torch.optim.RAdam (decoupled_weight_decay=False): g += wd * p; Adam's moments; where the variance's
+    length of the approximated SMA rho_t > 5, p -= lr * m_hat * rect * sqrt(1 - b2^t) / (sqrt(v) + eps), else
+    p -= lr * m_hat. The step's scalars come from a float64 table (`_radam_table`)."""
+    adaptive_table = _radam_table(float(b2))
+
+    def init(params):
+        zeros = lambda: jax.tree.map(jnp.zeros_like, params)  # noqa: E731
+        return RAdamState(jnp.zeros([], jnp.int32), zeros(), zeros())
+
+    def update(grads, state, params):
+        count = optax.safe_int32_increment(state.count)
+        t = count.astype(jnp.float32)
+        grads = jax.tree.map(lambda g, p: g + weight_decay * p, grads, params)
+        exp_avg = jax.tree.map(lambda m, g: m + (g - m) * (1.0 - b1), state.exp_avg, grads)
+        exp_avg_sq = jax.tree.map(lambda v, g: b2 * v + (1.0 - b2) * g * g, state.exp_avg_sq, grads)
+        in_table = count <= len(adaptive_table)
+        index = jnp.minimum(count, len(adaptive_table)) - 1
+        bias_correction2 = 1.0 - b2**t
+        rho_inf = 2.0 / (1.0 - b2) - 1.0
+        rho_t = rho_inf - 2.0 * t * b2**t / bias_correction2
+        rect = jnp.sqrt((rho_t - 4.0) * (rho_t - 2.0) * rho_inf / ((rho_inf - 4.0) * (rho_inf - 2.0) * rho_t))
+        inverse_bc1 = 1.0 / (1.0 - b1**t)
+        adaptive = jnp.where(in_table, jnp.asarray(adaptive_table)[index], rect * jnp.sqrt(bias_correction2))
+
+        def step(m, v):
+            m_hat = m * inverse_bc1
+            return -learning_rate * jnp.where(adaptive > 0.0, m_hat * adaptive / (jnp.sqrt(v) + eps), m_hat)
+
+        updates = jax.tree.map(step, exp_avg, exp_avg_sq)
+        return updates, RAdamState(count, exp_avg, exp_avg_sq)
 
     return optax.GradientTransformation(init, update)

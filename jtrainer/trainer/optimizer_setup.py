@@ -13,6 +13,7 @@ from flax import nnx
 from transformers.trainer_utils import SchedulerType
 
 from jtrainer import bridge
+from jtrainer.bridge import user_optimizer
 from jtrainer.models.base import count_parameters
 from jtrainer.models.layers import LayerNorm
 from jtrainer.numerics import opt_state as opt_states
@@ -34,7 +35,7 @@ class OptimizerMixin(TrainerParts):
 
     def _forget_optimizer(self) -> None:
         """A new model (model_init): the next train() builds its optimizer and schedule afresh."""
-        self.optimizer = self.lr_scheduler = self._learning_rate = None
+        self.optimizer = self.lr_scheduler = self._learning_rate = self._torch_optimizer = None
         self._optimizer_recipe = None
 
     def _start_schedule(self) -> None:
@@ -50,12 +51,18 @@ class OptimizerMixin(TrainerParts):
         """HF's optimizer.train(), at each training step."""
         self._optimizer_eval_mode = False
 
-    def _per_evaluation_scheduler(self) -> schedules.PlateauScheduler | schedules.GreedyScheduler | None:
-        """The scheduler that steps once per evaluation (reduce_lr_on_plateau, greedy), if the run has one."""
+    def _per_evaluation_scheduler(self) -> Any:
+        """The scheduler that steps once per evaluation (reduce_lr_on_plateau, greedy, a user's torch
+        ReduceLROnPlateau), if the run has one."""
+        if self._torch_optimizer is not None:
+            return self.lr_scheduler if self._torch_optimizer.per_evaluation else None
         return None if self._learning_rate is None else self._learning_rate.per_evaluation
 
     def _step_plateau(self, metric: float) -> None:
         """A per-evaluation scheduler's step on the evaluated metric: the new rate goes into the train state."""
+        if self._torch_optimizer is not None:  # the torch scheduler's rate enters at the next update
+            self._torch_optimizer.after_evaluation(metric)
+            return
         opt_state = self._learning_rate.after_evaluation(metric, self._train_state.opt_state)
         self._train_state = self._train_state.replace(opt_state=opt_state)
 
@@ -80,14 +87,77 @@ class OptimizerMixin(TrainerParts):
             decayed = {f"params.{name}" for name in decayed}
         return jax.tree_util.tree_map_with_path(lambda p, _: dotted(p) in decayed, params)
 
-    def create_scheduler(self, num_training_steps: int, optimizer=None) -> schedules.Schedule:
-        """HF's scheduler, as a step -> rate function (or the user's schedule from `optimizers`)."""
+    def _torch_optimizer_given(self) -> bool:
+        """A torch optimizer from the user (optimizers=(torch optimizer, ...) or a torch optimizer_cls)."""
+        cls = None if self.optimizer_cls_and_kwargs is None else self.optimizer_cls_and_kwargs[0]
+        return user_optimizer.is_torch_optimizer(self.optimizer) or user_optimizer.is_torch_optimizer_class(cls)
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None) -> Any:
+        """HF's scheduler, as a step -> rate function (or the user's schedule from `optimizers`); for a user's
+        torch optimizer, HF's own torch scheduler on it (transformers.get_scheduler), as HF builds it."""
+        if self._torch_optimizer_given():
+            if self.lr_scheduler is None:
+                from transformers.optimization import get_scheduler
+
+                self.lr_scheduler = get_scheduler(
+                    self.args.lr_scheduler_type,
+                    optimizer=optimizer if optimizer is not None else self.optimizer,
+                    num_warmup_steps=self.args.get_warmup_steps(num_training_steps),
+                    num_training_steps=num_training_steps,
+                    scheduler_specific_kwargs=self.args.lr_scheduler_kwargs,
+                )
+            if self._torch_optimizer is not None:
+                self._torch_optimizer.scheduler = self.lr_scheduler
+            return self.lr_scheduler
         if self.lr_scheduler is None:
             self._learning_rate = schedules.LearningRate.from_args(self.args, num_training_steps)
             self.lr_scheduler = self._learning_rate.scheduler()
         return self.lr_scheduler
 
-    def create_optimizer(self, params=None) -> optax.GradientTransformation:
+    def _create_torch_optimizer(self, params) -> Any:
+        """A user's torch optimizer (built from optimizer_cls_and_kwargs over HF's decay groups, as HF builds
+        it), translated for the step."""
+        if not bridge.is_bridged(self.nnx_model):
+            raise TypeError(
+                f"A torch optimizer updates a torch model's parameters, and {type(self.model).__name__} is a native "
+                "jtrainer model: pass an optax GradientTransformation (optimizers=(tx, None)) or use --optim."
+            )
+        if self.optimizer is None:
+            cls, kwargs = self.optimizer_cls_and_kwargs
+            decayed = set(self.get_decay_parameter_names())
+            named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+            self.optimizer = cls(
+                [
+                    {"params": [p for n, p in named if n in decayed], "weight_decay": self.args.weight_decay},
+                    {"params": [p for n, p in named if n not in decayed], "weight_decay": 0.0},
+                ],
+                **kwargs,
+            )
+        self._torch_optimizer = user_optimizer.UserTorchOptimizer(self.optimizer, self.lr_scheduler, self.model)
+        self._torch_optimizer.tx = self._torch_optimizer.transformation(params)
+        return self.optimizer
+
+    def _optax_optimizer(self) -> optax.GradientTransformation:
+        """The optimizer the step applies: the Trainer's optax one, or a user's torch optimizer translated."""
+        return self._torch_optimizer.tx if self._torch_optimizer is not None else self.optimizer
+
+    def _before_update(self, train_state):
+        """Before each update: a user's torch optimizer's current rates enter the optimizer state."""
+        if self._torch_optimizer is None:
+            return train_state
+        return train_state.replace(opt_state=self._torch_optimizer.before_update(train_state.opt_state))
+
+    def _after_update(self) -> None:
+        """After each update (before global_step counts it): a user's torch scheduler steps, as in HF."""
+        if self._torch_optimizer is not None:
+            self._torch_optimizer.after_update(self.state.global_step)
+
+    def create_optimizer(self, params=None) -> Any:
+        if self._torch_optimizer_given():
+            if self._torch_optimizer is None:
+                params = params if params is not None else nnx.to_pure_dict(nnx.state(self.nnx_model, nnx.Param))
+                self._create_torch_optimizer(params)
+            return self.optimizer
         if self.optimizer is not None:
             return self.optimizer
         params = params if params is not None else nnx.to_pure_dict(nnx.state(self.nnx_model, nnx.Param))
@@ -128,6 +198,10 @@ class OptimizerMixin(TrainerParts):
         return self.optimizer
 
     def create_optimizer_and_scheduler(self, num_training_steps: int) -> None:
+        if self._torch_optimizer_given():  # HF's order: the torch scheduler is built on the torch optimizer
+            self.create_optimizer()
+            self.create_scheduler(num_training_steps, self.optimizer)
+            return
         self.create_scheduler(num_training_steps)
         self.create_optimizer()
 
@@ -156,6 +230,8 @@ class OptimizerMixin(TrainerParts):
         decay. HF's error before an optimizer exists."""
         if self.optimizer is None:
             raise ValueError("Trainer optimizer is None, please make sure you have setup the optimizer before.")
+        if user_optimizer.is_torch_optimizer(self.optimizer):  # the user's torch groups, as HF reads them
+            return self.optimizer.param_groups
         decayed = set(self.get_decay_parameter_names())
         named = self._trainable_named_parameters()
         rate = self._current_learning_rate()
@@ -171,7 +247,9 @@ class OptimizerMixin(TrainerParts):
 
     def _host_learning_rate(self, device_lr, count) -> float:
         """The rate of the last update as HF logs it (LearningRate.host_rate); a user's own schedule is read from
-        the device."""
+        the device, a user's torch scheduler's as it stood for that update."""
+        if self._torch_optimizer is not None:
+            return self._torch_optimizer.logged_rate(int(count), device_lr)
         if self._learning_rate is None:
             return float(device_lr)
         return self._learning_rate.host_rate(device_lr, count)

@@ -787,7 +787,7 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         """The optimizer as the step applies it: HF's gradient clipping in front (max_grad_norm > 0), under fp16's
         dynamic loss scaling (which skips non-finite updates itself), or skipping non-finite updates when
         nan_inf_policy='skip'."""
-        tx = self.optimizer
+        tx = self._optax_optimizer()
         if self.args.max_grad_norm and self.args.max_grad_norm > 0:
             tx = optim.clip_grad_norm(tx, float(self.args.max_grad_norm))
         if self.args.fp16:
@@ -1166,8 +1166,10 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
                         compiled = run.train_step.lower(self._train_state, step_batch).compile()
                         batch_size.check_fits(compiled, args.per_device_train_batch_size)
                     self._optimizer_train()  # HF's training_step: optimizer.train()
+                    self._train_state = self._before_update(self._train_state)
                     self._train_state, metrics = run.train_step(self._train_state, step_batch)
                     self._train_state = self._follow_resumed_schedule(self._train_state)
+                self._after_update()
                 run.last_step_batch = step_batch
                 run.losses.add(metrics["micro_losses"], len(batches))
                 run.follow_device(metrics["micro_losses"])

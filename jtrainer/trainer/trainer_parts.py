@@ -64,6 +64,7 @@ OWNER: dict[str, str] = {
             "_learning_rate",
             "_optimizer_recipe",
             "_optimizer_eval_mode",
+            "_torch_optimizer",
             "_non_embedding_count",
         ),
         "optimizer_setup",
@@ -116,6 +117,9 @@ CALLS: dict[str, str] = {
     "_resumed_optimizer_state": "optimizer_setup",
     "_start_schedule": "optimizer_setup",
     "_step_plateau": "optimizer_setup",
+    "_optax_optimizer": "optimizer_setup",
+    "_before_update": "optimizer_setup",
+    "_after_update": "optimizer_setup",
     "create_optimizer_and_scheduler": "optimizer_setup",
     "floating_point_ops": "optimizer_setup",
     "_eval_step": "evaluation",
@@ -185,6 +189,7 @@ class TrainerParts:
     )
     _optimizer_recipe: tuple | None = None  # what the built optimizer depends on besides numbers
     _optimizer_eval_mode: bool = False  # HF's optimizer.eval() (schedule-free optimizers) until the next step
+    _torch_optimizer: Any = None  # bridge.user_optimizer.UserTorchOptimizer: a user's torch optimizer, run as optax
     _non_embedding_count: Any = None
     # evaluation
     _preprocess_placement: Any = None
@@ -252,6 +257,9 @@ class TrainerParts:
         def _start_schedule(self) -> None: ...
 
         def _step_plateau(self, metric: float) -> None: ...
+        def _optax_optimizer(self) -> Any: ...
+        def _before_update(self, train_state: TrainState) -> TrainState: ...
+        def _after_update(self) -> None: ...
 
         def create_optimizer_and_scheduler(self, num_training_steps: int) -> None: ...
 
