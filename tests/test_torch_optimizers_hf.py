@@ -3,6 +3,7 @@ with a torch class) for a torch model: each class's update with its parameter gr
 scheduler, equals torch stepping the same gradients (float64 reference); then the whole Trainer beside
 transformers.Trainer (per-step losses and learning rates), and the refusals."""
 
+import copy
 import importlib.util
 
 import jax
@@ -181,3 +182,152 @@ def test_a_scheduler_changing_a_fixed_hyperparameter_is_refused():
     driver.after_update(0)
     with pytest.raises(ValueError, match="changed momentum of parameter group 0"):
         driver.before_update(state)
+
+
+def _trainer_pair(tmp_path, make_optimizers, **over):
+    """The same torch module trained by transformers.Trainer and jtrainer, each with its own torch optimizer and
+    scheduler from `make_optimizers(model)` (None: HF builds them)."""
+    from bridge_zoo import Regression, arguments, rows
+    from conftest import torch_rows
+
+    from jtrainer import Trainer, TrainingArguments
+
+    torch.manual_seed(0)
+    model = Regression()
+    over = {"max_steps": 6, "lr_scheduler_type": "linear", **over}
+    runs = {}
+    for name, trainer_cls, args_cls, data in (
+        ("hf", transformers.Trainer, transformers.TrainingArguments, torch_rows(rows())),
+        ("ours", Trainer, TrainingArguments, rows()),
+    ):
+        copy_of = copy.deepcopy(model)
+        kwargs = make_optimizers(copy_of)
+        trainer = trainer_cls(
+            model=copy_of, args=arguments(args_cls, tmp_path / name, **over), train_dataset=data, **kwargs
+        )
+        trainer.train()
+        runs[name] = trainer
+    return runs["hf"], runs["ours"]
+
+
+def _logged(trainer, key):
+    return [h[key] for h in trainer.state.log_history if key in h and "train_loss" not in h]
+
+
+def test_torch_adamw_with_linear_warmup_trains_as_transformers_trainer(tmp_path):
+    def make(model):
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.01)
+        return {"optimizers": (opt, transformers.get_linear_schedule_with_warmup(opt, 2, 6))}
+
+    hf, ours = _trainer_pair(tmp_path, make)
+    np.testing.assert_allclose(_logged(ours, "loss"), _logged(hf, "loss"), rtol=1e-5)
+    assert _logged(ours, "learning_rate") == _logged(hf, "learning_rate")  # the host's float64 rates
+    assert ours.optimizer.param_groups[0]["lr"] == hf.optimizer.param_groups[0]["lr"] == 0.0
+    assert ours.lr_scheduler.get_last_lr() == hf.lr_scheduler.get_last_lr()
+    assert ours.get_learning_rates() == hf.get_learning_rates()
+    for key, value in hf.model.state_dict().items():
+        torch.testing.assert_close(ours.model.state_dict()[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda m: {"optimizers": (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), None)},  # HF's schedule
+        lambda m: {"optimizer_cls_and_kwargs": (torch.optim.RAdam, {"lr": 0.05})},  # HF's decay groups
+        lambda m: {
+            "optimizers": (
+                opt := torch.optim.Adam(
+                    [{"params": m.inner.parameters(), "lr": 0.02}, {"params": m.head.parameters()}], lr=0.05
+                ),
+                torch.optim.lr_scheduler.LambdaLR(opt, [lambda s: 0.9**s, lambda s: 1.0 / (1 + s)]),
+            )
+        },
+    ],
+    ids=["sgd-hf-schedule", "radam-cls-and-kwargs", "adam-groups-lambda"],
+)
+def test_other_torch_optimizers_train_as_transformers_trainer(tmp_path, make):
+    hf, ours = _trainer_pair(tmp_path, make, weight_decay=0.1)
+    np.testing.assert_allclose(_logged(ours, "loss"), _logged(hf, "loss"), rtol=1e-5)
+    assert _logged(ours, "learning_rate") == _logged(hf, "learning_rate")
+    assert ours.get_learning_rates() == hf.get_learning_rates()
+    for key, value in hf.model.state_dict().items():
+        torch.testing.assert_close(ours.model.state_dict()[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_a_torch_optimizer_for_a_native_model_is_refused(tmp_path):
+    from conftest import short_run_args, tiny_llama_config, token_rows
+
+    from jtrainer import Trainer
+    from jtrainer.models import LlamaForCausalLM
+
+    opt = torch.optim.AdamW(Toy().parameters())
+    trainer = Trainer(
+        LlamaForCausalLM.from_config(tiny_llama_config()),
+        short_run_args(),
+        train_dataset=token_rows(8),
+        optimizers=(opt, None),
+    )
+    with pytest.raises(TypeError, match="native jtrainer model: pass an optax"):
+        trainer.train()
+
+
+def test_a_resumed_run_continues_the_torch_schedule_exactly(tmp_path):
+    """The checkpoint keeps the groups' rates and the scheduler's state (HF's optimizer.pt / scheduler.pt):
+    stopped at step 3 and resumed, the run logs the uninterrupted run's losses and rates."""
+    from bridge_zoo import Regression, arguments, rows
+
+    from jtrainer import Trainer, TrainingArguments
+
+    torch.manual_seed(0)
+    model = Regression()
+
+    def trainer(out, max_steps):
+        copy_of = copy.deepcopy(model)
+        opt = torch.optim.AdamW(copy_of.parameters(), lr=0.05)
+        schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.8**s)
+        args = arguments(TrainingArguments, out, max_steps=max_steps, save_strategy="steps", save_steps=3)
+        return Trainer(copy_of, args, train_dataset=rows(), optimizers=(opt, schedule))
+
+    whole = trainer(tmp_path / "whole", 6)
+    whole.train()
+    trainer(tmp_path / "part", 3).train()
+    resumed = trainer(tmp_path / "part", 6)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "part" / "checkpoint-3"))
+    for key in ("loss", "learning_rate"):
+        assert _logged(resumed, key)[-3:] == _logged(whole, key)[-3:], key
+    assert resumed.lr_scheduler.get_last_lr() == whole.lr_scheduler.get_last_lr()
+    for key, value in whole.model.state_dict().items():
+        torch.testing.assert_close(resumed.model.state_dict()[key], value, rtol=0, atol=0, msg=key)
+
+
+def test_a_torch_reduce_lr_on_plateau_steps_on_evaluations_as_hf(tmp_path):
+    from bridge_zoo import Regression, arguments, rows
+    from conftest import torch_rows
+
+    from jtrainer import Trainer, TrainingArguments
+
+    torch.manual_seed(0)
+    model = Regression()
+    over = dict(max_steps=8, eval_strategy="steps", eval_steps=2, metric_for_best_model="loss", learning_rate=0.5)
+    runs = {}
+    for name, trainer_cls, args_cls, wrap in (
+        ("hf", transformers.Trainer, transformers.TrainingArguments, torch_rows),
+        ("ours", Trainer, TrainingArguments, lambda r: r),
+    ):
+        copy_of = copy.deepcopy(model)
+        opt = torch.optim.SGD(copy_of.parameters(), lr=0.5)
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=0)
+        trainer = trainer_cls(
+            copy_of,
+            arguments(args_cls, tmp_path / name, **over),
+            train_dataset=wrap(rows()),
+            eval_dataset=wrap(rows(8, seed=1)),
+            optimizers=(opt, plateau),
+        )
+        trainer.train()
+        runs[name] = trainer
+    hf, ours = runs["hf"], runs["ours"]
+    np.testing.assert_allclose(_logged(ours, "loss"), _logged(hf, "loss"), rtol=1e-5)
+    np.testing.assert_allclose(_logged(ours, "eval_loss"), _logged(hf, "eval_loss"), rtol=1e-5)
+    assert _logged(ours, "learning_rate") == _logged(hf, "learning_rate")
+    assert len(set(_logged(hf, "learning_rate"))) > 1  # the plateau did lower the rate

@@ -301,6 +301,33 @@ class UserTorchOptimizer:
         """HF's ReduceLROnPlateau step on the evaluated metric."""
         self.scheduler.step(metric)
 
+    # ------------------------------------------------------------------------------------ checkpoint and resume
+    def state_bytes(self) -> bytes:
+        """What a checkpoint keeps of the torch objects (HF's optimizer.pt param groups and scheduler.pt): the
+        groups' hyperparameters and the scheduler's state; the moments live in the train state."""
+        import io
+
+        import torch
+
+        buffer = io.BytesIO()
+        groups = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
+        scheduler = None if self.scheduler is None else self.scheduler.state_dict()
+        torch.save({"param_groups": groups, "scheduler": scheduler}, buffer)
+        return buffer.getvalue()
+
+    def load_state_bytes(self, data: bytes) -> None:
+        """A resume, as HF's: the groups' rates and hyperparameters and the scheduler's state come back."""
+        import io
+
+        import torch
+
+        saved = torch.load(io.BytesIO(data), weights_only=True)
+        for group, values in zip(self.optimizer.param_groups, saved["param_groups"]):
+            group.update(values)
+        if self.scheduler is not None and saved["scheduler"] is not None:
+            self.scheduler.load_state_dict(saved["scheduler"])
+        self._written = None  # every injected value is written before the next update
+
     def logged_rate(self, update_count: int, device_rate) -> float:
         """The rate of the update that made the count `update_count`, as HF logged it."""
         return self.rates.get(update_count - 1, float(device_rate))

@@ -6,6 +6,8 @@ Layout of `output_dir/checkpoint-{global_step}/`:
   config.json, model.safetensors   the model in HF format (what `from_pretrained` reads)
   trainer_state.json    HF's TrainerState
   training_args.json    the TrainingArguments (HF writes a torch pickle, training_args.bin, instead)
+  scheduler.json        a per-evaluation scheduler's state (reduce_lr_on_plateau, greedy), when the run has one
+  torch_optimizer.pt    a user's torch optimizer groups and scheduler state, when the run has them
   manifest.json         sha256 and size of every other file
   commit_success.json   written last: the checkpoint is complete
 
@@ -50,6 +52,8 @@ TRAINER_STATE_NAME = "trainer_state.json"
 TRAINING_ARGS_NAME = "training_args.json"
 MANIFEST_NAME = "manifest.json"
 SCHEDULER_NAME = "scheduler.json"  # a per-evaluation scheduler's host state (HF: scheduler.pt)
+# A user's torch optimizer and scheduler: their groups' hyperparameters and the scheduler's state (torch.save)
+TORCH_OPTIMIZER_NAME = "torch_optimizer.pt"
 COMMIT_NAME = "commit_success.json"
 LOOP_STATE_NAME = "loop_state_{}.json"  # per process: host generators, padded length (HF: rng_state_{i}.pth)
 TMP_SUFFIX = ".tmp"

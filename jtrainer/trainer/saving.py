@@ -161,6 +161,9 @@ class SavingMixin(TrainerParts):
 
         per_evaluation = self._per_evaluation_scheduler()
         scheduler_state = None if per_evaluation is None else per_evaluation.state_dict()  # as of this step
+        if self._torch_optimizer is not None:  # a user's torch objects: kept whole, below
+            scheduler_state = None
+        torch_optimizer = None if self._torch_optimizer is None else self._torch_optimizer.state_bytes()
         process_rng = host_rng.capture()
         loop_state = self._run.saved_loop_state() if self._run is not None else None
 
@@ -170,6 +173,9 @@ class SavingMixin(TrainerParts):
             if scheduler_state is not None:
                 with open(os.path.join(tmp, checkpoint.SCHEDULER_NAME), "w") as f:
                     json.dump(scheduler_state, f)
+            if torch_optimizer is not None:
+                with open(os.path.join(tmp, checkpoint.TORCH_OPTIMIZER_NAME), "wb") as f:
+                    f.write(torch_optimizer)
 
         def write_process_files(tmp: str) -> None:  # on every process: its own host generators (HF's rng_state_{i})
             checkpoint.save_loop_state(
@@ -251,7 +257,11 @@ class SavingMixin(TrainerParts):
         self._warn_changed_args(folder)
         scheduler_file = storage.join(folder, checkpoint.SCHEDULER_NAME)
         per_evaluation = self._per_evaluation_scheduler()
-        if per_evaluation is not None and storage.isfile(scheduler_file):
+        torch_file = storage.join(folder, checkpoint.TORCH_OPTIMIZER_NAME)
+        if self._torch_optimizer is not None and storage.isfile(torch_file):
+            with storage.open_file(torch_file, "rb") as f:
+                self._torch_optimizer.load_state_bytes(f.read())
+        elif per_evaluation is not None and storage.isfile(scheduler_file):
             per_evaluation.load_state_dict(json.loads(storage.read_text(scheduler_file)))
         if self.args.restore_callback_states_from_checkpoint:
             self._load_callback_state()

@@ -652,13 +652,15 @@ class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearch
         param_shardings = sharding.named(self.mesh, self._param_specs)
         # Moments shaped like their parameter share its sharding; others (Adafactor's factored rows and
         # columns, scalars) are replicated.
+        masked = lambda leaf: isinstance(leaf, optax.MaskedNode)  # noqa: E731  (multi_transform: other groups')
         opt_shardings = optax.tree_map_params(
             tx,
-            lambda leaf, s, param: s if leaf.shape == param.shape else replicated,
+            lambda leaf, s, param: leaf if masked(leaf) else s if leaf.shape == param.shape else replicated,
             jax.eval_shape(tx.init, params),
             param_shardings,
             params,
             transform_non_params=lambda _: replicated,
+            is_leaf=masked,
         )
         return TrainState(
             step=replicated,
