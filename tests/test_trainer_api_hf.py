@@ -74,3 +74,30 @@ def test_native_models_groups_hold_their_variables():
     assert trainer.get_optimizer_group(variable)["weight_decay"] == trainer.args.weight_decay
     total = sum(int(np.prod(v.value.shape)) for v in decayed + plain)
     assert total == trainer.get_num_trainable_parameters()
+
+
+def _documented_names():
+    import os
+    import re
+
+    text = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "training.md")).read()
+    section = text.split("## Every public Trainer method and attribute, beside HF's")[1].split("\n## ")[0]
+    return set(re.findall(r"`([a-z0-9_]+)`", section))
+
+
+def test_every_public_method_and_attribute_of_hfs_trainer_is_in_the_table(tmp_path):
+    hf, _ = _pair(tmp_path)
+    public = {n for n in dir(transformers.Trainer) if not n.startswith("_")} | {
+        n for n in vars(hf) if not n.startswith("_")
+    }
+    assert public - _documented_names() == set()
+
+
+def test_refused_methods_say_why_in_one_line(tmp_path):
+    _, ours = _pair(tmp_path)
+    for name in ("training_step", "prediction_step", "get_optimizer_cls_and_kwargs", "get_resumed_dataloader"):
+        with pytest.raises(NotImplementedError, match=f"Trainer.{name} is part of transformers.Trainer's torch") as e:
+            getattr(ours, name)()
+        assert "\n" not in str(e.value)
+    assert ours.model_wrapped is ours.model and ours.is_fsdp_enabled is False
+    assert (ours.get_tp_size(), ours.get_cp_size(), ours.get_sp_size()) == (1, 1, 1)

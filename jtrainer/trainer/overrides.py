@@ -27,6 +27,37 @@ UNSUPPORTED_OVERRIDES: dict[str, str] = {
 }
 
 
+# HF's public methods that belong to torch's machinery (accelerate, the per-batch torch step): called, each says why
+# it has no counterpart and what does its work here.
+REFUSED_METHODS: dict[str, str] = {
+    **{name: f"override {instead} instead" for name, instead in UNSUPPORTED_OVERRIDES.items() if name[0] != "_"},
+    "create_accelerator_and_postprocess": "there is no accelerate: the mesh arguments (mesh_shape) place the step",
+    "get_optimizer_cls_and_kwargs": "--optim names map to optax rules (jtrainer.numerics.optim.make_optimizer)",
+    "get_resumed_dataloader": "a resumed run skips its consumed batches itself (without reading them again when "
+    "the dataset is sized)",
+}
+
+
+def _refused(name: str, instead: str):
+    def method(self, *args, **kwargs):
+        raise NotImplementedError(
+            f"Trainer.{name} is part of transformers.Trainer's torch machinery, which jtrainer replaces with one "
+            f"compiled JAX step: {instead}."
+        )
+
+    method.__name__ = name
+    method.__doc__ = f"HF's {name}: refused here ({instead})."
+    return method
+
+
+class RefusedMethods:
+    """HF's torch-side methods, each raising one line that names what replaces it (see REFUSED_METHODS)."""
+
+
+for _name, _instead in REFUSED_METHODS.items():
+    setattr(RefusedMethods, _name, _refused(_name, _instead))
+
+
 def overrides(trainer: Any, name: str) -> bool:
     """Whether `trainer`'s class replaces the jtrainer Trainer's own method `name` (or defines one it lacks): the
     nearest class in its MRO defining `name` is the user's, not one of jtrainer's."""

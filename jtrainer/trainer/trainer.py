@@ -72,7 +72,13 @@ from jtrainer.trainer.hpsearch import HyperparameterSearchMixin
 from jtrainer.trainer.hub import HubMixin
 from jtrainer.trainer.metrics_io import MetricsMixin
 from jtrainer.trainer.optimizer_setup import OptimizerMixin
-from jtrainer.trainer.overrides import check_loader, check_optimizer_override, check_overrides, overrides
+from jtrainer.trainer.overrides import (
+    RefusedMethods,
+    check_loader,
+    check_optimizer_override,
+    check_overrides,
+    overrides,
+)
 from jtrainer.trainer.saving import SavingMixin
 from jtrainer.trainer.training_run import LossLog, PreemptionNotice, Throughput, TrainingRun, sigterm_notice
 
@@ -216,8 +222,36 @@ def _stateful(callbacks: list[Any]) -> list[Any]:
     return [cb for cb in callbacks if isinstance(cb, ExportableState)]
 
 
-class Trainer(OptimizerMixin, EvaluationMixin, SavingMixin, HyperparameterSearchMixin, HubMixin, MetricsMixin):
+class Trainer(
+    OptimizerMixin,
+    EvaluationMixin,
+    SavingMixin,
+    HyperparameterSearchMixin,
+    HubMixin,
+    MetricsMixin,
+    RefusedMethods,
+):
     """HF's `transformers.Trainer`, with one jit-compiled train step over a sharding mesh instead of torch."""
+
+    # HF's switches for torch's distributed back ends, which one compiled step over a mesh replaces: none is in use
+    # (scripts that branch on them take the plain path).
+    is_deepspeed_enabled = is_fsdp_enabled = is_fsdp_xla_enabled = False
+    is_fsdp_xla_v1_enabled = is_fsdp_xla_v2_enabled = is_model_parallel = False
+    is_distributed_loading_by_transformers = False
+    deepspeed = None
+    place_model_on_device = False  # the step's shardings place the parameters, not model.to(device)
+
+    @property
+    def model_wrapped(self) -> Any:
+        """HF's DDP/FSDP-wrapped model; nothing wraps the model here."""
+        return self.model
+
+    @property
+    def can_return_loss(self) -> bool:
+        """HF's: whether the model's forward takes `return_loss` (default True)."""
+        from transformers.utils import can_return_loss
+
+        return can_return_loss(type(self.model))
 
     def __init__(
         self,
