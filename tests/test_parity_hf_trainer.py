@@ -190,3 +190,61 @@ def test_num_items_in_batch_counts_labels_as_transformers_trainer(tmp_path, name
         args=transformers.TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True),
     )
     assert _counts_shifted_labels(getattr(models, name).from_config(config)) == hf._loss_shifts_labels
+
+
+@pytest.mark.parametrize("name", ["BertForMaskedLM", "BertForTokenClassification", "T5ForConditionalGeneration"])
+def test_models_whose_loss_ignores_num_items_accumulate_as_transformers_trainer(tmp_path, name):
+    """transformers' BERT heads and T5 take num_items_in_batch (their forward has **kwargs, so HF neither divides
+    by the accumulation steps) and ignore it (CrossEntropyLoss's per-batch mean): a window's loss is the sum of
+    its micro-batches' means. The native families do the same (micro-batches with different label counts)."""
+    import numpy as np
+    import transformers
+
+    import jtrainer.models as models
+    from jtrainer import Trainer, TrainingArguments
+
+    configs = {
+        "Bert": transformers.BertConfig(
+            vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
+            num_labels=5, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        ),
+        "T5": transformers.T5Config(
+            vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4, decoder_start_token_id=0,
+            dropout_rate=0.0,
+        ),
+    }  # fmt: skip
+    config = configs[next(k for k in configs if name.startswith(k))]
+    torch.manual_seed(0)
+    getattr(transformers, name)(config).save_pretrained(tmp_path / "ref")
+    rng = np.random.RandomState(0)
+    rows = []
+    for i in range(8):
+        labels = rng.randint(0, 5 if "Token" in name else 64, 12)
+        labels[: 2 + 3 * (i % 3)] = -100  # label counts differ between micro-batches
+        rows.append({"input_ids": rng.randint(1, 64, 12), "labels": labels})
+    kw = dict(
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        max_steps=2,
+        learning_rate=1e-2,
+        logging_steps=1,
+        lr_scheduler_type="constant",
+        train_sampling_strategy="sequential",
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+    )
+    hf = transformers.Trainer(
+        model=getattr(transformers, name).from_pretrained(tmp_path / "ref"),
+        args=transformers.TrainingArguments(str(tmp_path / "hf"), use_cpu=True, **kw),
+        train_dataset=torch_rows(rows),
+    )
+    ours = Trainer(
+        model=getattr(models, name).from_pretrained(str(tmp_path / "ref")),
+        args=TrainingArguments(str(tmp_path / "ours"), **kw),
+        train_dataset=rows,
+    )
+    hf.train()
+    ours.train()
+    losses = [[h["loss"] for h in t.state.log_history if "loss" in h] for t in (hf, ours)]
+    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-4)

@@ -164,7 +164,9 @@ class BertForMaskedLM(_BertHead):
         logits = self.cls(hidden, self.bert.embeddings.word_embeddings).astype(jnp.float32)
         loss = None
         if labels is not None:
-            loss = token_loss(logits, labels, num_items_in_batch)
+            # HF's BERT takes num_items_in_batch (**kwargs) and ignores it: this batch's mean (CrossEntropyLoss),
+            # which the Trainer then sums over an accumulation window, as HF's does.
+            loss = token_loss(logits, labels, None)
         return ModelOutput(loss=loss, logits=logits)
 
 
@@ -261,6 +263,6 @@ class BertForTokenClassification(_BertHead):
     ) -> ModelOutput:
         logits = self.classifier(self.bert(input_ids, attention_mask, token_type_ids, position_ids)).astype(jnp.float32)
         loss = None
-        if labels is not None:
-            loss = token_loss(logits, labels, num_items_in_batch)
+        if labels is not None:  # HF's BERT ignores num_items_in_batch: this batch's mean (see BertForMaskedLM)
+            loss = token_loss(logits, labels, None)
         return ModelOutput(loss=loss, logits=logits)

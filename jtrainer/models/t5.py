@@ -281,5 +281,7 @@ class T5ForConditionalGeneration(PretrainedMixin, nnx.Module):
         logits = self.decode(
             decoder_input_ids, self.encode(input_ids, attention_mask), attention_mask, decoder_attention_mask
         )
-        loss = None if labels is None else token_loss(logits, labels, num_items_in_batch)
+        # HF's T5 takes num_items_in_batch (**kwargs) and ignores it: a mean over this batch's labels, which the
+        # Trainer then sums over an accumulation window, as HF's does.
+        loss = None if labels is None else token_loss(logits, labels, None)
         return ModelOutput(loss=loss, logits=logits)
