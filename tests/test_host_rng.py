@@ -131,8 +131,9 @@ def test_state_round_trips_through_json():
         dict(num_train_epochs=2),
         dict(max_steps=5),  # stopped mid-epoch: HF's loader had read the next batch ahead
         dict(max_steps=9),  # into the second epoch
+        dict(max_steps=2, gradient_accumulation_steps=2),  # the look-ahead is the next window's first batch
     ],
-    ids=["two-epochs", "mid-epoch", "second-epoch"],
+    ids=["two-epochs", "mid-epoch", "second-epoch", "mid-epoch-accumulating"],
 )
 def test_a_torch_masking_collator_draws_transformers_masks(tmp_path, length):
     """run_mlm's collator (DataCollatorForLanguageModeling on torch's generator) gives the masks it gives under
