@@ -142,12 +142,13 @@ class RngStream:
 
 
 @contextlib.contextmanager
-def continued_by_process(stream: RngStream | None) -> Iterator[None]:
+def continued_by_process(stream: RngStream | None, step_by_step: bool = False) -> Iterator[None]:
     """An evaluation during training as under HF's one generator: the process's generators take the training
-    stream's state, and the stream goes on from theirs afterwards (the next epoch's loader draws then follow the
-    evaluation's). Only for a stream whose collator draws nothing: its state is then the same however far the
-    prefetch ran; a random collator's could not be followed (the Trainer warns)."""
-    if stream is None or stream.drawn:
+    stream's state, and the stream goes on from theirs afterwards (the next draws of the training loader and its
+    collator then follow the evaluation's). For a stream whose collator draws nothing, its state is the same
+    however far the prefetch ran; a random collator's is followed only when the batches are prepared
+    `step_by_step` (the loader has then read just HF's one batch ahead)."""
+    if stream is None or (stream.drawn and not step_by_step):
         yield
         return
     with _LOCK:

@@ -49,3 +49,6 @@ class LoopState(NamedTuple):
 
     collator_rng: host_rng.HostRngState | None  # the training collator's generators after this step's batches
     padded_length: int | None  # the padded sequence length reached (a resumed run pads the same)
+    # Batches prepared step by step (a random collator with evaluations during training): HF's loader had read
+    # the next batch before this step's evaluation drew, so the draws after that batch go on from here.
+    collator_rng_after_next: host_rng.HostRngState | None = None

@@ -132,8 +132,10 @@ def test_state_round_trips_through_json():
         dict(max_steps=5),  # stopped mid-epoch: HF's loader had read the next batch ahead
         dict(max_steps=9),  # into the second epoch
         dict(max_steps=2, gradient_accumulation_steps=2),  # the look-ahead is the next window's first batch
+        dict(max_steps=5, eval_strategy="steps", eval_steps=2),  # evaluations between steps draw too
+        dict(num_train_epochs=2, eval_strategy="epoch", gradient_accumulation_steps=2),
     ],
-    ids=["two-epochs", "mid-epoch", "second-epoch", "mid-epoch-accumulating"],
+    ids=["two-epochs", "mid-epoch", "second-epoch", "mid-epoch-accumulating", "evaluating-steps", "evaluating-epochs"],
 )
 def test_a_torch_masking_collator_draws_transformers_masks(tmp_path, length):
     """run_mlm's collator (DataCollatorForLanguageModeling on torch's generator) gives the masks it gives under
@@ -174,8 +176,10 @@ def test_a_torch_masking_collator_draws_transformers_masks(tmp_path, length):
             data_collator=DataCollatorForLanguageModeling(_tokenizer(), mlm=True),  # torch tensors, as run_mlm
         )
         trainer.train()
-        results[name] = (_logs(trainer, "loss"), trainer.evaluate()["eval_loss"])
-    (hf_losses, hf_eval), (losses, eval_loss) = results["hf"], results["jtrainer"]
+        results[name] = (_logs(trainer, "loss"), trainer.evaluate()["eval_loss"], _logs(trainer, "eval_loss"))
+    (hf_losses, hf_eval, hf_during), (losses, eval_loss, during) = results["hf"], results["jtrainer"]
+    assert [s for s, _ in during] == [s for s, _ in hf_during]
+    np.testing.assert_allclose([v for _, v in during], [v for _, v in hf_during], rtol=2e-4)
     assert [s for s, _ in losses] == [s for s, _ in hf_losses]
     np.testing.assert_allclose([v for _, v in losses], [v for _, v in hf_losses], rtol=2e-4)
     np.testing.assert_allclose(eval_loss, hf_eval, rtol=2e-4)

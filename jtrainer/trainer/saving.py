@@ -187,6 +187,9 @@ class SavingMixin(TrainerParts):
                     if loop_state is None or loop_state.collator_rng is None
                     else loop_state.collator_rng.to_json(),
                     "padded_length": None if loop_state is None else loop_state.padded_length,
+                    "collator_rng_after_next": None
+                    if loop_state is None or loop_state.collator_rng_after_next is None
+                    else loop_state.collator_rng_after_next.to_json(),
                 },
             )
 
@@ -341,9 +344,11 @@ class SavingMixin(TrainerParts):
             logger.info("%s has no loop state: a random collator will not draw as the saved run did.", folder)
             return None
         host_rng.restore(host_rng.HostRngState.from_json(saved["process_rng"]))
-        collator = saved.get("collator_rng")
+        collator, after_next = saved.get("collator_rng"), saved.get("collator_rng_after_next")
         return LoopState(
-            None if collator is None else host_rng.HostRngState.from_json(collator), saved.get("padded_length")
+            None if collator is None else host_rng.HostRngState.from_json(collator),
+            saved.get("padded_length"),
+            None if after_next is None else host_rng.HostRngState.from_json(after_next),
         )
 
     def _warn_changed_args(self, folder: str) -> None:

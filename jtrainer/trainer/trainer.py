@@ -96,7 +96,8 @@ def _continue_generators_after(run: TrainingRun) -> None:
     stream = run.loader.rng_stream
     if stream is None:
         return
-    state = run.generators_after_step if stream.drawn else stream.state
+    # Step by step (or without draws of the collator) the stream stands exactly there, evaluations included.
+    state = run.generators_after_step if stream.drawn and not run.step_by_step else stream.state
     if state is not None:
         with host_rng.collators_paused():
             host_rng.restore(state)
@@ -197,6 +198,7 @@ class PreparedWindow(NamedTuple):
     # HF's one generator after this step: its loader (accelerate's) has read one batch ahead, so the next
     # window's first batch has drawn already (None without a training stream)
     generators_after: host_rng.HostRngState | None = None
+    read_ahead: bool = False  # whether the epoch had a next batch to read ahead
 
 
 def _tile_rows(example: data.Batch, rows: int) -> dict[str, np.ndarray]:
@@ -1104,12 +1106,19 @@ class Trainer(
         bucketed = args.train_sampling_strategy == "group_by_length"
         shapes = data.ShapeKeeper(loader.local_rows, pad_id, agree=distributed.agree_max, buckets=bucketed)
         first = loader.peek()  # the next iteration yields it: no batch is lost to the probe
+        # A random collator (or transform) and evaluations during training: HF's one generator interleaves their
+        # draws, which jtrainer follows by preparing each step's batches when the step needs them (no prefetch).
+        step_by_step = loader.rng_stream.drawn and (
+            args.eval_strategy != IntervalStrategy.NO or bool(getattr(args, "eval_on_start", False))
+        )
         if loader.rng_stream.drawn:
             logger.warning(
                 "The data collator draws from the host's random generators (random masking): its draws are "
-                "transformers.Trainer's for runs that evaluate only after training, end with whole epochs and "
-                "whose model draws nothing from torch's generator (no torch dropout); otherwise they differ "
-                "from HF's (reproducibly, and exactly across resumes). See docs/training.md."
+                "transformers.Trainer's where the model draws nothing from torch's generator (no torch dropout)%s. "
+                "See docs/training.md.",
+                "; with evaluations during training, each step's batches are prepared when it runs (no prefetch)"
+                if step_by_step
+                else "",
             )
         spec = self._loss_spec(shapes.pad(first, shapes.sequence_length([first])))
         shapes.length = None  # the probe must not fix the sequence length
@@ -1141,6 +1150,7 @@ class Trainer(
             epochs_trained=epochs_trained,
             skip=skip,
             resumed_loop_state=resumed_loop_state,
+            step_by_step=step_by_step,
         )
         return self._run
 
@@ -1181,13 +1191,13 @@ class Trainer(
         step = skip - 1
         metrics = None
         main_input = getattr(self.model, "main_input_name", "input_ids")
-        prefetch = data.Prefetcher(windows, args.prefetch_batches)
+        prefetch = data.Prefetcher(windows, 0 if run.step_by_step else args.prefetch_batches)
         try:
             for item in prefetch:
                 window = item if in_background else self._prepare_window(run, *item)
                 batches, step_batch = window.batches, window.step_batch
                 run.loop_state = window.loop_state  # as of this step: what its checkpoint saves
-                run.generators_after_step = window.generators_after
+                run.generators_after_step, run.read_ahead = window.generators_after, window.read_ahead
                 for i, batch in enumerate(batches):
                     step += 1
                     if i == 0:
@@ -1231,9 +1241,12 @@ class Trainer(
         self.control = self.callback_handler.on_epoch_end(args, self.state, self.control)
         self._maybe_log_save_evaluate(run, metrics, trial, epoch, ignore_keys_for_eval)
 
-    def _prepare_window(self, run: TrainingRun, batches, collator_rng, generators_after=None) -> "PreparedWindow":
+    def _prepare_window(
+        self, run: TrainingRun, batches, collator_rng, generators_after=None, read_ahead=False
+    ) -> "PreparedWindow":
         step_batch = self._step_batch(run, batches)
-        return PreparedWindow(batches, step_batch, LoopState(collator_rng, run.shapes.length), generators_after)
+        loop_state = LoopState(collator_rng, run.shapes.length)
+        return PreparedWindow(batches, step_batch, loop_state, generators_after, read_ahead)
 
     def _windows(self, loader, shapes, updates_per_epoch, steps_in_epoch, skip, resumed: LoopState | None = None):
         """Yield each optimizer step's micro-batches (this process's rows) for one epoch, HF's get_batch_samples,
@@ -1251,6 +1264,8 @@ class Trainer(
         stream = loader.rng_stream
         state = lambda: stream.state if stream is not None else None  # noqa: E731
         ahead = next(iterator, None)  # HF's loader reads one batch ahead of the loop (accelerate's DataLoaderShard)
+        if resumed is not None and resumed.collator_rng_after_next is not None:
+            loader.rng_stream.state = resumed.collator_rng_after_next  # the saved run's evaluation drew next
         for update_step in range(skip // ga, updates_per_epoch):
             wanted = ga if update_step != updates_per_epoch - 1 else remainder
             batches: list[data.Batch] = []
@@ -1261,7 +1276,7 @@ class Trainer(
                 ahead = next(iterator, None)
             if not batches:
                 return
-            yield batches, after, state()
+            yield batches, after, state(), ahead is not None
 
     def _num_classes(self) -> int | None:
         """How many classes the model's logits score, for label checks (None: not a classifier, or regression /
@@ -1348,7 +1363,7 @@ class Trainer(
             self.store_flos()
             self.log(logs, run.start_time)
         if self.control.should_evaluate:
-            with host_rng.continued_by_process(run.loader.rng_stream):
+            with host_rng.continued_by_process(run.loader.rng_stream, run.step_by_step):
                 eval_metrics = self._evaluate(trial, ignore_keys_for_eval)
             is_new_best = self._determine_best_metric(eval_metrics)
             if self.args.save_strategy == SaveStrategy.BEST:

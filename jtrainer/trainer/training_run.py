@@ -167,6 +167,9 @@ class TrainingRun:
     preemption: PreemptionNotice = dataclasses.field(default_factory=PreemptionNotice)
     loop_state: LoopState | None = None  # the host side of the last step: what its checkpoint saves
     generators_after_step: Any = None  # HF's one host generator after the last step (its loader's look-ahead)
+    # Batches prepared when each step runs (a random collator with evaluations during training: HF's order)
+    step_by_step: bool = False
+    read_ahead: bool = False  # whether the last step's epoch had a next batch (read ahead, as HF's loader)
     last_step_batch: Any = None  # the last step's StepBatch (the memory report compiles against its shapes)
     dispatched: Any = None  # the last dispatched step's losses (device arrays, maybe not computed yet)
 
@@ -174,8 +177,12 @@ class TrainingRun:
         """What a checkpoint of this step keeps: the step's loop state; for a collator that draws nothing, with the
         training stream's state now (it moves only at the loader's own draws and the evaluations it follows)."""
         stream = self.loader.rng_stream
-        if self.loop_state is None or stream is None or stream.drawn:
+        if self.loop_state is None or stream is None:
             return self.loop_state
+        if stream.drawn:  # step by step, the stream stands after the next batch and any evaluation since
+            return (
+                self.loop_state._replace(collator_rng_after_next=stream.state) if self.step_by_step else self.loop_state
+            )
         return self.loop_state._replace(collator_rng=stream.state)
 
     def follow_device(self, step_losses: Any) -> None:
