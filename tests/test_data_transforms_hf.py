@@ -164,3 +164,24 @@ def test_any_iterable_of_batches_from_an_overridden_loader_trains_as_hf():
     )
     one_pass.train()
     assert [h["loss"] for h in one_pass.state.log_history if "loss" in h] == pytest.approx(losses[1][:3], rel=1e-6)
+
+
+def test_an_overridden_eval_dataloader_evaluates_as_hf():
+    """HF repeats each batch's loss eval_batch_size times and, its loader not being accelerate's, keeps them all:
+    with a DataLoader of 4 rows a batch (10 rows) and eval_batch_size 8, eval_loss is the batches' plain mean."""
+    from conftest import torch_rows
+
+    class EvalLoader(Trainer):
+        def get_eval_dataloader(self, eval_dataset=None):
+            return torch.utils.data.DataLoader(torch_rows(rows(10, seed=1)), batch_size=4)
+
+    class HFEvalLoader(transformers.Trainer):
+        get_eval_dataloader = EvalLoader.get_eval_dataloader
+
+    torch.manual_seed(0)
+    model = Regression()
+    ours = EvalLoader(copy.deepcopy(model), arguments(TrainingArguments, tempfile.mkdtemp()), train_dataset=rows())
+    hf = HFEvalLoader(
+        copy.deepcopy(model), arguments(transformers.TrainingArguments, tempfile.mkdtemp()), train_dataset=rows()
+    )
+    assert ours.evaluate()["eval_loss"] == pytest.approx(hf.evaluate()["eval_loss"], rel=1e-6)

@@ -129,13 +129,12 @@ def test_state_round_trips_through_json():
     "length",
     [
         dict(num_train_epochs=2),
-        dict(max_steps=5),  # stopped mid-epoch: HF's loader had read the next batch ahead
-        dict(max_steps=9),  # into the second epoch
-        dict(max_steps=2, gradient_accumulation_steps=2),  # the look-ahead is the next window's first batch
+        dict(max_steps=2, gradient_accumulation_steps=2),  # stopped mid-epoch: HF's loader had read the next
+        # window's first batch ahead
         dict(max_steps=5, eval_strategy="steps", eval_steps=2),  # evaluations between steps draw too
         dict(num_train_epochs=2, eval_strategy="epoch", gradient_accumulation_steps=2),
     ],
-    ids=["two-epochs", "mid-epoch", "second-epoch", "mid-epoch-accumulating", "evaluating-steps", "evaluating-epochs"],
+    ids=["two-epochs", "mid-epoch-accumulating", "evaluating-steps", "evaluating-epochs"],
 )
 def test_a_torch_masking_collator_draws_transformers_masks(tmp_path, length):
     """run_mlm's collator (DataCollatorForLanguageModeling on torch's generator) gives the masks it gives under

@@ -318,6 +318,10 @@ class EvaluationMixin(TrainerParts):
             # keeps them, and counts a short batch's loss as a full batch's.
             kept = global_rows if gathers_all and dataloader.complete_last else rows
             loss_rows = dataloader.batch_size if gathers_all else rows
+            if isinstance(dataloader, data.IterableBatches):
+                # A loader of the user's own (an overridden get_*_dataloader): HF repeats each batch's loss
+                # eval_batch_size times on each process and, the loader not being accelerate's, keeps them all.
+                loss_rows = args.eval_batch_size * jax.process_count()
 
             def host(tree):
                 return _slice_tree(jax.tree.map(distributed.gather_rows, tree), kept, length, collated_len or None)
