@@ -72,6 +72,7 @@ def test_native_models_groups_hold_their_variables():
     assert decayed and plain
     variable = decayed[0]
     assert trainer.get_optimizer_group(variable)["weight_decay"] == trainer.args.weight_decay
+    assert trainer.can_return_loss is False and trainer.model_wrapped is trainer.model
     total = sum(int(np.size(v[...])) for v in decayed + plain)
     assert total == trainer.get_num_trainable_parameters()
 
@@ -100,4 +101,16 @@ def test_refused_methods_say_why_in_one_line(tmp_path):
             getattr(ours, name)()
         assert "\n" not in str(e.value)
     assert ours.model_wrapped is ours.model and ours.is_fsdp_enabled is False
+    assert ours.can_return_loss == transformers.Trainer(ours.model, transformers.TrainingArguments("o")).can_return_loss
     assert (ours.get_tp_size(), ours.get_cp_size(), ours.get_sp_size()) == (1, 1, 1)
+
+
+def test_can_return_loss_reads_the_forward_as_hf(tmp_path):
+    class ReturnsLoss(Regression):
+        def forward(self, x, labels=None, return_loss=True):
+            return super().forward(x, labels)
+
+    model = ReturnsLoss()
+    hf = transformers.Trainer(model, arguments(transformers.TrainingArguments, tmp_path / "hf"))
+    ours = Trainer(copy.deepcopy(model), arguments(TrainingArguments, tmp_path / "ours"))
+    assert ours.can_return_loss is hf.can_return_loss is True

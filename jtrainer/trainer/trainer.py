@@ -250,10 +250,9 @@ class Trainer(
 
     @property
     def can_return_loss(self) -> bool:
-        """HF's: whether the model's forward takes `return_loss` (default True)."""
-        from transformers.utils import can_return_loss
-
-        return can_return_loss(type(self.model))
+        """HF's: whether the model's forward (a native model's call) takes `return_loss`, default True."""
+        parameter = data.call_signature(self._inspected_model).parameters.get("return_loss")
+        return parameter is not None and parameter.default is True
 
     def __init__(
         self,
