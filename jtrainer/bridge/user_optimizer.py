@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import sys
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -168,19 +169,16 @@ RULES: dict[tuple[str, str], Callable[[dict], GroupRule]] = {
     ("torch.optim.rmsprop", "RMSprop"): _rmsprop,
     ("transformers.optimization", "Adafactor"): _adafactor,
 }
-SUPPORTED = ", ".join(sorted(f"{name}" for _, name in RULES))
+SUPPORTED = ", ".join(sorted(name for _, name in RULES))
 
 
 def is_torch_optimizer(value: Any) -> bool:
-    import sys
-
+    """Whether `value` is a torch optimizer (checked without importing torch: a script that built one did)."""
     torch = sys.modules.get("torch")
     return torch is not None and isinstance(value, torch.optim.Optimizer)
 
 
 def is_torch_optimizer_class(value: Any) -> bool:
-    import sys
-
     torch = sys.modules.get("torch")
     return torch is not None and isinstance(value, type) and issubclass(value, torch.optim.Optimizer)
 
