@@ -124,15 +124,7 @@ class OptimizerMixin(TrainerParts):
             )
         if self.optimizer is None:
             cls, kwargs = self.optimizer_cls_and_kwargs
-            decayed = set(self.get_decay_parameter_names())
-            named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
-            self.optimizer = cls(
-                [
-                    {"params": [p for n, p in named if n in decayed], "weight_decay": self.args.weight_decay},
-                    {"params": [p for n, p in named if n not in decayed], "weight_decay": 0.0},
-                ],
-                **kwargs,
-            )
+            self.optimizer = cls(self._decay_groups(), **kwargs)
         self._torch_optimizer = user_optimizer.UserTorchOptimizer(self.optimizer, self.lr_scheduler, self.model)
         self._torch_optimizer.tx = self._torch_optimizer.transformation(params)
         return self.optimizer
@@ -232,12 +224,16 @@ class OptimizerMixin(TrainerParts):
             raise ValueError("Trainer optimizer is None, please make sure you have setup the optimizer before.")
         if user_optimizer.is_torch_optimizer(self.optimizer):  # the user's torch groups, as HF reads them
             return self.optimizer.param_groups
+        rate = self._current_learning_rate()
+        return [{**group, "lr": rate} for group in self._decay_groups()]
+
+    def _decay_groups(self) -> list[dict[str, Any]]:
+        """HF's two groups of the trainable parameters (as the model holds them): those it decays, the others."""
         decayed = set(self.get_decay_parameter_names())
         named = self._trainable_named_parameters()
-        rate = self._current_learning_rate()
         return [
-            {"params": [p for n, p in named if n in decayed], "lr": rate, "weight_decay": self.args.weight_decay},
-            {"params": [p for n, p in named if n not in decayed], "lr": rate, "weight_decay": 0.0},
+            {"params": [p for n, p in named if n in decayed], "weight_decay": self.args.weight_decay},
+            {"params": [p for n, p in named if n not in decayed], "weight_decay": 0.0},
         ]
 
     def _trainable_named_parameters(self) -> list[tuple[str, Any]]:

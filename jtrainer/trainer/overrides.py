@@ -33,8 +33,7 @@ REFUSED_METHODS: dict[str, str] = {
     **{name: f"override {instead} instead" for name, instead in UNSUPPORTED_OVERRIDES.items() if name[0] != "_"},
     "create_accelerator_and_postprocess": "there is no accelerate: the mesh arguments (mesh_shape) place the step",
     "get_optimizer_cls_and_kwargs": "--optim names map to optax rules (jtrainer.numerics.optim.make_optimizer)",
-    "get_resumed_dataloader": "a resumed run skips its consumed batches itself (without reading them again when "
-    "the dataset is sized)",
+    "get_resumed_dataloader": "a resumed run skips its consumed batches itself",
 }
 
 
