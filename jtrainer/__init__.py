@@ -1,66 +1,69 @@
-"""jtrainer: the Hugging Face Trainer API on one jit-compiled JAX train step."""
+"""jtrainer: the Hugging Face Trainer API on one jit-compiled JAX train step.
 
+Importing jtrainer loads transformers' host-side modules only (without torch); the public names load on first
+use (`from jtrainer import Trainer`), so `import jtrainer` and the `jtrainer` command's help start in about a
+second.
+"""
+
+import importlib as _importlib
+import importlib.util as _importlib_util
 import logging as _logging
 import os as _os
 
-# A script's own logging.basicConfig(...) must still take effect: whatever our imports (orbax, absl) add to the
-# root logger is taken off again at the end of this file. transformers' "PyTorch was not found" advisory is
-# not news to a JAX user.
-_ROOT_HANDLERS, _ROOT_LEVEL = list(_logging.getLogger().handlers), _logging.getLogger().level
-try:
-    import torch as _torch  # noqa: F401
-except ImportError:
+# transformers' "PyTorch was not found" advisory is not news to a JAX user.
+if _importlib_util.find_spec("torch") is None:
     _os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
+from jtrainer import hf_host as _hf_host  # noqa: E402
 from jtrainer import versions as _versions  # noqa: E402
 
 _versions.check_transformers()
-
-from transformers.trainer_utils import EvalPrediction, PredictionOutput, TrainOutput  # noqa: E402
-
-from jtrainer.callbacks import (  # noqa: E402
-    CallbackHandler,
-    DefaultFlowCallback,
-    EarlyStoppingCallback,
-    JITCheckpointCallback,
-    PrinterCallback,
-    ProgressCallback,
-    TrainerCallback,
-    TrainerControl,
-    TrainerState,
-)
-from jtrainer.checkpointing.checkpoint import get_last_checkpoint  # noqa: E402  (the verified one)
-from jtrainer.runtime.compiled_steps import clear_compiled_steps  # noqa: E402
-from jtrainer.runtime.startup import initialize  # noqa: E402  (start-up effects: explicit, not at import)
-from jtrainer.trainer.args import TrainingArguments  # noqa: E402
-from jtrainer.trainer.seq2seq import Seq2SeqTrainer, Seq2SeqTrainingArguments  # noqa: E402
-from jtrainer.trainer.trainer import Trainer  # noqa: E402
+_hf_host.import_host_modules()  # torch, accelerate and peft load when torch code first needs them
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "CallbackHandler",
-    "DefaultFlowCallback",
-    "EarlyStoppingCallback",
-    "JITCheckpointCallback",
-    "EvalPrediction",
-    "PredictionOutput",
-    "PrinterCallback",
-    "Seq2SeqTrainer",
-    "Seq2SeqTrainingArguments",
-    "ProgressCallback",
-    "TrainOutput",
-    "Trainer",
-    "TrainerCallback",
-    "TrainerControl",
-    "TrainerState",
-    "TrainingArguments",
-    "clear_compiled_steps",
-    "get_last_checkpoint",
-    "initialize",
-]
+# public name -> the module defining it
+_EXPORTS = {
+    "CallbackHandler": "jtrainer.callbacks",
+    "DefaultFlowCallback": "jtrainer.callbacks",
+    "EarlyStoppingCallback": "jtrainer.callbacks",
+    "JITCheckpointCallback": "jtrainer.callbacks",
+    "PrinterCallback": "jtrainer.callbacks",
+    "ProgressCallback": "jtrainer.callbacks",
+    "TrainerCallback": "jtrainer.callbacks",
+    "TrainerControl": "jtrainer.callbacks",
+    "TrainerState": "jtrainer.callbacks",
+    "EvalPrediction": "transformers.trainer_utils",
+    "PredictionOutput": "transformers.trainer_utils",
+    "TrainOutput": "transformers.trainer_utils",
+    "get_last_checkpoint": "jtrainer.checkpointing.checkpoint",  # the verified one
+    "clear_compiled_steps": "jtrainer.runtime.compiled_steps",
+    "initialize": "jtrainer.runtime.startup",  # start-up effects: explicit, not at import
+    "TrainingArguments": "jtrainer.trainer.args",
+    "Seq2SeqTrainer": "jtrainer.trainer.seq2seq",
+    "Seq2SeqTrainingArguments": "jtrainer.trainer.seq2seq",
+    "Trainer": "jtrainer.trainer.trainer",
+}
+__all__ = sorted(_EXPORTS)
 
-for _handler in _logging.getLogger().handlers[:]:
-    if _handler not in _ROOT_HANDLERS:
-        _logging.getLogger().removeHandler(_handler)
-_logging.getLogger().setLevel(_ROOT_LEVEL)
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'jtrainer' has no attribute {name!r}")
+    # A script's own logging.basicConfig(...) must still take effect: whatever the imports (orbax, absl) add to
+    # the root logger is taken off again.
+    root = _logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    try:
+        value = getattr(_importlib.import_module(_EXPORTS[name]), name)
+    finally:
+        for handler in root.handlers[:]:
+            if handler not in handlers:
+                root.removeHandler(handler)
+        root.setLevel(level)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})

@@ -82,7 +82,7 @@ def test_the_cycle_finder_finds_cycles():
 # The layers, bottom first. A module may import its own layer and the layers below it, never one above.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # core: settings, errors, HF's host-side classes and storage paths; no jtrainer imports above these
-    ("core", ("env", "errors", "versions", "host_rng", "state", "storage", "callbacks")),
+    ("core", ("env", "errors", "versions", "hf_host", "host_rng", "state", "storage", "callbacks")),
     ("parallel", ("parallel",)),  # the mesh, many processes
     ("runtime", ("runtime",)),  # process start-up, malloc tuning, the compiled-step cache
     ("numerics", ("numerics",)),  # the step, losses, optimizers, schedules: pure functions

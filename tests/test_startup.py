@@ -1,6 +1,7 @@
 """jtrainer.runtime.startup: importing jtrainer changes nothing outside it; `jtrainer.initialize()` (called by
 TrainingArguments, the Trainer and the CLI) applies the start-up effects once."""
 
+import json
 import os
 import subprocess
 import sys
@@ -65,3 +66,91 @@ def test_a_process_of_many_that_used_a_device_first_gets_one_line():
     assert done.returncode != 0
     last = done.stderr.strip().splitlines()[-1]
     assert "call jtrainer.initialize() (or create the TrainingArguments) before building the model" in last, last
+
+
+# The modules whose own import needs torch (the torch side of the bridge); every other module loads without it.
+TORCH_MODULES = {
+    "jtrainer.bridge.aliasing",
+    "jtrainer.bridge.attention",
+    "jtrainer.bridge.custom_autograd",
+    "jtrainer.bridge.module",
+    "jtrainer.bridge.torch_code",
+    "jtrainer.bridge.torch_models",
+    "jtrainer.bridge.torchax_compat",
+}
+
+
+def test_import_loads_no_torch_until_torch_code_arrives(tmp_path):
+    """`import jtrainer`, the public names and every module outside the bridge's torch side load no torch, peft,
+    accelerate or bitsandbytes (installed here: the test extras); a native model trains without them; a
+    transformers.Trainer imported afterwards still gets torch, peft and accelerate where it needs them."""
+    done = _run(
+        f"""
+        import importlib, os, pkgutil, sys
+        sys.path.insert(0, "tests")
+        torch_side = ("torch", "peft", "accelerate", "bitsandbytes", "torchax")
+        loaded = lambda: sorted({{m.split(".")[0] for m in sys.modules}} & set(torch_side))
+        import jtrainer
+        assert loaded() == [], ("import jtrainer", loaded())
+        assert "jax" not in sys.modules  # the public names load on first use
+        from jtrainer import *  # noqa
+        import jtrainer.cli
+        for info in pkgutil.walk_packages(jtrainer.__path__, "jtrainer."):
+            if info.name not in {sorted(TORCH_MODULES)!r} and not info.name.endswith("__main__"):
+                importlib.import_module(info.name)
+        assert loaded() == [], ("the modules", loaded())
+        from conftest import tiny_llama_config
+        from jtrainer import Trainer, TrainingArguments
+        from jtrainer.models import LlamaForCausalLM
+        import numpy as np
+        model = LlamaForCausalLM.from_config(tiny_llama_config())
+        rows = [{{"input_ids": np.arange(8) % 50, "labels": np.arange(8) % 50}}] * 4
+        args = TrainingArguments(output_dir="{{}}".format(os.environ["OUT"]), max_steps=1, report_to="none",
+                                 per_device_train_batch_size=2, save_strategy="no")
+        Trainer(model=model, args=args, train_dataset=rows).train()
+        assert loaded() == [], ("a native run", loaded())
+        from transformers import Trainer as HFTrainer  # a side-by-side script: transformers' own Trainer
+        from transformers.trainer_utils import _is_peft_model
+        from transformers.training_args import TrainingArguments as HFArgs
+        import torch, peft
+        hf_args = HFArgs(output_dir=os.environ["OUT"], report_to="none", use_cpu=True)
+        assert hf_args.device == torch.device("cpu") and hf_args.distributed_state is not None
+        lora = peft.get_peft_model(torch.nn.Sequential(torch.nn.Linear(2, 2)), peft.LoraConfig(target_modules=["0"]))
+        assert _is_peft_model(lora) and not _is_peft_model(torch.nn.Linear(2, 2))
+        print("ok")
+        """,
+        OUT=str(tmp_path),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "ok" in done.stdout
+
+
+def test_transformers_modules_imported_without_torch_bind_what_they_would_with_it():
+    """Every name the host modules (and what they import) bind with torch imported first is bound after `import
+    jtrainer` too (a stand-in where torch would be needed), and a field's type is the same class."""
+    dump = """
+        import json, sys, types
+        from jtrainer import hf_host
+        {first}
+        for name in hf_host.HOST_MODULES:
+            __import__(name)
+        found = {{n: sorted(k for k in vars(m) if not k.startswith("__") and f"{{n}}.{{k}}" not in sys.modules)
+                 for n, m in sorted(sys.modules.items())
+                 if n.startswith("transformers") and isinstance(m, types.ModuleType)
+                 and not type(m).__name__ == "_LazyModule"}}
+        import transformers.training_args as t
+        field = t.TrainingArguments.__dataclass_fields__["parallelism_config"].type
+        found["field"] = [str(getattr(a, "__name__", a)) for a in getattr(field, "__args__", (field,))]
+        print(json.dumps(found))
+    """
+    plain = _run(dump.format(first="import torch, transformers.trainer  # torch first: nothing deferred"))
+    deferred = _run(dump.format(first="import jtrainer"))
+    assert plain.returncode == 0 and deferred.returncode == 0, (plain.stderr[-2000:], deferred.stderr[-2000:])
+    with_torch, without = json.loads(plain.stdout), json.loads(deferred.stdout)
+    missing = {
+        name: sorted(set(with_torch[name]) - set(names))
+        for name, names in without.items()
+        if name in with_torch and set(with_torch[name]) - set(names)
+    }
+    assert missing == {}
+    assert without["field"] == with_torch["field"] == ["ParallelismConfig", "NoneType"]

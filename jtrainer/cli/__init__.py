@@ -14,17 +14,13 @@ the source of Python's standard library, with nothing downloaded.
 
 from __future__ import annotations
 
-import argparse
 import signal
 import sys
 
+from jtrainer.cli import help_pages
 from jtrainer.cli.config import DEFAULT_CONFIG, RunArguments, parse_train_args, read_config
 from jtrainer.cli.console import say
-from jtrainer.cli.launch import run_launch
-from jtrainer.cli.train import Diverged, Stopped, resume_point, run_train
 from jtrainer.errors import BadInput
-from jtrainer.runtime import startup
-from jtrainer.sizing import targets
 
 __all__ = [
     "DEFAULT_CONFIG",
@@ -38,29 +34,54 @@ __all__ = [
 ]
 
 
+def __getattr__(name: str):
+    if name in ("resume_point", "run_train"):  # the training loop's imports: not needed for `--help`
+        from jtrainer.cli import train
+
+        return getattr(train, name)
+    raise AttributeError(f"module 'jtrainer.cli' has no attribute {name!r}")
+
+
 COMMANDS = ("train", "check", "launch")
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="jtrainer", description=__doc__.splitlines()[0])
-    parser.add_argument("command", choices=COMMANDS, help="what to run")
     if not argv or argv[0] in ("-h", "--help"):
-        parser.print_help()
+        print(help_pages.top_help())
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command not in COMMANDS:
-        parser.error(f"argument command: invalid choice: {command!r} (choose from {', '.join(COMMANDS)})")
+        print(
+            f"jtrainer: unknown command {command!r}: choose from {', '.join(COMMANDS)} (`jtrainer --help`).",
+            file=sys.stderr,
+        )
+        return 2
     if command == "launch":
+        from jtrainer.cli.launch import run_launch
+
         return run_launch(rest)
+    from jtrainer.runtime import quiet
+
+    quiet.choose_platforms()
+    quiet.silence_kernel_hub_notice()
+    with quiet.filtered_stderr():  # importing jax: jaxlib's CUDA modules load
+        import jax
+
+        from jtrainer.cli.train import Diverged, Stopped, run_train
+        from jtrainer.runtime import startup
+        from jtrainer.sizing import targets
+
     try:
         startup.initialize()  # join the other processes (jtrainer launch, TPU VMs), before any device is used
         model_args, data_args, training_args, run_args = parse_train_args(rest, command)
+        if command == "check" and run_args.target is not None:
+            targets.compile_here_on_cpu()
+        with quiet.filtered_stderr():  # the backend comes up: its plugins' lines
+            jax.devices()
         if command == "check":
             from jtrainer.cli.check import run_check
 
-            if run_args.target is not None:
-                targets.compile_here_on_cpu()
             result = run_check(
                 model_args, data_args, training_args, run_args.target, run_args.num_slices, run_args.num_nodes
             )

@@ -21,33 +21,13 @@ import numpy as np
 from flax import nnx
 
 from jtrainer.cli import memory_report, tasks
-from jtrainer.cli.console import say
+from jtrainer.cli.console import phase, say
 from jtrainer.cli.memory_report import size
 from jtrainer.models import remat
 from jtrainer.models.kernels import attention, splash_attention
 from jtrainer.sizing import batch_size, targets
 from jtrainer.state import Frozen
 from jtrainer.trainer import args as args_module
-
-# Fields honoured through a JAX mechanism rather than the torch one HF uses (none of them is in IGNORED_FIELDS).
-EMULATED: dict[str, str] = {
-    "fsdp": "parameters and optimizer state split over the mesh's fsdp axis (GSPMD)",
-    "parallelism_config": "mapped onto the mesh's data/fsdp/tensor/sequence axes (expert: mesh_shape)",
-    "gradient_checkpointing": "jax.checkpoint (remat) around every block",
-    "gradient_checkpointing_kwargs": "remat policy: full, save_dots_except_mlp, offload_dots_except_mlp or jax's",
-    "activation_checkpointing": "jax.checkpoint (remat) around every block",
-    "activation_checkpointing_kwargs": "remat policy: full, save_dots_except_mlp, offload_dots_except_mlp or jax's",
-    "bf16": "compute in bfloat16, float32 master weights and optimizer state",
-    "bf16_full_eval": "evaluation in bfloat16",
-    "fp16": "compute in float16 with dynamic loss scaling (torch's GradScaler), float32 master weights",
-    "fp16_full_eval": "evaluation in float16",
-    "optim": "the optax equivalent of the torch optimizer",
-    "torch_compile": "the step is always compiled by XLA",
-    "gradient_accumulation_steps": "a scan over micro-batches inside one compiled step",
-    "auto_find_batch_size": "XLA out-of-memory or the compiled step's memory analysis; effective batch kept",
-    "use_liger_kernel": "the causal-LM loss in chunks of loss_chunk_size positions, no whole logits",
-    "liger_kernel_config": "fused_linear_cross_entropy: the chunked loss; the other kernels are XLA's fusions",
-}
 
 
 def field_report(training_args) -> list[tuple[str, Any, str, str]]:
@@ -62,8 +42,8 @@ def field_report(training_args) -> list[tuple[str, Any, str, str]]:
             continue
         if f.name in args_module.IGNORED_FIELDS:
             rows.append((f.name, value, "ignored", args_module.IGNORED_FIELDS[f.name]))
-        elif f.name in EMULATED:
-            rows.append((f.name, value, "emulated", EMULATED[f.name]))
+        elif f.name in args_module.EMULATED_FIELDS:
+            rows.append((f.name, value, "emulated", args_module.EMULATED_FIELDS[f.name]))
         else:
             rows.append((f.name, value, "honoured", ""))
     return rows
@@ -145,6 +125,7 @@ def compile_step(model_args, data_args, training_args, target: targets.Target | 
 
     args = copy.copy(training_args)
     args.push_to_hub = False  # a dry run creates no repository
+    args.report_to = []  # and logs nothing: no reporting integration is needed (or created)
     vocab = data_args.tokenizer_vocab_size
     special = {"eos_token_id": 0, "bos_token_id": 0, "pad_token_id": 1}
     model = tasks.build_model(model_args, vocab, special, args.seed, abstract=True)
@@ -154,6 +135,8 @@ def compile_step(model_args, data_args, training_args, target: targets.Target | 
     example = sample_batch(
         model_args.task, args.per_device_train_batch_size, data_args.block_size, data_args.max_target_length
     )
+    rows = args.per_device_train_batch_size
+    where = target.name if target else "this machine"
     eval_example = sample_batch(
         model_args.task, args.per_device_eval_batch_size, data_args.block_size, data_args.max_target_length
     )
@@ -163,18 +146,22 @@ def compile_step(model_args, data_args, training_args, target: targets.Target | 
         # The CLI's trainer: classification computes accuracy from the logits, so its eval step returns them.
         metrics = tasks.accuracy if model_args.task == "sequence_classification" else None
         trainer = trainer_class(model=model, args=args, eval_dataset=(), compute_metrics=metrics)
-        with splash_attention.forward_flops() as kernel_forward, attention.chosen_implementations() as attention_used:
+        with (
+            splash_attention.forward_flops() as kernel_forward,
+            attention.chosen_implementations() as attention_used,
+            phase(f"jtrainer check: tracing the train step (per_device_train_batch_size {rows})"),
+        ):
             traced = trainer.trace_train_step(example, steps)
         shapes = _step_shapes(model, args, data_args, trainer.mesh)
 
         def largest():
             return memory_report.largest_values(traced.jaxpr, shapes)
 
-        with _refusal_as("train", largest, shapes):
+        with _refusal_as("train", largest, shapes), phase(f"jtrainer check: XLA compiling the train step for {where}"):
             compiled = trainer.compile_traced(traced)
         eval_compiled = None
         if evaluates:
-            with _refusal_as("eval"):
+            with _refusal_as("eval"), phase(f"jtrainer check: XLA compiling the eval step for {where}"):
                 eval_compiled = trainer.compile_eval_step(eval_example, steps)
     analysis = compiled.memory_analysis()
     (state_info, _), _ = compiled.args_info

@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from jtrainer.cli import help_pages
 from jtrainer.cli.tasks import DataArguments, ModelArguments
 from jtrainer.errors import BadInput
 
@@ -56,13 +57,20 @@ def parse_train_args(argv: list[str], command: str = "train"):
 
     honour_fields("resume_from_checkpoint")  # passed to train() by run_train
 
+    dataclass_types = (ModelArguments, DataArguments, Seq2SeqTrainingArguments, RunArguments)
+    if "-h" in argv or "--help" in argv:
+        print(help_pages.short_help(command, dataclass_types))
+        raise SystemExit(0)
     config_path = DEFAULT_CONFIG
     if argv and argv[0].endswith((".yaml", ".yml", ".json")):
         config_path, argv = argv[0], argv[1:]
     values = read_config(config_path)
-    # Seq2SeqTrainingArguments: TrainingArguments plus predict_with_generate & co, for every task.
-    dataclass_types = (ModelArguments, DataArguments, Seq2SeqTrainingArguments, RunArguments)
     parser = HfArgumentParser(list[Any](dataclass_types), prog=f"jtrainer {command}")
+    # Seq2SeqTrainingArguments: TrainingArguments plus predict_with_generate & co, for every task.
+    help_pages.mark_full_help(parser, command, {f.name for f in dataclasses.fields(Seq2SeqTrainingArguments)})
+    if "--help-all" in argv:
+        parser.print_help()
+        raise SystemExit(0)
 
     def one_line_error(message: str):  # argparse would print the whole usage (some 150 lines) first
         parser.exit(2, f"jtrainer {command}: error: {message} (`jtrainer {command} --help` lists the fields)\n")

@@ -65,6 +65,27 @@ IGNORED_FIELDS: dict[str, str] = {
 }
 
 
+# Fields honoured through a JAX mechanism rather than the torch one HF uses (none of them is in IGNORED_FIELDS).
+EMULATED_FIELDS: dict[str, str] = {
+    "fsdp": "parameters and optimizer state split over the mesh's fsdp axis (GSPMD)",
+    "parallelism_config": "mapped onto the mesh's data/fsdp/tensor/sequence axes (expert: mesh_shape)",
+    "gradient_checkpointing": "jax.checkpoint (remat) around every block",
+    "gradient_checkpointing_kwargs": "remat policy: full, save_dots_except_mlp, offload_dots_except_mlp or jax's",
+    "activation_checkpointing": "jax.checkpoint (remat) around every block",
+    "activation_checkpointing_kwargs": "remat policy: full, save_dots_except_mlp, offload_dots_except_mlp or jax's",
+    "bf16": "compute in bfloat16, float32 master weights and optimizer state",
+    "bf16_full_eval": "evaluation in bfloat16",
+    "fp16": "compute in float16 with dynamic loss scaling (torch's GradScaler), float32 master weights",
+    "fp16_full_eval": "evaluation in float16",
+    "optim": "the optax equivalent of the torch optimizer",
+    "torch_compile": "the step is always compiled by XLA",
+    "gradient_accumulation_steps": "a scan over micro-batches inside one compiled step",
+    "auto_find_batch_size": "XLA out-of-memory or the compiled step's memory analysis; effective batch kept",
+    "use_liger_kernel": "the causal-LM loss in chunks of loss_chunk_size positions, no whole logits",
+    "liger_kernel_config": "fused_linear_cross_entropy: the chunked loss; the other kernels are XLA's fusions",
+}
+
+
 # liger_kernel_config's keys (Liger's apply_liger_kernel_to_* options). Only fused_linear_cross_entropy changes
 # what XLA computes; RoPE, SwiGLU, RMSNorm and LayerNorm are fused by XLA already.
 LIGER_KERNELS = ("rope", "cross_entropy", "fused_linear_cross_entropy", "rms_norm", "swiglu", "layer_norm", "geglu")
