@@ -41,3 +41,34 @@ def test_the_largest_value_of_each_kind_comes_first_with_its_advice():
     assert "attention scores: [2 x 8 x 8192 x 8192] float32, 1.00 GiB a chip each" in values[0].describe()
     advice = report.advice(values, SHAPES)
     assert advice[0].startswith("attention holds [length, length] scores") and "sequence: M" in advice[0]
+
+
+def test_values_are_named_by_where_they_come_from_when_sizes_coincide():
+    """Rows as long as the model is wide (length == hidden, as the 1B Llama at 2048): the [rows, length, vocab]
+    values are the logits (a product with the LM head) and their gradient, never "hidden states"; the
+    embedding's and head's gradients are parameter-shaped."""
+    shapes = report.StepShapes(rows=8, length=64, vocab=4000, hidden=64, intermediate=256, heads=4, mesh={})
+
+    def loss(params, ids):
+        hidden = params["embedding"][ids] @ params["w"]  # [rows, length, hidden]
+        logits = hidden @ params["head"]  # [rows, length, vocab]
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), ids[..., None], axis=-1))
+
+    def step(params, ids):
+        grads = jax.grad(loss)(params, ids)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+
+    params = {
+        "embedding": jax.ShapeDtypeStruct((4000, 64), jnp.float32),
+        "w": jax.ShapeDtypeStruct((64, 64), jnp.float32),
+        "head": jax.ShapeDtypeStruct((64, 4000), jnp.float32),
+    }
+    ids = jax.ShapeDtypeStruct((8, 64), jnp.int32)
+    jaxpr = jax.make_jaxpr(step)(params, ids)
+    values = report.largest_values(jaxpr, shapes, batch_inputs=1)
+    assert values[0].kind == report.LOGITS and values[0].shape == (8, 64, 4000), values
+    assert values[0].count >= 3  # the logits, their softmax, their gradient, ...
+    assert not any(v.shape == (8, 64, 4000) for v in values if v.kind != report.LOGITS), values
+    parameter_shaped = [v for v in values if v.kind == report.PARAMETER_SHAPED]
+    assert parameter_shaped and parameter_shaped[0].shape in {(4000, 64), (64, 4000)}, values
+    assert report._kind((8, 64, 4000), shapes) == report.HIDDEN  # what dimensions alone would have said

@@ -155,7 +155,8 @@ def compile_step(model_args, data_args, training_args, target: targets.Target | 
         shapes = _step_shapes(model, args, data_args, trainer.mesh)
 
         def largest():
-            return memory_report.largest_values(traced.jaxpr, shapes)
+            (_, batch_info), _ = traced.args_info  # the program's inputs: the train state, then the batch
+            return memory_report.largest_values(traced.jaxpr, shapes, batch_inputs=len(jax.tree.leaves(batch_info)))
 
         with _refusal_as("train", largest, shapes), phase(f"jtrainer check: XLA compiling the train step for {where}"):
             compiled = trainer.compile_traced(traced)
