@@ -132,7 +132,33 @@ CASES = {
     "model_folder_empty": (None, ["--model_name_or_path", "MODEL:empty"], "has no config.json"),
     "model_config_not_json": (None, ["--model_name_or_path", "MODEL:not_json"], "config.json is not valid JSON"),
     "model_custom_code": (None, ["--model_name_or_path", "MODEL:custom_code"], "names custom code (auto_map)"),
-    "model_of_another_family": (None, ["--model_name_or_path", "MODEL:other_family"], "is a 'mixtral' model"),
+    "model_of_another_family": (
+        None,
+        ["--model_name_or_path", "MODEL:other_family"],
+        "is a 'mixtral' model, which jtrainer has no native causal_lm model for: set bridge: true",
+    ),
+    "remat_policy_unknown": (
+        None,
+        ["--activation_checkpointing", "true", "--activation_checkpointing_kwargs", '{"policy": "keep_some"}'],
+        "policy='keep_some' is neither one of",
+    ),
+    "lora_target_the_model_lacks": (
+        None,
+        ["--bridge", "true", "--use_peft", "true", "--lora_target_modules", "qkv_proj"],
+        "lora_target_modules=['qkv_proj']: Target modules {'qkv_proj'} not found in the base model.",
+    ),
+    "experts_fewer_than_top_k": (
+        None,
+        [
+            "--bridge",
+            "true",
+            "--model_type",
+            "mixtral",
+            "--config_overrides",
+            "num_local_experts=2,num_experts_per_tok=4",
+        ],
+        "num_experts_per_tok=4 exceeds the 2 experts (config_overrides)",
+    ),
     "model_without_weights": (None, ["--model_name_or_path", "MODEL:no_weights"], "has no model.safetensors"),
     "model_without_tokenizer": (None, ["--model_name_or_path", "MODEL:no_tokenizer"], "holds no tokenizer"),
     "learning_rate_nan": ("learning_rate: .nan\n", [], "--learning_rate must be a finite number, got nan"),
@@ -253,10 +279,33 @@ def test_a_bad_flag_is_one_line_without_the_usage(tmp_path, capsys):
         (["--block_size", "0"], "block_size=0: it must be at least 1"),
         (["--mesh_shape", '{"data": 64}'], "needs 64 devices but there are"),
         (["--num_attention_heads", "0"], "num_attention_heads=0: it must be at least 1"),
+        (["--model_name_or_path", "MODEL:other_family"], "is a 'mixtral' model, which jtrainer has no native"),
+        (
+            ["--target", "v5litepod-16", "--mesh_shape", '{"fsdp": 8, "sequence": 2}', "--block_size", "15"],
+            "block_size=15 cannot be split over the 2-way `sequence` mesh axis",
+        ),
+        (["--activation_checkpointing", "true", "--activation_checkpointing_kwargs", '{"policy": "x"}'], "policy='x'"),
+        (
+            [
+                "--bridge",
+                "true",
+                "--activation_checkpointing",
+                "true",
+                "--activation_checkpointing_kwargs",
+                '{"policy": "save_dots_except_mlp"}',
+            ],
+            "this model names none",
+        ),
+        (["JTRAINER_ATTENTION=bogus"], "JTRAINER_ATTENTION='bogus' is not one of"),
     ],
-    ids=["block_size", "mesh", "heads"],
+    ids=["block_size", "mesh", "heads", "other_family", "sequence_axis", "remat_policy", "bridge_remat", "attention"],
 )
-def test_jtrainer_check_refuses_the_same_in_one_line(tmp_path, capsys, extra, expected):
+def test_jtrainer_check_refuses_the_same_in_one_line(tmp_path, capsys, monkeypatch, extra, expected):
+    extra = list(extra)
+    for setting in [a for a in extra if a.startswith("JTRAINER_")]:  # an environment setting
+        monkeypatch.setenv(*setting.split("=", 1))
+        extra.remove(setting)
+    extra = [_model_dir(tmp_path, a.split(":")[1]) if a.startswith("MODEL:") else a for a in extra]
     capsys.readouterr()
     assert main(["check", *SMALL, "--output_dir", str(tmp_path / "out"), *extra]) == 1
     output = capsys.readouterr()

@@ -48,6 +48,28 @@ def build(task: str, config, folder: str | None, seed: int, abstract: bool = Fal
     return _adapted(auto.from_config(config), lora)
 
 
+def check_lora_targets(task: str, config, lora) -> None:
+    """peft's refusal of target modules the model lacks, as one line naming the model's own linear layers
+    (the model built on torch's meta device: no weights)."""
+    import peft
+
+    from jtrainer.errors import BadInput
+
+    with torch.device("meta"):
+        model = AUTO_CLASSES[task].from_config(config)
+    try:
+        peft.get_peft_model(model, lora)
+    except ValueError as e:
+        names = sorted(
+            {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
+        )
+        first = str(e).strip().splitlines()[0]
+        raise BadInput(
+            f"lora_target_modules={sorted(lora.target_modules)}: {first} This model's linear layers are named "
+            f"{', '.join(names)} (or use all-linear)."
+        ) from None
+
+
 def _adapted(model, lora):
     if lora is None:
         return model

@@ -314,11 +314,8 @@ def run_check(
     """Print the field report and the compiled step's numbers (for `target_name`, e.g. "v5litepod-16", when
     given); returns both, with "fits"."""
     tasks.check_task(model_args)
-    if not model_args.model_name_or_path:
-        tasks.check_fresh_model(model_args)
-    tasks.check_data_sizes(data_args)
     target = targets.resolve(target_name, num_slices, num_nodes) if target_name else None
-    tasks.check_mesh(training_args, len(target.devices) if target else None)
+    tasks.check_run(model_args, data_args, training_args, len(target.devices) if target else None, sizing=True)
     report = field_report(training_args)
     say("jtrainer check: TrainingArguments set in this config")
     width = max((len(name) for name, *_ in report), default=10)

@@ -109,7 +109,7 @@ class DataArguments:
     block_size: int = field(default=128, metadata={"help": "Tokens per row (inputs are cut to this length)."})
     eval_fraction: float = field(default=0.05, metadata={"help": "Share held out when there is no validation split."})
     sample_prompt: str = field(default="def ", metadata={"help": "Prompt of the generated sample (causal_lm)."})
-    sample_tokens: int = field(default=48, metadata={"help": "Tokens to generate for the sample (causal_lm)."})
+    sample_tokens: int = field(default=48, metadata={"help": "Tokens to generate for the sample (causal_lm; 0: no sample)."})
 
 
 def check_task(model_args: ModelArguments) -> None:
@@ -119,7 +119,7 @@ def check_task(model_args: ModelArguments) -> None:
 
 def check_job(model_args: ModelArguments, data_args: DataArguments, training_args) -> None:
     """Refuse, naming the field or file and the fix, what would fail only after the data is read, the tokenizer
-    trained or the step compiled."""
+    trained or the step compiled (`jtrainer train`: the run's checks, then its data and files)."""
     check_task(model_args)
     m, d = model_args, data_args
     for name, path in (
@@ -128,11 +128,29 @@ def check_job(model_args: ModelArguments, data_args: DataArguments, training_arg
         *((name, getattr(d, name)) for name in ("text_dir", "dataset_name", "train_file", "validation_file")),
     ):
         storage.check_reachable(path or "", name)
-    folder_config = _check_model(model_args)
+    check_run(model_args, data_args, training_args)
     _check_data(data_args, model_args.task)
-    check_mesh(training_args)
     if training_args.max_steps <= 0 and training_args.num_train_epochs <= 0:
         raise BadInput("max_steps and num_train_epochs are both 0: nothing would be trained; set one above 0.")
+
+
+def check_run(
+    model_args: ModelArguments,
+    data_args: DataArguments,
+    training_args,
+    devices: int | None = None,
+    sizing: bool = False,
+) -> None:
+    """What `jtrainer train` and `jtrainer check` both refuse before any work (one path, so they cannot drift):
+    the task, the model (a folder or a fresh one's size), the step's settings, and the mesh over `devices` (here,
+    or a target's) with the row length. `sizing` (check): a model folder needs no weights or tokenizer."""
+    check_task(model_args)
+    folder_config = _check_model(model_args, sizing)
+    check_data_sizes(data_args)
+    check_mesh(training_args, devices, data_args.block_size)
+    _check_step_settings(model_args, training_args, folder_config)
+    if model_args.bridge:
+        _check_bridged_model(model_args, _model_config(model_args, data_args.tokenizer_vocab_size, None, warn=False))
     limit, source = _position_limit(model_args, folder_config)
     if limit is not None and data_args.block_size > limit:
         raise BadInput(
@@ -140,7 +158,41 @@ def check_job(model_args: ModelArguments, data_args: DataArguments, training_arg
         )
 
 
-def _check_model(model_args: ModelArguments) -> dict | None:
+def _check_bridged_model(model_args: ModelArguments, config) -> None:
+    """A transformers model's mixture of experts routes each token to at most every expert; LoRA's target
+    modules must be the model's."""
+    top_k = getattr(config, "num_experts_per_tok", None)
+    experts = getattr(config, "num_local_experts", getattr(config, "num_experts", None))
+    if isinstance(top_k, int) and isinstance(experts, int) and top_k > experts:
+        where = model_args.model_name_or_path or "config_overrides"
+        raise BadInput(
+            f"num_experts_per_tok={top_k} exceeds the {experts} experts ({where}): each token is routed to at most "
+            "every expert; lower num_experts_per_tok or add experts (num_local_experts / num_experts)."
+        )
+    targets = model_args.lora_target_modules
+    if model_args.use_peft and targets and targets != ["all-linear"]:
+        from jtrainer.bridge import torch_models
+
+        torch_models.check_lora_targets(model_args.task, config, torch_models.lora_config(model_args))
+
+
+def _check_step_settings(model_args: ModelArguments, training_args, folder_config: dict | None) -> None:
+    """The attention implementation asked for (JTRAINER_ATTENTION) and the remat policy: refused in one line here,
+    not at the step's first trace."""
+    from jtrainer.models import remat
+    from jtrainer.models.kernels import attention
+
+    try:
+        attention.requested_implementation()
+        if training_args.activation_checkpointing:
+            policy = (training_args.activation_checkpointing_kwargs or {}).get("policy")
+            family = (folder_config or {}).get("model_type", model_args.model_type)
+            remat.check(policy, names_activations=not model_args.bridge and family in (*LLAMA_FAMILY, "gpt2"))
+    except ValueError as e:
+        raise BadInput(str(e)) from None
+
+
+def _check_model(model_args: ModelArguments, sizing: bool = False) -> dict | None:
     """The model fields checked; returns the config.json of `model_name_or_path` (None for a fresh model)."""
     m = model_args
     if m.num_labels < 1:
@@ -168,7 +220,11 @@ def _check_model(model_args: ModelArguments) -> dict | None:
         raise BadInput("use_peft: LoRA adapters train on transformers' own models: set bridge: true as well.")
     if m.model_name_or_path:
         return check_model_folder(
-            m.model_name_or_path, tokenizer_elsewhere=bool(m.tokenizer_name), task=m.task, bridge=m.bridge
+            m.model_name_or_path,
+            tokenizer_elsewhere=bool(m.tokenizer_name),
+            task=m.task,
+            bridge=m.bridge,
+            sizing=sizing,
         )
     if m.bridge:
         _at_least(m, 1, *_SIZE_FIELDS)
@@ -265,25 +321,28 @@ def _check_bridge(model_args: ModelArguments) -> None:
 
 
 def check_model_folder(
-    folder: str, tokenizer_elsewhere: bool = False, task: str = "causal_lm", bridge: bool = False
+    folder: str, tokenizer_elsewhere: bool = False, task: str = "causal_lm", bridge: bool = False, sizing: bool = False
 ) -> dict:
     """What a model folder must hold for the job: a config of a family jtrainer has for the task (any
     transformers family with `bridge`; no custom code), safetensors weights and, unless tokenizer_name is set, a
-    tokenizer. Returns its config.json."""
+    tokenizer (neither for `sizing`: `jtrainer check` reads the config only). Returns its config.json."""
     from jtrainer.models.hf_io import WEIGHTS_INDEX_NAME, WEIGHTS_NAME
 
     config = read_model_config(folder)
     families = auto_class(task).models
     if not bridge and config["model_type"] not in families:
         raise BadInput(
-            f"model_name_or_path={folder!r} is a {config['model_type']!r} model, which jtrainer has no {task} model "
-            f"for: use one of {', '.join(sorted(families))} (or set --task)."
+            f"model_name_or_path={folder!r} is a {config['model_type']!r} model, which jtrainer has no native "
+            f"{task} model for: set bridge: true (--bridge true) to train transformers' own through the torch bridge "
+            f'(pip install -e ".[torch]"), or use one of {", ".join(sorted(families))} (or set --task).'
         )
     if config.get("auto_map"):
         raise BadInput(
             f"model_name_or_path={folder!r}: its config.json names custom code (auto_map), which jtrainer does not "
             f"run; use a model of a family jtrainer has ({', '.join(MODEL_TYPES)})."
         )
+    if sizing:
+        return config
     if not any(storage.isfile(storage.join(folder, name)) for name in (WEIGHTS_NAME, WEIGHTS_INDEX_NAME)):
         raise BadInput(
             f"model_name_or_path={folder!r} has no {WEIGHTS_NAME} (or {WEIGHTS_INDEX_NAME}): save the model "
@@ -330,15 +389,21 @@ def check_fresh_model(model_args: ModelArguments) -> None:
     head_dim(m)
 
 
-def check_mesh(training_args, devices: int | None = None) -> None:
-    """mesh_shape (or parallelism_config / fsdp) must fit the devices (here, or `devices` of a target), checked
-    before any data is read or step compiled."""
+def check_mesh(training_args, devices: int | None = None, block_size: int | None = None) -> None:
+    """mesh_shape (or parallelism_config / fsdp) must fit the devices (here, or `devices` of a target), and its
+    `sequence` axis divide the rows' `block_size`, checked before any data is read or step compiled."""
     from jtrainer.parallel import sharding
 
     try:
-        sharding.resolve_mesh_shape(training_args, devices or len(sharding.mesh_devices()))
+        shape = sharding.resolve_mesh_shape(training_args, devices or len(sharding.mesh_devices()))
     except ValueError as e:
         raise BadInput(str(e)) from None
+    ways = shape.get(sharding.SEQUENCE, 1)
+    if block_size is not None and block_size % ways:
+        raise BadInput(
+            f"block_size={block_size} cannot be split over the {ways}-way `sequence` mesh axis (mesh_shape): use a "
+            f"block_size that is a multiple of {ways}, or another mesh_shape."
+        )
 
 
 def _position_limit(model_args: ModelArguments, folder_config: dict | None) -> tuple[int | None, str]:
@@ -369,7 +434,7 @@ def head_dim(model_args: ModelArguments) -> int:
     return m.hidden_size // m.num_attention_heads
 
 
-def fresh_config(model_args: ModelArguments, vocab_size: int, special: dict[str, Any] | None = None):
+def fresh_config(model_args: ModelArguments, vocab_size: int, special: dict[str, Any] | None = None, warn: bool = True):
     """An HF config of `model_type` with the common size fields mapped onto the family's names; for a bridged
     model, also onto the family's other widths (`moe_intermediate_size`, ...) and then `config_overrides`, with
     one warning naming the size fields left at transformers' defaults."""
@@ -388,7 +453,7 @@ def fresh_config(model_args: ModelArguments, vocab_size: int, special: dict[str,
         for name, value in vars(config).items()
         if "expert" in name and isinstance(value, int) and not isinstance(value, bool) and name not in given
     }
-    if left:
+    if left and warn:
         shown = ", ".join(f"{name}={value}" for name, value in left.items())
         logger.warning(
             f"model_type={config.model_type!r}: {shown} are transformers' defaults (no size field names them); set "
@@ -490,12 +555,7 @@ def build_model(
 
     check_task(model_args)
     auto = auto_class(model_args.task)
-    if model_args.model_name_or_path:
-        from transformers import AutoConfig
-
-        config = AutoConfig.from_pretrained(storage.fetched(model_args.model_name_or_path))
-    else:
-        config = fresh_config(model_args, vocab_size, special)
+    config = _model_config(model_args, vocab_size, special)
     if model_args.bridge:
         from jtrainer.bridge import torch_models
 
@@ -507,6 +567,15 @@ def build_model(
     if model_args.model_name_or_path:
         return auto.from_pretrained(model_args.model_name_or_path, **options)
     return auto.from_config(config, seed=seed, **options)
+
+
+def _model_config(model_args: ModelArguments, vocab_size: int, special: dict[str, int] | None, warn: bool = True):
+    """The transformers config of the model: `model_name_or_path`'s, or a fresh one's."""
+    if model_args.model_name_or_path:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(storage.fetched(model_args.model_name_or_path))
+    return fresh_config(model_args, vocab_size, special, warn)
 
 
 def _scan_option(model_args: ModelArguments, config) -> dict[str, bool]:

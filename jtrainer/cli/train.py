@@ -178,7 +178,7 @@ def _train_job(model_args: ModelArguments, data_args: DataArguments, training_ar
             )
         )
     say(f"jtrainer: model and tokenizer saved in HF format to {training_args.output_dir}")
-    if task == "causal_lm":
+    if task == "causal_lm" and data_args.sample_tokens > 0:  # 0: no sample
         from jtrainer.generation import generate
 
         prompt = tokenizer(data_args.sample_prompt)["input_ids"] or [tokenizer.eos_token_id]

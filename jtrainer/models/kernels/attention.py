@@ -128,19 +128,19 @@ def on_tpu() -> bool:
 
 def blockwise_requested() -> bool:
     """Whether self-attention is to run through the splash kernel: on TPUs, or under JTRAINER_ATTENTION=splash."""
-    requested = _requested_implementation()
+    requested = requested_implementation()
     return requested == "splash" or (requested == "auto" and on_tpu())
 
 
 def splash_forced() -> bool:
     """Whether JTRAINER_ATTENTION=splash asks for the splash kernel explicitly (a fallback is then an error)."""
-    return _requested_implementation() == "splash"
+    return requested_implementation() == "splash"
 
 
 def implementation(q: jax.Array, k: jax.Array) -> str:
     """How self-attention of these queries and keys runs: "splash" on TPUs, else "cpu" (the blocked CPU
     formulation) or the fused kernel's name (`fused_implementation`); `JTRAINER_ATTENTION` overrides."""
-    requested = _requested_implementation()
+    requested = requested_implementation()
     if blockwise_requested():
         refusal = splash_attention.unsupported(q, k)
         if refusal is None:
@@ -163,7 +163,8 @@ def causal_mask(length: int, sliding_window: int | None = None) -> jax.Array:
     return visible[None, None]
 
 
-def _requested_implementation() -> str:
+def requested_implementation() -> str:
+    """JTRAINER_ATTENTION's choice ('auto' unset), refused in one line when it names no implementation."""
     requested = env.ATTENTION.text().lower()
     if requested not in _IMPLEMENTATIONS:
         raise ValueError(f"{env.ATTENTION.name}={requested!r} is not one of {_IMPLEMENTATIONS}; unset it for 'auto'.")
@@ -172,7 +173,7 @@ def _requested_implementation() -> str:
 
 def fused_implementation(q: jax.Array) -> str:
     """ "cudnn" for bf16/fp16 queries on a GPU, else "xla"; `JTRAINER_ATTENTION` overrides."""
-    requested = _requested_implementation()
+    requested = requested_implementation()
     if requested in ("xla", "cudnn"):
         return requested
     on_gpu = jax.default_backend() in ("gpu", "cuda")
@@ -200,7 +201,7 @@ def _fused_attention(q, k, v, mask, scale, sliding_window, chosen: str):
         try:
             return jax.nn.dot_product_attention(q, k, v, implementation="cudnn", **kwargs)
         except (ValueError, NotImplementedError, RuntimeError) as refusal:
-            if _requested_implementation() == "cudnn":
+            if requested_implementation() == "cudnn":
                 raise
             _warn_once(f"cuDNN attention refused {q.shape} {q.dtype} ({refusal}): using XLA's attention.")
     return jax.nn.dot_product_attention(q, k, v, implementation="xla", **kwargs)
