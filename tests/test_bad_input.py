@@ -142,6 +142,11 @@ CASES = {
         ["--activation_checkpointing", "true", "--activation_checkpointing_kwargs", '{"policy": "keep_some"}'],
         "policy='keep_some' is neither one of",
     ),
+    "best_metric_never_reported": (
+        None,
+        ["--metric_for_best_model", "rouge1", "--load_best_model_at_end", "true", "--eval_strategy", "steps"],
+        "metric_for_best_model='rouge1': the causal_lm job's evaluation reports eval_loss; name one of those.",
+    ),
     "lora_target_the_model_lacks": (
         None,
         ["--bridge", "true", "--use_peft", "true", "--lora_target_modules", "qkv_proj"],

@@ -175,6 +175,33 @@ def test_restore_into_another_shape_names_the_parameter(tmp_path, saved):
         trainer.train(resume_from_checkpoint=str(saved))
 
 
+def test_restore_into_a_model_with_fewer_parameters_or_other_state_is_one_line(tmp_path, saved):
+    """A checkpoint of a bigger model (a LoRA run's adapters over another base), or of a model whose non-trained
+    state differs: a CheckpointMismatchError naming the checkpoint, not orbax's tree comparison."""
+    from conftest import tiny_llama_config
+
+    from jtrainer.checkpointing.checkpoint import CheckpointMismatchError
+    from jtrainer.models.llama import LlamaForCausalLM
+
+    trainer = make_trainer(str(tmp_path / "fewer"), 2, 0, False)
+    trainer.model = LlamaForCausalLM.from_config(tiny_llama_config(num_hidden_layers=1))
+    trainer._check_layout()
+    with pytest.raises(CheckpointMismatchError, match=r"has parameters this model lacks \(model.layers.1.*another"):
+        trainer.train(resume_from_checkpoint=str(saved))
+
+    class Counting(Regressor):  # the same parameters, and a counter that is not trained
+        def __init__(self):
+            super().__init__()
+            self.calls = nnx.BatchStat(np.zeros((), np.float32))
+
+    rows = _nan_rows()[:8]
+    args = _nan_args(tmp_path / "regressor", "log")
+    Trainer(model=Regressor(), args=args, train_dataset=rows).train()
+    other = Trainer(model=Counting(), args=args, train_dataset=rows)
+    with pytest.raises(CheckpointMismatchError, match=r"holds the state of another model"):
+        other.train(resume_from_checkpoint=str(tmp_path / "regressor" / "checkpoint-2"))
+
+
 class Regressor(nnx.Module):
     """Returns its own mean-squared-error loss (a model that computes its loss)."""
 

@@ -77,7 +77,7 @@ __all__ = [
 ]
 
 
-class CheckpointIntegrityError(ValueError):
+class CheckpointIntegrityError(BadInput):
     """A checkpoint folder is incomplete or corrupted; the message names the folder and the file."""
 
 
@@ -611,11 +611,25 @@ def _restore_with(checkpointer, directory: str, path: str, like, fresh=None):
         raise CheckpointMismatchError(
             f"Checkpoint {directory} has no parameters {missing[:5]}: it was saved from another model."
         )
+    extra = sorted(set(saved) - set(wanted))
+    if extra:  # a LoRA run's adapters on another base model, ...
+        raise CheckpointMismatchError(
+            f"Checkpoint {directory} has parameters this model lacks ({', '.join(extra[:3])}"
+            f"{', ...' if len(extra) > 3 else ''}): it was saved from another model; train it in another output_dir."
+        )
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
     saved_wrappers, _ = _peel_wrappers(saved_tree["opt_state"])
     wanted_wrappers, _ = _peel_wrappers(like.opt_state)
     if saved_wrappers == wanted_wrappers:
-        return checkpointer.restore(path, abstract)
+        try:
+            return checkpointer.restore(path, abstract)
+        except ValueError as error:  # the frozen weights or the optimizer state of another model
+            if "tree" not in str(error).lower():
+                raise
+            raise CheckpointMismatchError(
+                f"Checkpoint {directory} holds the state of another model (its train state's structure differs "
+                "from this run's): train this model in another output_dir, or build the model it was saved from."
+            ) from None
     # fp16 or nan_inf_policy changed since the save: restore the optimizer's own state from under the saved
     # wrappers (read as dicts) and put it under this run's, whose state starts afresh.
     logger.warning(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import json
 import logging
 import os
@@ -188,7 +189,7 @@ class RunLock:
             try:
                 os.unlink(self.path)
             except OSError as error:  # a folder turned read-only: the next run takes the dead holder's lock over
-                logger.warning("Could not remove the lock %s (%s); the next run will take it over.", self.path, error)
+                _unremovable(self.path, error)
         if self._created_folder:
             with contextlib.suppress(OSError):
                 os.rmdir(self.folder)  # only if the run left it empty
@@ -257,8 +258,15 @@ class ObjectStoreRunLock(RunLock):
         if found is not None and found[0].token == self.holder.token:
             try:
                 storage.remove(self.path)
-            except OSError as error:
-                logger.warning("Could not remove the lock %s (%s); the next run will take it over.", self.path, error)
+            except OSError as error:  # a folder turned read-only: the next run takes the dead holder's lock over
+                _unremovable(self.path, error)
+
+
+def _unremovable(path: str, error: OSError) -> None:
+    """A lock left behind is taken over by the next run. When the disk itself refuses writes (read-only, full)
+    the run's own error says so: this is said quietly, not a second time."""
+    level = logging.INFO if error.errno in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC) else logging.WARNING
+    logger.log(level, "Could not remove the lock %s (%s); the next run will take it over.", path, error)
 
 
 def run_lock_for(folder: str) -> RunLock:

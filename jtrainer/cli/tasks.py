@@ -109,7 +109,9 @@ class DataArguments:
     block_size: int = field(default=128, metadata={"help": "Tokens per row (inputs are cut to this length)."})
     eval_fraction: float = field(default=0.05, metadata={"help": "Share held out when there is no validation split."})
     sample_prompt: str = field(default="def ", metadata={"help": "Prompt of the generated sample (causal_lm)."})
-    sample_tokens: int = field(default=48, metadata={"help": "Tokens to generate for the sample (causal_lm; 0: no sample)."})
+    sample_tokens: int = field(
+        default=48, metadata={"help": "Tokens to generate for the sample (causal_lm; 0: no sample)."}
+    )
 
 
 def check_task(model_args: ModelArguments) -> None:
@@ -149,6 +151,7 @@ def check_run(
     check_data_sizes(data_args)
     check_mesh(training_args, devices, data_args.block_size)
     _check_step_settings(model_args, training_args, folder_config)
+    _check_best_metric(model_args.task, training_args.metric_for_best_model)
     if model_args.bridge:
         _check_bridged_model(model_args, _model_config(model_args, data_args.tokenizer_vocab_size, None, warn=False))
     limit, source = _position_limit(model_args, folder_config)
@@ -174,6 +177,19 @@ def _check_bridged_model(model_args: ModelArguments, config) -> None:
         from jtrainer.bridge import torch_models
 
         torch_models.check_lora_targets(model_args.task, config, torch_models.lora_config(model_args))
+
+
+def _check_best_metric(task: str, name: str | None) -> None:
+    """metric_for_best_model must be a metric the command's evaluation reports (HF raises at the first save
+    after an evaluation otherwise)."""
+    if name is None:
+        return
+    reported = ["loss", *(["accuracy"] if task == "sequence_classification" else [])]
+    if name.removeprefix("eval_") not in reported:
+        listed = ", ".join(f"eval_{metric}" for metric in reported)
+        raise BadInput(
+            f"metric_for_best_model={name!r}: the {task} job's evaluation reports {listed}; name one of those."
+        )
 
 
 def _check_step_settings(model_args: ModelArguments, training_args, folder_config: dict | None) -> None:
