@@ -1,6 +1,9 @@
-"""HF-compatible flax.nnx models: the Llama family (Llama 2/3, Mistral, Qwen2, Qwen3), GPT-2, BERT, T5, auto classes."""
+"""HF-compatible flax.nnx models: the Llama family (Llama 2/3, Mistral, Qwen2, Qwen3), GPT-2, BERT, T5, and auto
+classes: every transformers `AutoModel*` name, native where jtrainer has the family, else transformers' own torch
+model (trained through the bridge)."""
 
 from jtrainer.models.auto import (
+    auto_class,
     AutoModelForCausalLM,
     AutoModelForMaskedLM,
     AutoModelForSeq2SeqLM,
@@ -28,3 +31,11 @@ __all__ = [
     "Qwen3ForCausalLM",
     "T5ForConditionalGeneration",
 ]
+
+
+def __getattr__(name: str):
+    """transformers' other auto classes (AutoModelForQuestionAnswering, ...): see `jtrainer.models.auto`."""
+    try:
+        return auto_class(name)
+    except AttributeError:
+        raise AttributeError(f"module 'jtrainer.models' has no attribute {name!r}") from None

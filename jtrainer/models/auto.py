@@ -1,7 +1,12 @@
-"""Auto classes: an HF folder's `config.json` `model_type` picks the jtrainer model, as transformers' do."""
+"""Auto classes: an HF folder's `config.json` `model_type` picks the jtrainer model, as transformers' do; where
+jtrainer has no native model of that family (or task), transformers' own torch model, which the Trainer trains
+through the torch bridge. Every transformers `AutoModel*` class has its jtrainer namesake (`auto_class`), so a
+script that swapped its model imports runs whatever its task."""
 
 from __future__ import annotations
 
+import importlib.util
+import logging
 from typing import Any
 
 from flax import nnx
@@ -21,35 +26,63 @@ CAUSAL_LM_MODELS: dict[str, type] = {
 }
 
 
+logger = logging.getLogger(__name__)
+
+
 class _AutoModel:
     models: dict[str, Any] = {}  # model_type -> a jtrainer model class (PretrainedMixin's constructors)
     task = ""
 
     @classmethod
     def _model_class(cls, config) -> Any:
+        return cls.models.get(getattr(config, "model_type", None))
+
+    @classmethod
+    def _torch_class(cls, config) -> Any:
+        """transformers' own auto class of the same name, for a family (or task) with no native model."""
         kind = getattr(config, "model_type", None)
-        if kind not in cls.models:
-            raise ValueError(
-                f"{cls.__name__}: model_type {kind!r} has no jtrainer {cls.task} model; supported: "
-                f"{', '.join(sorted(cls.models))}."
+        native = f" (native: {', '.join(sorted(cls.models))})" if cls.models else ""
+        if importlib.util.find_spec("torch") is None:
+            raise ImportError(
+                f"{cls.__name__}: model_type {kind!r} has no native jtrainer {cls.task} model{native}, and "
+                f'transformers\' own needs torch: pip install "jtrainer[torch]" (or -e ".[torch]" in a clone).'
             )
-        return cls.models[kind]
+        import transformers
+
+        logger.info(
+            "%s: model_type %r has no native jtrainer %s model%s: transformers' own torch model, trained through "
+            "the torch bridge.",
+            cls.__name__,
+            kind,
+            cls.task,
+            native,
+        )
+        return getattr(transformers, cls.__name__)
 
     @classmethod
-    def from_config(cls, config, *, seed: int = 0, **kwargs: Any) -> nnx.Module:
-        return cls._model_class(config).from_config(config, seed=seed, **kwargs)
+    def from_config(cls, config, *, seed: int | None = None, **kwargs: Any) -> Any:
+        native = cls._model_class(config)
+        if native is None:
+            return cls._torch_class(config).from_config(config, **kwargs)
+        return native.from_config(config, seed=0 if seed is None else seed, **kwargs)
 
     @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path: str, *model_args, config=None, **kwargs: Any) -> nnx.Module:
+    def from_pretrained(cls, pretrained_model_name_or_path: str, *model_args, config=None, **kwargs: Any) -> Any:
         """transformers' AutoModel*.from_pretrained: the class from the config's `model_type` (`config=`, or the
         folder's config.json), then that class's from_pretrained with the same keywords (see
-        `PretrainedMixin.from_pretrained`: local folders, gs:// / s3://, Hub ids, dtype=, mesh=, ...)."""
+        `PretrainedMixin.from_pretrained`: local folders, gs:// / s3://, Hub ids, dtype=, mesh=, ...); a family
+        without a native model: transformers' own `from_pretrained`, with every argument as given."""
         from jtrainer.models import loading
 
+        given = config
         if config is None:
             hub = {k: kwargs[k] for k in loading.HUB_KEYWORDS if k in kwargs}
             config = AutoConfig.from_pretrained(loading.resolve_folder(pretrained_model_name_or_path, hub))
-        return cls._model_class(config).from_pretrained(pretrained_model_name_or_path, config=config, **kwargs)
+        native = cls._model_class(config)
+        if native is None:
+            torch_class = cls._torch_class(config)
+            return torch_class.from_pretrained(pretrained_model_name_or_path, *model_args, config=given, **kwargs)
+        return native.from_pretrained(pretrained_model_name_or_path, config=config, **kwargs)
 
 
 class AutoModelForCausalLM(_AutoModel):
@@ -75,3 +108,35 @@ class AutoModelForTokenClassification(_AutoModel):
 class AutoModelForSeq2SeqLM(_AutoModel):
     models = {"t5": T5ForConditionalGeneration}
     task = "sequence-to-sequence LM"
+
+
+NATIVE_AUTO_CLASSES = {
+    c.__name__: c
+    for c in (
+        AutoModelForCausalLM,
+        AutoModelForMaskedLM,
+        AutoModelForSequenceClassification,
+        AutoModelForTokenClassification,
+        AutoModelForSeq2SeqLM,
+    )
+}
+
+
+def auto_class(name: str) -> type[_AutoModel]:
+    """jtrainer's `name` auto class (transformers' `AutoModel*` name): the native one, or one that loads
+    transformers' own models of every family (`AutoModelForQuestionAnswering`, `AutoModelForImageClassification`,
+    ...)."""
+    if name in NATIVE_AUTO_CLASSES:
+        return NATIVE_AUTO_CLASSES[name]
+    if not name.startswith("AutoModel") or not _transformers_has(name):
+        raise AttributeError(name)
+    task = name.removeprefix("AutoModel").removeprefix("For") or "base"
+    made = type(name, (_AutoModel,), {"models": {}, "task": task, "__module__": "jtrainer.models"})
+    NATIVE_AUTO_CLASSES[name] = made  # one class per name
+    return made
+
+
+def _transformers_has(name: str) -> bool:
+    import transformers.models.auto.modeling_auto as modeling_auto
+
+    return isinstance(getattr(modeling_auto, name, None), type)
