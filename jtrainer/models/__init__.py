@@ -3,12 +3,12 @@ classes: every transformers `AutoModel*` name, native where jtrainer has the fam
 model (trained through the bridge)."""
 
 from jtrainer.models.auto import (
-    auto_class,
     AutoModelForCausalLM,
     AutoModelForMaskedLM,
     AutoModelForSeq2SeqLM,
     AutoModelForSequenceClassification,
     AutoModelForTokenClassification,
+    auto_class,
 )
 from jtrainer.models.bert import BertForMaskedLM, BertForSequenceClassification, BertForTokenClassification
 from jtrainer.models.gpt2 import GPT2LMHeadModel

@@ -9,7 +9,6 @@ import importlib.util
 import logging
 from typing import Any
 
-from flax import nnx
 from transformers import AutoConfig
 
 from jtrainer.models.bert import BertForMaskedLM, BertForSequenceClassification, BertForTokenClassification
@@ -35,7 +34,7 @@ class _AutoModel:
 
     @classmethod
     def _model_class(cls, config) -> Any:
-        return cls.models.get(getattr(config, "model_type", None))
+        return cls.models.get(str(getattr(config, "model_type", "")))
 
     @classmethod
     def _torch_class(cls, config) -> Any:
@@ -110,7 +109,7 @@ class AutoModelForSeq2SeqLM(_AutoModel):
     task = "sequence-to-sequence LM"
 
 
-NATIVE_AUTO_CLASSES = {
+NATIVE_AUTO_CLASSES: dict[str, type[_AutoModel]] = {
     c.__name__: c
     for c in (
         AutoModelForCausalLM,
