@@ -55,9 +55,7 @@ def _namespace(page: str) -> dict:
         "DataCollatorForSeq2Seq": transformers.DataCollatorForSeq2Seq,
     }
     quick = dict(report_to="none", disable_tqdm=True, save_strategy="no", max_steps=1)
-    if page == "README.md":
-        ns.update(train_rows=token_rows(64, vocab=2048), eval_rows=token_rows(8, vocab=2048), tokenizer=_tokenizer())
-    elif page == "docs/main-job.md":
+    if page == "docs/main-job.md":
         import torch
 
         torch.manual_seed(0)
@@ -135,3 +133,109 @@ def test_the_code_of_the_page_runs(page, tmp_path, monkeypatch):
     for source, why in blocks(page):
         if why is None:
             exec(compile(source, f"{page} snippet", "exec"), ns)
+
+
+# ------------------------------------------------------------------------------------------ the shell commands
+SHELL = re.compile(r"^(?P<indent>[ ]*)```bash\n(?P<code>.*?)^(?P=indent)```", re.S | re.M)
+# What a reader runs that needs more than this machine (an accelerator, gcloud, a bucket) or minutes: each such
+# command's script must exist; `JTRAINER_DOCS_RUN=1` runs the jtrainer ones as written (minutes each).
+NEEDS_MORE = {
+    "tpu/tpu.sh": "a Cloud TPU project (gcloud)",
+    "bash benchmarks/gpu_check.sh": "a GPU",
+    "python benchmarks/": "minutes of benchmarking",
+}
+
+
+def commands(page: str) -> list[str]:
+    """The commands of a page's ```bash blocks, their comments removed; a synopsis (`[CONFIG.yaml]`) is not one."""
+    text = open(os.path.join(ROOT, page)).read()
+    found = []
+    for block in SHELL.finditer(text):
+        for line in block["code"].splitlines():
+            command = re.split(r"\s+#\s", " " + line.strip(), maxsplit=1)[0].strip()
+            if command and not command.startswith("#") and not re.search(r"\s\[", command):
+                found.append(command)
+    return found
+
+
+ALL_COMMANDS = [(page, command) for page in PAGES for command in commands(page)]
+
+
+def test_every_page_has_its_commands_found():
+    pages = {page for page, _ in ALL_COMMANDS}
+    assert {"README.md", "docs/main-job.md", "docs/sizing.md", "docs/sharding.md"} <= pages
+    assert len(ALL_COMMANDS) >= 15
+
+
+def _readers_files(folder) -> None:
+    """What the pages' commands take as the reader's own: a config of theirs, a trained model folder, a script."""
+    import shutil
+
+    import torch
+    import transformers
+
+    from jtrainer.cli.config import DEFAULT_CONFIG
+
+    shutil.copy(DEFAULT_CONFIG, folder / "my_run.yaml")
+    torch.manual_seed(0)
+    config = tiny_llama_config(vocab_size=300, max_position_embeddings=512)
+    transformers.LlamaForCausalLM(config).save_pretrained(folder / "outputs/default")
+    _tokenizer().save_pretrained(folder / "outputs/default")
+    (folder / "train.py").write_text("print('a script of the reader')\n")
+
+
+@pytest.mark.parametrize("page, command", ALL_COMMANDS, ids=[f"{p}: {c[:60]}" for p, c in ALL_COMMANDS])
+def test_the_command_works_as_written(page, command, tmp_path, monkeypatch, capsys):
+    """Each command of the manual, from a clone's point of view: the extras it installs exist; `jtrainer train`
+    and `check` accept its config and flags and pass the refusals both share (the fields, the model, the mesh
+    over the target's devices: the first minutes of the run); help pages print; scripts exist."""
+    import shlex
+    import tomllib
+
+    argv = shlex.split(command)
+    if argv[0] == "python3" and "venv" in argv:  # the README's install lines: what .ci/run does
+        ci = open(os.path.join(ROOT, ".ci", "run")).read()
+        assert 'pip install -q -e ".[test]"' in ci and "pytest -q -n 2 --dist worksteal" in ci
+        assert "pytest -q -n 2 --dist worksteal" in command or command.endswith("jtrainer train")
+        return
+    if argv[:3] == ["pip", "install", "-e"]:
+        extras = re.fullmatch(r"\.\[([a-z0-9,-]+)\]", argv[3])
+        assert extras, f'{command}: install from the clone as pip install -e ".[extra]"'
+        declared = tomllib.load(open(os.path.join(ROOT, "pyproject.toml"), "rb"))["project"]["optional-dependencies"]
+        assert set(extras[1].split(",")) <= set(declared), command
+        return
+    needs = next((why for prefix, why in NEEDS_MORE.items() if command.startswith(prefix)), None)
+    if needs is not None:
+        script = next(a for a in argv if a.endswith((".sh", ".py")))
+        assert os.path.isfile(os.path.join(ROOT, script)), f"{command}: {script} is missing"
+        return
+    assert argv[0] == "jtrainer", f"{page}: {command!r} is a command test_docs does not know how to check"
+    monkeypatch.chdir(tmp_path)
+    _readers_files(tmp_path)
+    if os.environ.get("JTRAINER_DOCS_RUN") == "1" and argv[1] in ("train", "check"):
+        from jtrainer.cli import main
+
+        assert main(argv[1:]) == 0, command
+        return
+    if "--help" in argv:
+        from jtrainer.cli import main
+
+        with pytest.raises(SystemExit) as done:
+            main(argv[1:])
+        assert done.value.code == 0 and "usage: jtrainer" in capsys.readouterr().out
+        return
+    if argv[1] == "launch":
+        from jtrainer.cli.launch import command_for, launch_parser
+
+        parsed = launch_parser().parse_args(argv[2:])
+        command_for(parsed.target, parsed.args)  # a .py script or a config
+        return
+    from jtrainer.cli import tasks
+    from jtrainer.cli.config import parse_train_args
+    from jtrainer.sizing import targets
+
+    model_args, data_args, training_args, run_args = parse_train_args(argv[2:], argv[1])
+    devices = None
+    if run_args.target is not None:
+        devices = len(targets.resolve(run_args.target, run_args.num_slices, run_args.num_nodes).devices)
+    tasks.check_run(model_args, data_args, training_args, devices, sizing=argv[1] == "check")

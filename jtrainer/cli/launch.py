@@ -145,11 +145,15 @@ def _supervise(processes: list[subprocess.Popen]) -> int:
         time.sleep(0.2)
 
 
-def run_launch(argv: list[str]) -> int:
+def launch_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jtrainer launch", description="Run N processes of one job here.")
     parser.add_argument("--num_processes", type=int, required=True)
     parser.add_argument("--devices_per_process", type=int, default=None, help="simulated CPU devices each")
     parser.add_argument("target", help="a .py script or a .yaml config for `jtrainer train`")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="passed on to the script or to `jtrainer train`")
-    ns = parser.parse_args(argv)
+    return parser
+
+
+def run_launch(argv: list[str]) -> int:
+    ns = launch_parser().parse_args(argv)
     return launch(ns.target, ns.args, ns.num_processes, ns.devices_per_process)
