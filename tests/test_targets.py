@@ -366,3 +366,22 @@ def test_long_rows_fit_a_v5e_through_the_splash_kernel_and_xla_attention_is_name
     assert result["largest_values"][0].kind == "attention scores", printed
     assert "attention scores: [" in printed and "32768 x " in printed and "GiB a chip each" in printed
     assert "-> attention holds [length, length] scores" in printed and "sequence: M" in printed
+
+
+def test_check_needs_no_reporting_integration_and_shows_its_phases(tmp_path, capsys, monkeypatch):
+    """A config that reports to TensorBoard (as the shipped 1B config does) is checked without the integration
+    (`check` never logs: here its callback cannot even be built), and each long phase is said on stderr."""
+    import transformers.integrations.integration_utils as integrations
+
+    def unavailable(*args, **kwargs):
+        raise RuntimeError("TensorBoardCallback requires tensorboard to be installed.")
+
+    monkeypatch.setattr(integrations.TensorBoardCallback, "__init__", unavailable)
+    argv = ["check", CONFIG, *TINY, "--report_to", "tensorboard", "--output_dir", str(tmp_path / "out")]
+    assert main(argv) == 0
+    printed = capsys.readouterr()
+    assert "report_to" in printed.out and "fits" not in printed.err  # the field is reported, as set
+    phases = [line for line in printed.err.splitlines() if line.startswith("jtrainer check: ")]
+    assert phases[0] == "jtrainer check: tracing the train step (per_device_train_batch_size 2) ..."
+    assert "jtrainer check: XLA compiling the train step for this machine ..." in phases
+    assert any(line.startswith("jtrainer check: XLA compiling the train step for this machine: done (") for line in phases)
