@@ -384,4 +384,6 @@ def test_check_needs_no_reporting_integration_and_shows_its_phases(tmp_path, cap
     phases = [line for line in printed.err.splitlines() if line.startswith("jtrainer check: ")]
     assert phases[0] == "jtrainer check: tracing the train step (per_device_train_batch_size 2) ..."
     assert "jtrainer check: XLA compiling the train step for this machine ..." in phases
-    assert any(line.startswith("jtrainer check: XLA compiling the train step for this machine: done (") for line in phases)
+    assert any(
+        line.startswith("jtrainer check: XLA compiling the train step for this machine: done (") for line in phases
+    )

@@ -9,7 +9,7 @@ from one of these is of its kind (softmax, the logits' gradient). The remaining 
 dimensions (the MLP width: MLP activations; the model width: hidden states), and every value is sized per chip
 from the mesh
 (rows over the batch axes, the length over `sequence`, heads/MLP/vocabulary over `tensor`, parameter-shaped
-values over `fsdp`). These are estimates from shapes, not XLA's buffer assignment: they say which kind of value
+values over `fsdp`, whole on every `data` replica). These are estimates from shapes, not XLA's buffer assignment: they say which kind of value
 dominates, and the advice follows from the kind.
 """
 
@@ -162,6 +162,8 @@ class _Provenance:
         if var in self.weights or tuple(shape) in self.weight_shapes:
             s = self.shapes
             return PARAMETER_SHAPED if math.prod(shape) >= s.hidden * s.hidden // 4 else OTHER
+        if self.weights:  # the program's weights are known: an activation is never parameter-shaped
+            return _kind_of_activation(shape, self.shapes)
         kind = _kind(shape, self.shapes)
         # Logits and attention scores are known by where they come from; by dimensions alone they are guesses
         # (the row length can equal the model width).
@@ -186,6 +188,10 @@ class _Provenance:
                         if v in self.labels and getattr(v.aval, "shape", None) == shape:
                             self.labels[out] = self.labels[v]
                             break
+
+    def _weight_shaped(self, shape) -> bool:
+        """The shape of a weight (or of its transpose), or any shape when the weights are not known."""
+        return not self.weights or tuple(shape) in self.weight_shapes or tuple(reversed(shape)) in self.weight_shapes
 
     def _walk_back(self, jaxpr) -> None:
         """A value of a kind's shape that only feeds that kind (the one-hot gradient the logits' gradient is
@@ -226,7 +232,7 @@ class _Provenance:
                 self.labels[out] = LOGITS if tokens else LOSS_CHUNK
         elif batch_lhs and _size(out) > max(_size(lhs), _size(rhs)):
             self.labels[out] = ATTENTION_SCORES  # [rows, heads, queries, keys] from queries and keys
-        elif not batch_lhs:
+        elif not batch_lhs and self._weight_shaped(out.aval.shape):
             self.labels[out] = PARAMETER_SHAPED  # activations contracted over the tokens: a weight's gradient
 
     def _enter(self, eqn, sub) -> None:
@@ -295,8 +301,9 @@ def _split(shape: tuple[int, ...], kind: str, s: StepShapes) -> int:
     """Over how many chips a value of this kind and shape is spread (an estimate)."""
     batch = s.mesh.get("data", 1) * s.mesh.get("fsdp", 1) * s.mesh.get("expert", 1)
     tensor, sequence = s.mesh.get("tensor", 1), s.mesh.get("sequence", 1)
-    if kind == PARAMETER_SHAPED:
-        return batch if any(d % batch == 0 for d in shape) else 1
+    if kind == PARAMETER_SHAPED:  # split over fsdp, replicated over data
+        fsdp = s.mesh.get("fsdp", 1)
+        return fsdp if any(d % fsdp == 0 for d in shape) else 1
     split = 1
     if s.rows in shape and s.rows % batch == 0:
         split *= batch
