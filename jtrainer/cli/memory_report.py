@@ -7,10 +7,9 @@ that grows (queries by keys) makes attention scores, a product of two activation
 gradient, values computed from the parameters alone are parameter-shaped, and a value of the same shape computed
 from one of these is of its kind (softmax, the logits' gradient). The remaining activations are named by their
 dimensions (the MLP width: MLP activations; the model width: hidden states), and every value is sized per chip
-from the mesh
-(rows over the batch axes, the length over `sequence`, heads/MLP/vocabulary over `tensor`, parameter-shaped
-values over `fsdp`, whole on every `data` replica). These are estimates from shapes, not XLA's buffer assignment: they say which kind of value
-dominates, and the advice follows from the kind.
+from the mesh (rows over the batch axes, the length over `sequence`, heads/MLP/vocabulary over `tensor`,
+parameter-shaped values over `fsdp`, whole on every `data` replica). These are estimates from shapes, not XLA's
+buffer assignment: they say which kind of value dominates, and the advice follows from the kind.
 """
 
 from __future__ import annotations
