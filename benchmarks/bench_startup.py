@@ -20,7 +20,9 @@ import sys
 import time
 
 TORCH_SIDE = ("torch", "peft", "accelerate", "bitsandbytes", "torchax")
-REPORT = "import sys; print(' '.join(sorted({m.split('.')[0] for m in sys.modules} & set(%r))))" % (TORCH_SIDE,)
+REPORT = "import sys; print('loaded:', ' '.join(sorted({m.split('.')[0] for m in sys.modules} & set(%r))))" % (
+    TORCH_SIDE,
+)
 
 COMMANDS = {
     "import jax": ["-c", "import jax; " + REPORT],
@@ -40,7 +42,8 @@ def _time(python: str, argv: list[str]) -> tuple[float, str]:
     start = time.perf_counter()
     done = subprocess.run([python, *argv], capture_output=True, text=True, env=env, check=True)
     elapsed = time.perf_counter() - start
-    return elapsed, done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
+    loaded = [line for line in done.stdout.splitlines() if line.startswith("loaded:")]
+    return elapsed, loaded[-1].removeprefix("loaded:").strip() if loaded else "?"
 
 
 def measure(python: str, repeats: int) -> None:
