@@ -85,7 +85,8 @@ def restore(state: HostRngState) -> None:
 def set_seed(seed: int, deterministic: bool = False) -> None:
     """HF's transformers.set_seed: python, numpy and torch seeded with `seed`; with `deterministic`
     (full_determinism), also torch's deterministic algorithms, as HF's enable_full_determinism. torch only when the
-    script has imported it (a collator drawing from torch has): jtrainer itself never loads it."""
+    script has imported it (a collator drawing from torch has): jtrainer itself never loads it (transformers' tensor
+    checks may, on first use, in a collator that then draws nothing from it)."""
     random.seed(seed)
     np.random.seed(seed)
     torch = _torch(imported_only=True)
