@@ -41,7 +41,7 @@ _EXPORTS = {
     "initialize": "jtrainer.runtime.startup",  # start-up effects: explicit, not at import
     "TrainingArguments": "jtrainer.trainer.args",
     "Seq2SeqTrainer": "jtrainer.trainer.seq2seq",
-    "Seq2SeqTrainingArguments": "jtrainer.trainer.seq2seq",
+    "Seq2SeqTrainingArguments": "jtrainer.trainer.args",
     "Trainer": "jtrainer.trainer.trainer",
 }
 __all__ = sorted(_EXPORTS)

@@ -61,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         from jtrainer.cli.launch import run_launch
 
         return run_launch(rest)
+    if {"-h", "--help", "--help-all"} & set(rest):
+        parse_train_args(rest, command)  # prints the page and exits, before the training machinery loads
     from jtrainer.runtime import quiet
 
     quiet.choose_platforms()

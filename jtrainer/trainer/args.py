@@ -475,3 +475,12 @@ def warn_ignored_fields(args: TrainingArguments) -> list[str]:
             _warned.add(name)
             logger.warning("TrainingArguments.%s=%r has no effect in jtrainer: %s.", name, value, why)
     return flagged
+
+
+@dataclass
+class Seq2SeqTrainingArguments(TrainingArguments, transformers.Seq2SeqTrainingArguments):
+    """HF's Seq2SeqTrainingArguments (`predict_with_generate`, `generation_max_length`, `generation_num_beams`,
+    `generation_config`) on jtrainer's torch-free TrainingArguments."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return transformers.Seq2SeqTrainingArguments.to_dict(self)

@@ -8,28 +8,17 @@ the labels. Works with encoder-decoder models (T5: the decoder's start token + g
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax
 import numpy as np
-import transformers
 from transformers import GenerationConfig
 
 from jtrainer import bridge
 from jtrainer.generation import generate
 from jtrainer.parallel import distributed, sharding
-from jtrainer.trainer.args import TrainingArguments
+from jtrainer.trainer.args import Seq2SeqTrainingArguments, TrainingArguments  # noqa: F401  (public here too)
 from jtrainer.trainer.trainer import Trainer
-
-
-@dataclasses.dataclass
-class Seq2SeqTrainingArguments(TrainingArguments, transformers.Seq2SeqTrainingArguments):
-    """HF's Seq2SeqTrainingArguments (`predict_with_generate`, `generation_max_length`, `generation_num_beams`,
-    `generation_config`) on jtrainer's torch-free TrainingArguments."""
-
-    def to_dict(self) -> dict[str, Any]:
-        return transformers.Seq2SeqTrainingArguments.to_dict(self)
 
 
 def left_align(input_ids: np.ndarray, attention_mask: np.ndarray, pad_token_id: int) -> tuple[np.ndarray, np.ndarray]:
