@@ -69,10 +69,11 @@ def filtered_stderr() -> Iterator[None]:
         yield
     finally:
         sys.stderr.flush()
-        os.dup2(saved, 2)  # closes the pipe's last write end: the reader sees its end
+        os.dup2(saved, 2)  # closes the pipe's write end: the reader sees its end
         os.close(saved)
-        reader.join()
-        os.close(read)
+        reader.join(timeout=10)  # (a child process started inside would hold the write end open)
+        if not reader.is_alive():
+            os.close(read)
         kept = [line for line in b"".join(chunks).decode(errors="replace").splitlines(True) if not NOISE.search(line)]
         if kept:
             sys.stderr.write("".join(kept))
