@@ -164,7 +164,7 @@ def causal_mask(length: int, sliding_window: int | None = None) -> jax.Array:
 
 
 def requested_implementation() -> str:
-    """JTRAINER_ATTENTION's choice ('auto' unset), refused in one line when it names no implementation."""
+    """The implementation env.ATTENTION asks for ('auto' unset), refused in one line when it names none."""
     requested = env.ATTENTION.text().lower()
     if requested not in _IMPLEMENTATIONS:
         raise ValueError(f"{env.ATTENTION.name}={requested!r} is not one of {_IMPLEMENTATIONS}; unset it for 'auto'.")
