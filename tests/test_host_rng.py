@@ -182,3 +182,18 @@ def test_a_torch_masking_collator_draws_transformers_masks(tmp_path, length):
     assert [s for s, _ in losses] == [s for s, _ in hf_losses]
     np.testing.assert_allclose([v for _, v in losses], [v for _, v in hf_losses], rtol=2e-4)
     np.testing.assert_allclose(eval_loss, hf_eval, rtol=2e-4)
+
+
+def test_torch_imported_during_a_call_is_no_draw():
+    """transformers' tensor checks import torch on first use (inside the first collator call of a native run):
+    its generator appearing is not a random collator; a moved one is."""
+    import dataclasses
+
+    from jtrainer import host_rng
+
+    now = host_rng.capture()
+    without_torch = dataclasses.replace(now, torch=None)
+    assert host_rng.same_state(without_torch, now) and host_rng.same_state(now, without_torch)
+    if now.torch is not None:
+        moved = dataclasses.replace(now, torch=bytes(reversed(now.torch)))
+        assert not host_rng.same_state(now, moved)
