@@ -6,7 +6,9 @@ seconds and every library's import chatter (bitsandbytes' kernel hub through pef
 imports them while transformers reports the three packages missing, then binds each name their guarded imports
 would have bound to a stand-in that imports the real object on first use: the modules behave as transformers
 wrote them, and torch loads when torch code first touches them (the bridge, a side-by-side transformers.Trainer).
-If any of them is already imported (a script that imported transformers.Trainer first) nothing is deferred.
+Nothing is deferred once torch is imported (a script that imported torch or transformers.Trainer first).
+`jtrainer/__init__.py` calls `import_host_modules`; `tests/test_startup.py` checks the names bound against an
+import with torch.
 """
 
 from __future__ import annotations
