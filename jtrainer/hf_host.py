@@ -39,6 +39,16 @@ def _load(target: str) -> Any:
         return importlib.import_module(f"{module}.{attribute}")
 
 
+def _resolve(owner: str, name: str, target: str, package: str | None = None) -> Any:
+    """The real object of a stand-in, imported now and bound in its place in `owner` (`package`: what `import
+    package.submodule` binds)."""
+    real = _load(target)
+    if package:
+        real = importlib.import_module(package)
+    setattr(sys.modules[owner], name, real)
+    return real
+
+
 class _DeferredModule(types.ModuleType):
     """A module name bound in place of `import torch`: the real module is imported (and bound in its owner's
     namespace) on first attribute access."""
@@ -48,12 +58,7 @@ class _DeferredModule(types.ModuleType):
         self._jtrainer_deferred = (owner, name, target, binds)
 
     def __getattr__(self, attribute: str) -> Any:
-        owner, name, target, binds = self.__dict__["_jtrainer_deferred"]
-        real = _load(target)
-        if binds:  # `import torch.distributed` imported the submodule and binds the package
-            real = importlib.import_module(binds)
-        setattr(sys.modules[owner], name, real)
-        return getattr(real, attribute)
+        return getattr(_resolve(*self.__dict__["_jtrainer_deferred"]), attribute)
 
 
 class _DeferredClass(type):
@@ -64,10 +69,7 @@ class _DeferredClass(type):
     _jtrainer_deferred: tuple[str, str, str]
 
     def _real(cls) -> Any:
-        owner, name, target = cls._jtrainer_deferred
-        real = _load(target)
-        setattr(sys.modules[owner], name, real)
-        return real
+        return _resolve(*cls._jtrainer_deferred)
 
     def _real_if_loaded(cls) -> Any:
         module = cls._jtrainer_deferred[2].partition(":")[0]
@@ -101,10 +103,9 @@ def _packages_reported_missing() -> Iterator[dict[str, Callable[..., bool]]]:
     import transformers.utils.import_utils as import_utils
 
     real = {name: getattr(import_utils, name) for name in _HIDDEN}
-    hidden = _reported_missing
     for name in _HIDDEN:
         for module in (utils, import_utils):
-            setattr(module, name, hidden)
+            setattr(module, name, _reported_missing)
     try:
         yield real
     finally:
