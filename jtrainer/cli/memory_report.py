@@ -203,8 +203,7 @@ class _Provenance:
                         if _is_var(inner) and out in self.labels:
                             self.labels.setdefault(inner, self.labels[out])
                 self._walk_back(sub)
-                outer = [v for v in eqn.invars][len(eqn.invars) - len(sub.invars) :]
-                for theirs, ours in zip(outer, sub.invars):
+                for theirs, ours in zip(_outer_inputs(eqn, sub), sub.invars):
                     if _is_var(theirs) and ours in self.labels and theirs not in self.weights:
                         self.labels.setdefault(theirs, self.labels[ours])
             if subs or eqn.primitive.name == "dot_general":
@@ -236,13 +235,7 @@ class _Provenance:
 
     def _enter(self, eqn, sub) -> None:
         """Carry kinds into a sub-program (by position) and its results back out."""
-        outer = list(eqn.invars)
-        if eqn.primitive.name == "while" and len(sub.invars) != len(outer):
-            outer = outer[eqn.params.get("cond_nconsts", 0) :]
-        elif eqn.primitive.name == "cond":
-            outer = outer[1:]
-        outer = outer[len(outer) - len(sub.invars) :] if len(outer) >= len(sub.invars) else []
-        for theirs, ours in zip(outer, sub.invars):
+        for theirs, ours in zip(_outer_inputs(eqn, sub), sub.invars):
             if not _is_var(theirs):
                 continue
             if theirs in self.weights:
@@ -269,6 +262,17 @@ _CALLS = {
 
 def _called(eqn) -> list:
     return list(_subjaxprs(eqn)) if eqn.primitive.name in _CALLS else []
+
+
+def _outer_inputs(eqn, sub) -> list:
+    """The operands of a call that its sub-program's inputs stand for, in order (a while loop's body skips the
+    condition's constants, a cond's branches the predicate); none where they cannot be matched."""
+    outer = list(eqn.invars)
+    if eqn.primitive.name == "while" and len(sub.invars) != len(outer):
+        outer = outer[eqn.params.get("cond_nconsts", 0) :]
+    elif eqn.primitive.name == "cond":
+        outer = outer[1:]
+    return outer[len(outer) - len(sub.invars) :] if len(outer) >= len(sub.invars) else []
 
 
 def _kind_of_activation(shape: tuple[int, ...], s: StepShapes) -> str:
