@@ -109,7 +109,8 @@ class AutoModelForSeq2SeqLM(_AutoModel):
     task = "sequence-to-sequence LM"
 
 
-NATIVE_AUTO_CLASSES: dict[str, type[_AutoModel]] = {
+# Every auto class by name: the native ones, then those `auto_class` makes (one class per name).
+_AUTO_CLASSES: dict[str, type[_AutoModel]] = {
     c.__name__: c
     for c in (
         AutoModelForCausalLM,
@@ -125,13 +126,13 @@ def auto_class(name: str) -> type[_AutoModel]:
     """jtrainer's `name` auto class (transformers' `AutoModel*` name): the native one, or one that loads
     transformers' own models of every family (`AutoModelForQuestionAnswering`, `AutoModelForImageClassification`,
     ...)."""
-    if name in NATIVE_AUTO_CLASSES:
-        return NATIVE_AUTO_CLASSES[name]
+    if name in _AUTO_CLASSES:
+        return _AUTO_CLASSES[name]
     if not name.startswith("AutoModel") or not _transformers_has(name):
         raise AttributeError(name)
     task = name.removeprefix("AutoModel").removeprefix("For") or "base"
     made = type(name, (_AutoModel,), {"models": {}, "task": task, "__module__": "jtrainer.models"})
-    NATIVE_AUTO_CLASSES[name] = made  # one class per name
+    _AUTO_CLASSES[name] = made
     return made
 
 
