@@ -40,12 +40,7 @@ def field_report(training_args) -> list[tuple[str, Any, str, str]]:
         value = getattr(training_args, f.name)
         if value == getattr(defaults, f.name):
             continue
-        if f.name in args_module.IGNORED_FIELDS:
-            rows.append((f.name, value, "ignored", args_module.IGNORED_FIELDS[f.name]))
-        elif f.name in args_module.EMULATED_FIELDS:
-            rows.append((f.name, value, "emulated", args_module.EMULATED_FIELDS[f.name]))
-        else:
-            rows.append((f.name, value, "honoured", ""))
+        rows.append((f.name, value, *args_module.field_treatment(f.name)))
     return rows
 
 

@@ -151,30 +151,19 @@ def short_help(command: str, dataclass_types) -> str:
     return "\n".join(lines)
 
 
-def field_status(name: str) -> str:
-    """How jtrainer treats a TrainingArguments field: its --help-all mark."""
-    from jtrainer.trainer import args as args_module
-
-    if name in args_module.IGNORED_FIELDS:
-        return f"ignored: {args_module.IGNORED_FIELDS[name]}"
-    if name in args_module.EMULATED_FIELDS:
-        return f"emulated: {args_module.EMULATED_FIELDS[name]}"
-    if name in {f.name for f in dataclasses.fields(args_module.TrainingArguments)} - _hf_fields():
-        return "jtrainer"
-    return "honoured"
-
-
-def _hf_fields() -> set[str]:
+def mark_full_help(parser: argparse.ArgumentParser, command: str, training_fields: set[str]) -> None:
+    """Prefix each TrainingArguments flag's help with how jtrainer treats it (as `jtrainer check` reports it;
+    `jtrainer` for fields HF does not have); hide `check`'s own flags under `train`."""
     import transformers
 
-    return {f.name for f in dataclasses.fields(transformers.Seq2SeqTrainingArguments)}
+    from jtrainer.trainer.args import field_treatment
 
-
-def mark_full_help(parser: argparse.ArgumentParser, command: str, training_fields: set[str]) -> None:
-    """Prefix each TrainingArguments flag's help with its status; hide `check`'s own flags under `train`."""
+    hf_fields = {f.name for f in dataclasses.fields(transformers.Seq2SeqTrainingArguments)}
     parser.usage = usage(command)
     for action in parser._actions:
         if command != "check" and action.dest in CHECK_ONLY:
             action.help = argparse.SUPPRESS
         elif action.dest in training_fields and action.help is not argparse.SUPPRESS:
-            action.help = f"[{field_status(action.dest)}] " + (action.help or "")
+            status, why = field_treatment(action.dest)
+            mark = "jtrainer" if action.dest not in hf_fields else f"{status}: {why}" if why else status
+            action.help = f"[{mark}] " + (action.help or "")

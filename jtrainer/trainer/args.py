@@ -86,6 +86,15 @@ EMULATED_FIELDS: dict[str, str] = {
 }
 
 
+def field_treatment(name: str) -> tuple[str, str]:
+    """How jtrainer treats a TrainingArguments field: ("ignored", why), ("emulated", how) or ("honoured", "")."""
+    if name in IGNORED_FIELDS:
+        return "ignored", IGNORED_FIELDS[name]
+    if name in EMULATED_FIELDS:
+        return "emulated", EMULATED_FIELDS[name]
+    return "honoured", ""
+
+
 # liger_kernel_config's keys (Liger's apply_liger_kernel_to_* options). Only fused_linear_cross_entropy changes
 # what XLA computes; RoPE, SwiGLU, RMSNorm and LayerNorm are fused by XLA already.
 LIGER_KERNELS = ("rope", "cross_entropy", "fused_linear_cross_entropy", "rms_norm", "swiglu", "layer_norm", "geglu")
