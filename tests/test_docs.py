@@ -167,8 +167,10 @@ def test_every_page_has_its_commands_found():
     assert len(ALL_COMMANDS) >= 15
 
 
-def _readers_files(folder) -> None:
-    """What the pages' commands take as the reader's own: a config of theirs, a trained model folder, a script."""
+@pytest.fixture(scope="module")
+def readers_folder(tmp_path_factory):
+    """What the pages' commands take as the reader's own (a config of theirs, a trained model folder, a script),
+    in one folder the commands run in, one after another, as a reader's shell would."""
     import shutil
 
     import torch
@@ -176,16 +178,18 @@ def _readers_files(folder) -> None:
 
     from jtrainer.cli.config import DEFAULT_CONFIG
 
+    folder = tmp_path_factory.mktemp("reader")
     shutil.copy(DEFAULT_CONFIG, folder / "my_run.yaml")
     torch.manual_seed(0)
     config = tiny_llama_config(vocab_size=300, max_position_embeddings=512)
     transformers.LlamaForCausalLM(config).save_pretrained(folder / "outputs/default")
     _tokenizer().save_pretrained(folder / "outputs/default")
     (folder / "train.py").write_text("print('a script of the reader')\n")
+    return folder
 
 
 @pytest.mark.parametrize("page, command", ALL_COMMANDS, ids=[f"{p}: {c[:60]}" for p, c in ALL_COMMANDS])
-def test_the_command_works_as_written(page, command, tmp_path, monkeypatch, capsys):
+def test_the_command_works_as_written(page, command, readers_folder, monkeypatch, capsys):
     """Each command of the manual, from a clone's point of view: the extras it installs exist; `jtrainer train`
     and `check` accept its config and flags and pass the refusals both share (the fields, the model, the mesh
     over the target's devices: the first minutes of the run); help pages print; scripts exist."""
@@ -210,8 +214,7 @@ def test_the_command_works_as_written(page, command, tmp_path, monkeypatch, caps
         assert os.path.isfile(os.path.join(ROOT, script)), f"{command}: {script} is missing"
         return
     assert argv[0] == "jtrainer", f"{page}: {command!r} is a command test_docs does not know how to check"
-    monkeypatch.chdir(tmp_path)
-    _readers_files(tmp_path)
+    monkeypatch.chdir(readers_folder)
     if os.environ.get("JTRAINER_DOCS_RUN") == "1" and argv[1] in ("train", "check"):
         from jtrainer.cli import main
 
