@@ -88,5 +88,9 @@ class KernelHubNotice(logging.Filter):
         return "from kernels-community" not in record.getMessage()
 
 
+_KERNEL_HUB_NOTICE = KernelHubNotice()
+
+
 def silence_kernel_hub_notice() -> None:
-    logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(KernelHubNotice())
+    """Once per process however often the command runs in it (logging adds a filter it already has once)."""
+    logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_KERNEL_HUB_NOTICE)
