@@ -6,6 +6,7 @@ import torch
 import transformers
 
 from jtrainer.bridge.module import TorchModel
+from jtrainer.errors import BadInput
 
 AUTO_CLASSES = {
     "causal_lm": transformers.AutoModelForCausalLM,
@@ -52,8 +53,6 @@ def check_lora_targets(task: str, config, lora) -> None:
     """peft's refusal of target modules the model lacks, as one line naming the model's own linear layers
     (the model built on torch's meta device: no weights)."""
     import peft
-
-    from jtrainer.errors import BadInput
 
     with torch.device("meta"):
         model = AUTO_CLASSES[task].from_config(config)
