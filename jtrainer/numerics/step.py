@@ -23,6 +23,7 @@ from flax import nnx
 from jtrainer.numerics.losses import IGNORE_INDEX, count_label_tokens, shift_labels, token_cross_entropy_sum
 from jtrainer.numerics.mixed_precision import loss_scale
 from jtrainer.numerics.opt_state import current_learning_rate, schedule_count
+from jtrainer.numerics.step_metrics import recording
 from jtrainer.state import Frozen, TrainState, split_params
 
 # What JAX raises for code written for torch or the host (a torch method or function on a traced array, a numpy
@@ -230,14 +231,15 @@ def compute_loss(model, inputs, spec: LossSpec, num_items_in_batch=None, return_
 
 
 def micro_batch_loss(graphdef, params, model_state, inputs, num_items, micro_weight, n_micro, spec: LossSpec, rng):
-    """This micro-batch's share of the step loss; summing the shares over a window gives the step's loss."""
-    with bound_model(graphdef, params, model_state, spec.compute_dtype, rng) as model:
+    """This micro-batch's share of the step loss (summing the shares over a window gives the step's loss), the
+    model's new state and the values the loss recorded (`step_metrics.record`)."""
+    with bound_model(graphdef, params, model_state, spec.compute_dtype, rng) as model, recording() as recorded:
         loss = compute_loss(model, inputs, spec, num_items if spec.pass_num_items else None)
         new_state = model_state_of(model)
     loss = jnp.asarray(loss, jnp.float32)
     if not spec.scaled_for_ga:  # HF's training_step: a per-batch mean is divided by the window's micro-batches
         loss = loss / n_micro
-    return loss * micro_weight, new_state
+    return loss * micro_weight, new_state, dict(recorded)
 
 
 def window_label_count(inputs: dict[str, jax.Array], spec: LossSpec, tail: dict[str, jax.Array] | None = None):
@@ -268,8 +270,8 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, spec: LossSpec, 
         scale = loss_scale(state.opt_state)
 
         def objective(*args):
-            loss, model_state = micro_batch_loss(*args)
-            return (loss if scale is None else loss * scale), (loss, model_state)
+            loss, model_state, recorded = micro_batch_loss(*args)
+            return (loss if scale is None else loss * scale), (loss, model_state, recorded)
 
         grad_fn = jax.value_and_grad(objective, argnums=1, has_aux=True)
 
@@ -284,7 +286,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, spec: LossSpec, 
         zeros = laid_out(jax.tree.map(jnp.zeros_like, state.params))
 
         def micro_batch(model_state, inputs, weight, key_data):
-            (_, (loss, model_state)), grads = grad_fn(
+            (_, (loss, model_state, recorded)), grads = grad_fn(
                 graphdef,
                 state.params,
                 model_state,
@@ -295,29 +297,34 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, spec: LossSpec, 
                 spec,
                 jax.random.wrap_key_data(key_data),
             )
-            return grads, loss, model_state
+            return grads, loss, model_state, recorded
 
         def skipped(model_state, inputs, weight, key_data):
-            return zeros, jnp.zeros((), jnp.float32), model_state
+            # What a run micro-batch records (traced for its shapes only), as zeros.
+            shapes = jax.eval_shape(micro_batch, model_state, inputs, weight, key_data)[3]
+            nothing = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+            return zeros, jnp.zeros((), jnp.float32), model_state, nothing
 
         def accumulate(carry, xs):
             grads_sum, loss_sum, model_state = carry
             if spec.padding_neutral:
-                grads, loss, model_state = micro_batch(model_state, *xs)
+                grads, loss, model_state, recorded = micro_batch(model_state, *xs)
             else:  # a user's loss may be NaN on a padding micro-batch (a mean over no labels): never run it
-                grads, loss, model_state = jax.lax.cond(xs[1] > 0, micro_batch, skipped, model_state, *xs)
+                grads, loss, model_state, recorded = jax.lax.cond(xs[1] > 0, micro_batch, skipped, model_state, *xs)
             grads_sum = laid_out(jax.tree.map(jnp.add, grads_sum, grads))
-            return (grads_sum, loss_sum + loss, model_state), loss
+            return (grads_sum, loss_sum + loss, model_state), (loss, recorded)
 
         carry = (zeros, jnp.zeros((), jnp.float32), state.model_state)
         xs = (batch.inputs, batch.micro_weight, micro_keys)
-        (grads, loss, model_state), micro_losses = jax.lax.scan(accumulate, carry, xs)
+        (grads, loss, model_state), (micro_losses, recorded) = jax.lax.scan(accumulate, carry, xs)
         if batch.tail is not None:  # the ragged last micro-batch, at its own rows, keyed as the next one
             index = jnp.sum(batch.micro_weight).astype(jnp.int32)  # after the real micro-batches before it
             tail_key = jax.random.key_data(jax.random.fold_in(step_key, index))
-            tail_grads, tail_loss, model_state = micro_batch(model_state, batch.tail, jnp.ones(()), tail_key)
+            tail = micro_batch(model_state, batch.tail, jnp.ones(()), tail_key)
+            tail_grads, tail_loss, model_state, tail_recorded = tail
             grads, loss = jax.tree.map(jnp.add, grads, tail_grads), loss + tail_loss
             micro_losses = jnp.append(micro_losses, 0.0).at[index].set(tail_loss)  # the real ones come first
+            recorded = jax.tree.map(lambda v, t: jnp.append(v, 0.0).at[index].set(t), recorded, tail_recorded)
         if scale is not None:
             grads = jax.tree.map(lambda g: g / scale, grads)
         grad_norm = optax.tree.norm(grads)  # HF logs the norm before clipping
@@ -325,6 +332,8 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, spec: LossSpec, 
         params = optax.apply_updates(state.params, updates)
         # The micro-batches' shares in window order (HF's tr_loss_step each; its logging NaN filter reads them).
         metrics = {"loss": loss, "micro_losses": micro_losses, "grad_norm": grad_norm}
+        if recorded:  # what the loss recorded, per micro-batch in window order (as micro_losses)
+            metrics["recorded"] = recorded
         lr = current_learning_rate(opt_state)
         if lr is not None:
             metrics["learning_rate"] = jnp.asarray(lr, jnp.float32)
@@ -340,6 +349,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, spec: LossSpec, 
 class EvalOutputs(NamedTuple):
     loss: jax.Array | None  # this batch's mean loss (HF's per-batch loss)
     logits: Any  # HF's predictions: an array, or a tuple of them
+    recorded: dict[str, jax.Array] | None = None  # what the loss recorded (step_metrics.record)
 
 
 def _output_items(outputs: Any) -> list[tuple[str, Any]] | None:
@@ -409,6 +419,7 @@ def make_eval_step(
     def eval_step(params, model_state, inputs: dict[str, Any]) -> EvalOutputs:
         labels = inputs.get(spec.label_names[0]) if spec.label_names else None
         all_labels = batch_label_values(inputs, spec.label_names)
+        recorded: dict[str, jax.Array] = {}
         with bound_model(graphdef, params, model_state, spec.compute_dtype) as model:
             if labels is None:  # HF: no loss, the model alone
                 loss, outputs = None, model(**{k: v for k, v in inputs.items() if k not in spec.label_names})
@@ -416,7 +427,8 @@ def make_eval_step(
                 num_items = count_label_tokens(labels, spec.count_shifted) if spec.pass_num_items else None
                 if not want_logits and spec.skip_logits_in_loss_only:
                     inputs = {**inputs, "skip_logits": True}  # HF's use_liger_kernel with prediction_loss_only
-                loss, outputs = compute_loss(model, inputs, spec, num_items, return_outputs=True)
+                with recording() as recorded:
+                    loss, outputs = compute_loss(model, inputs, spec, num_items, return_outputs=True)
         predictions = None
         if want_logits:
             predictions = prediction_values(outputs, all_labels is not None, ignore_keys)
@@ -428,7 +440,8 @@ def make_eval_step(
                         placement.on_host, placement.reason = True, error
                     else:
                         predictions = _preprocess_in_torch(preprocess_in_torch, predictions, all_labels, placement)
-        return EvalOutputs(None if loss is None else jnp.mean(loss).astype(jnp.float32), predictions)
+        mean_loss = None if loss is None else jnp.mean(loss).astype(jnp.float32)
+        return EvalOutputs(mean_loss, predictions, dict(recorded))
 
     return eval_step
 

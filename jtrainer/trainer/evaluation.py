@@ -312,6 +312,8 @@ class EvaluationMixin(TrainerParts):
             else:
                 with self._mesh_context():
                     out = step(params, model_state, inputs)
+                if out.recorded:
+                    self._on_recorded(out.recorded, 1, training=False)
             collated_len = distributed.agree_max(max((v.shape[1] for v in batch.values() if v.ndim >= 2), default=0))
 
             # HF's gather_for_metrics drops the rows completing a short last batch; Seq2SeqTrainer's plain gather

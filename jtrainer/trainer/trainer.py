@@ -503,7 +503,7 @@ class Trainer(
                 "requires_grad=False, or none exists): nothing would train."
             )
         base = self._default_loss_spec(sample, training)
-        if not overrides(self, "compute_loss"):
+        if type(self).compute_loss is Trainer.compute_loss:  # (a jtrainer subclass's own loss counts too: TRL's)
             return base
         has_labels = "labels" in sample  # HF's _get_num_items_in_batch looks for "labels" itself
         pass_num_items = has_labels and (self.model_accepts_loss_kwargs or self.compute_loss_func is not None)
@@ -528,7 +528,7 @@ class Trainer(
         model, after jax.numpy for a native one); code that runs neither way (numpy conversions, float()) fails
         here with its name, as does a non-scalar loss."""
         candidates = [spec]
-        if bridge.runs_torch_code():
+        if bridge.runs_torch_code() and not getattr(self.compute_loss, "written_in_jax", False):
             from jtrainer.bridge.torch_code import compute_loss_in_torch
 
             in_torch = dataclasses.replace(spec, compute_loss=compute_loss_in_torch(self.compute_loss))
@@ -670,6 +670,11 @@ class Trainer(
             f"{self.label_names}: its columns are {sorted(sample)}. Add a 'labels' column (or set "
             "--label_names), or pass compute_loss_func."
         )
+
+    def _on_recorded(self, recorded: dict[str, Any], micro_batches: int, training: bool) -> None:
+        """What the loss recorded in a step (`step_metrics.record`: arrays over the window's micro-batches, the
+        first `micro_batches` real) or an evaluation batch (scalars). A Trainer whose loss records (jtrainer.trl's)
+        keeps them for its logs; arrays stay on the device until read."""
 
     def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
         """HF's compute_loss: the loss of `model` (a bound nnx model) on `inputs` (jax arrays), with its outputs
@@ -1217,6 +1222,8 @@ class Trainer(
                 self._after_update()
                 run.last_step_batch = step_batch
                 run.losses.add(metrics["micro_losses"], len(batches))
+                if "recorded" in metrics:
+                    self._on_recorded(metrics["recorded"], len(batches), training=True)
                 run.follow_device(metrics["micro_losses"])
                 self.control = self.callback_handler.on_pre_optimizer_step(args, self.state, self.control)
                 self.control = self.callback_handler.on_optimizer_step(args, self.state, self.control)

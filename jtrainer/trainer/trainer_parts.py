@@ -98,6 +98,7 @@ CALLS: dict[str, str] = {
     "_label_classes": "trainer",
     "_loss_spec": "trainer",
     "_mesh_context": "trainer",
+    "_on_recorded": "trainer",
     "_model_params": "trainer",
     "_sync_model": "trainer",
     "get_eval_dataloader": "trainer",
@@ -219,6 +220,8 @@ class TrainerParts:
         def _loss_spec(self, sample: data.Batch, training: bool = True) -> LossSpec: ...
 
         def _mesh_context(self): ...
+
+        def _on_recorded(self, recorded: dict[str, Any], micro_batches: int, training: bool) -> None: ...
 
         def _model_params(self): ...
 
