@@ -1,0 +1,105 @@
+"""What TRL's SFT and DPO trainers share on jtrainer: the model they are given (a path, a model, a peft config),
+and TRL's logged statistics, which the loss records in the compiled step and `log` averages as TRL does."""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+
+from jtrainer import bridge
+from jtrainer.errors import BadInput
+
+
+def load_model(name_or_path: str, args: Any, needs_torch: bool, quantization_config: Any = None):
+    """TRL's `create_model_from_path`: jtrainer's native model where the family has one, transformers' own torch
+    model (the bridge) otherwise or where peft needs it."""
+    if quantization_config is not None or (args.model_init_kwargs or {}).get("quantization_config") is not None:
+        raise BadInput(
+            "quantization_config: jtrainer.trl trains full-precision or bf16 weights (no bitsandbytes quantization); "
+            "leave quantization_config out."
+        )
+    kwargs = dict(args.model_init_kwargs or {})
+    kwargs.setdefault("trust_remote_code", args.trust_remote_code)
+    if needs_torch:
+        import transformers
+
+        return transformers.AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
+    from jtrainer.models import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
+
+
+def apply_peft(model: Any, peft_config: Any, trainer_name: str):
+    """TRL's `get_peft_model(model, peft_config)`, on transformers' torch model (the bridge's)."""
+    if peft_config is None:
+        return model
+    import peft
+
+    if not bridge.is_torch_module(model):
+        raise BadInput(
+            f"{trainer_name}(peft_config=...): peft adapts transformers' torch models; load the model with "
+            "transformers.AutoModelForCausalLM (or pass its path) to train an adapter through the bridge."
+        )
+    if not isinstance(peft_config, peft.PeftConfig):
+        raise TypeError(
+            f"`peft_config` must be a `peft.PeftConfig` instance (e.g. `peft.LoraConfig`), got "
+            f"{type(peft_config).__name__}."
+        )
+    if isinstance(model, peft.PeftModel):
+        raise ValueError(
+            "You passed a `PeftModel` instance together with a `peft_config` to the trainer. Please first merge and "
+            "unload the existing adapter, save the resulting base model, and then pass that base model along with "
+            "the new `peft_config` to the trainer."
+        )
+    return peft.get_peft_model(model, peft_config)
+
+
+def is_peft_model(model: Any) -> bool:
+    try:
+        import peft
+    except ImportError:
+        return False
+    return isinstance(model, peft.PeftModel)
+
+
+class LoggedStatistics:
+    """TRL's `_metrics`: per mode, the values each compute_loss call appended; `log` averages and clears them.
+
+    The step records its values on the device (`step_metrics.record`, one per micro-batch); they are read here
+    only when a log needs them, so training never waits for them."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
+        self._pending: dict[str, list[tuple[dict[str, Any], int]]] = {"train": [], "eval": []}
+        self.mode = "train"
+
+    def add(self, recorded: dict[str, Any], micro_batches: int, training: bool) -> None:
+        self._pending["train" if training else "eval"].append((recorded, micro_batches))
+
+    def take(self, mode: str) -> list[dict[str, np.ndarray]]:
+        """The recorded values since the last call, one dict per compute_loss call (micro-batch), in order."""
+        import jax
+
+        pending, self._pending[mode] = self._pending[mode], []
+        calls = []
+        for recorded, count in jax.device_get(pending):
+            for i in range(count):
+                calls.append({name: np.asarray(v).reshape(-1)[i] if np.ndim(v) else v for name, v in recorded.items()})
+        return calls
+
+    @contextlib.contextmanager
+    def evaluating(self):
+        """TRL reads the mode from model.training: evaluation's logs take the eval values."""
+        previous, self.mode = self.mode, "eval"
+        try:
+            yield
+        finally:
+            self.mode = previous
+
+    def averaged(self, mode: str) -> dict[str, float]:
+        metrics = {key: sum(values) / len(values) for key, values in self.values[mode].items()}
+        self.values[mode].clear()
+        return metrics
