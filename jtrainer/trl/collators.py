@@ -57,7 +57,10 @@ class LanguageModelingCollator:
             batch["attention_mask"] = _pad([np.ones_like(r) for r in input_ids], length, 0)
             batch["labels"] = _pad(labels, length, IGNORE_INDEX)
             return batch
-        lengths = [list(e.get("seq_lengths") or [len(r)]) for e, r in zip(examples, input_ids, strict=True)]
+        lengths = [
+            [len(r)] if e.get("seq_lengths") is None else [int(n) for n in e["seq_lengths"]]
+            for e, r in zip(examples, input_ids, strict=True)
+        ]
         positions = [document_positions(n) for n in lengths]
         segments = [np.repeat(np.arange(1, len(n) + 1), n) for n in lengths]
         labels = [np.where(p == 0, IGNORE_INDEX, lab) for p, lab in zip(positions, labels, strict=True)]

@@ -1,0 +1,130 @@
+"""jtrainer.trl.SFTTrainer side by side with TRL's SFTTrainer on torch (TRL 1.16): the same tiny Llama, tokenizer
+and rows; per-step loss, grad_norm and TRL's entropy / mean_token_accuracy / num_tokens, and the trained weights."""
+
+from __future__ import annotations
+
+import datasets
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("trl")
+
+import trl  # noqa: E402
+
+from jtrainer import trl as jtrl  # noqa: E402
+from tests import trl_cases as cases  # noqa: E402
+
+SFT_KEYS = ["loss", "grad_norm", "entropy", "mean_token_accuracy", "num_tokens"]
+
+
+def run_both(tmp_path, rows, model=None, peft_config=None, **fields):
+    """TRL's run and ours on the same model and rows: (TRL's trainer, ours)."""
+    model = model if model is not None else cases.torch_llama()
+    dataset = datasets.Dataset.from_list(rows)
+    trainers = []
+    for package, name in ((trl, "theirs"), (jtrl, "ours")):
+        trainer = package.SFTTrainer(
+            model=cases.twin(model),
+            args=package.SFTConfig(**cases.config_fields(tmp_path / name, **fields)),
+            train_dataset=dataset,
+            processing_class=cases.tokenizer(),
+            peft_config=None if peft_config is None else cases.twin(peft_config),
+        )
+        trainer.train()
+        trainers.append(trainer)
+    return trainers
+
+
+def assert_same_weights(theirs, ours, rtol=2e-4, atol=5e-5):
+    """The trained weights: Adam divides each gradient by its own scale, so an element whose gradient is near 0
+    moves by up to the learning rate on float rounding alone; atol is 0.5% of the runs' learning rate (1e-2)."""
+    ours._sync_model()
+    reference = {k: v.detach().numpy() for k, v in theirs.model.state_dict().items()}
+    mine = {k: v.detach().numpy() for k, v in ours.model.state_dict().items()}
+    assert reference.keys() == mine.keys()
+    for key, value in reference.items():
+        np.testing.assert_allclose(mine[key], value, rtol=rtol, atol=atol, err_msg=key)
+
+
+def test_text_rows_as_trl(tmp_path):
+    theirs, ours = run_both(tmp_path, cases.text_rows(), gradient_accumulation_steps=2)
+    cases.assert_logs_match(ours.state.log_history, theirs.state.log_history, SFT_KEYS)
+    assert_same_weights(theirs, ours)
+
+
+@pytest.mark.parametrize("completion_only_loss", [None, False])
+def test_prompt_completion_rows_as_trl(tmp_path, completion_only_loss):
+    theirs, ours = run_both(tmp_path, cases.prompt_completion_rows(), completion_only_loss=completion_only_loss)
+    cases.assert_logs_match(ours.state.log_history, theirs.state.log_history, SFT_KEYS)
+    row = ours.train_dataset[0]
+    masked = sum(label == -100 for label in row["labels"])
+    assert (masked > 0) == (completion_only_loss is None)  # the prompt is off the loss by default
+
+
+def test_conversations_with_assistant_only_loss_as_trl(tmp_path):
+    theirs, ours = run_both(tmp_path, cases.conversation_rows(), assistant_only_loss=True)
+    cases.assert_logs_match(ours.state.log_history, theirs.state.log_history, SFT_KEYS)
+    assert ours.train_dataset[0]["labels"] == theirs.train_dataset[0]["labels"]
+
+
+@pytest.mark.parametrize("strategy", ["bfd", "wrapped"])
+def test_packing_as_trl(tmp_path, strategy):
+    theirs, ours = run_both(
+        tmp_path, cases.text_rows(24), packing=True, packing_strategy=strategy, max_length=24, max_steps=2
+    )
+    assert ours.train_dataset[:] == theirs.train_dataset[:]  # TRL's packed rows
+    cases.assert_logs_match(ours.state.log_history, theirs.state.log_history, SFT_KEYS)
+    assert_same_weights(theirs, ours)
+
+
+def test_peft_adapter_as_trl(tmp_path):
+    from peft import LoraConfig
+
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    theirs, ours = run_both(tmp_path, cases.text_rows(), peft_config=lora)
+    cases.assert_logs_match(ours.state.log_history, theirs.state.log_history, SFT_KEYS)
+    assert_same_weights(theirs, ours)
+
+
+def test_evaluate_logs_trl_statistics(tmp_path):
+    rows = cases.text_rows(8)
+    theirs, ours = run_both(tmp_path, rows, max_steps=1)
+    held_out = datasets.Dataset.from_list(cases.text_rows(6, seed=9))
+    reference, mine = theirs.evaluate(held_out), ours.evaluate(held_out)
+    for key in ("eval_loss", "eval_entropy", "eval_mean_token_accuracy", "eval_num_tokens"):
+        assert np.isclose(mine[key], reference[key], rtol=1e-4), (key, mine, reference)
+
+
+def test_save_model_writes_transformers_weights(tmp_path):
+    _, ours = run_both(tmp_path, cases.text_rows(8), max_steps=1)
+    ours.save_model(str(tmp_path / "saved"))
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+    ids = torch.tensor([[5, 6, 7]])
+    with torch.no_grad():
+        np.testing.assert_allclose(loaded(ids).logits.numpy(), ours.model(ids).logits.detach().numpy(), rtol=1e-5)
+
+
+def test_model_path_trains_the_native_model_with_packed_segments(tmp_path):
+    """A path loads jtrainer's native Llama (TRL: transformers' from the same files); BFD-packed documents stay
+    apart through segment_ids, with TRL's numbers."""
+    cases.torch_llama().save_pretrained(tmp_path / "model")
+    dataset = datasets.Dataset.from_list(cases.text_rows(24))
+    trainers = []
+    for package, name in ((trl, "theirs"), (jtrl, "ours")):
+        fields = cases.config_fields(tmp_path / name, packing=True, max_length=24, max_steps=2)
+        trainer = package.SFTTrainer(
+            model=str(tmp_path / "model"),
+            args=package.SFTConfig(**fields),
+            train_dataset=dataset,
+            processing_class=cases.tokenizer(),
+        )
+        trainer.train()
+        trainers.append(trainer)
+    theirs, ours = trainers
+    from jtrainer.models import LlamaForCausalLM
+
+    assert isinstance(ours.model, LlamaForCausalLM)
+    cases.assert_logs_match(ours.state.log_history, theirs.state.log_history, SFT_KEYS)
