@@ -82,6 +82,10 @@ class LossSpec:
     # token losses jtrainer computes and of its models' own (sum / num_items_in_batch), decided by the Trainer.
     padding_neutral: bool = False
 
+    # Evaluation computes the loss of batches without a label column (HF's loss_without_labels): a loss that reads
+    # other columns (TRL's DPO: chosen and rejected completions).
+    loss_without_labels: bool = False
+
 
 def split_outputs(outputs: Any) -> tuple[jax.Array | None, Any]:
     """(loss, logits) from a tuple, dict or dataclass output, as HF's contract allows."""
@@ -421,7 +425,7 @@ def make_eval_step(
         all_labels = batch_label_values(inputs, spec.label_names)
         recorded: dict[str, jax.Array] = {}
         with bound_model(graphdef, params, model_state, spec.compute_dtype) as model:
-            if labels is None:  # HF: no loss, the model alone
+            if labels is None and not spec.loss_without_labels:  # HF: no loss, the model alone
                 loss, outputs = None, model(**{k: v for k, v in inputs.items() if k not in spec.label_names})
             else:  # HF 5.x counts the batch's items in evaluation too
                 num_items = count_label_tokens(labels, spec.count_shifted) if spec.pass_num_items else None

@@ -305,7 +305,7 @@ class EvaluationMixin(TrainerParts):
             # A ragged last batch keeps its own rows where padding rows would enter the loss (one more compile).
             padded = shapes.pad(batch, length, pad_rows=not ragged_rows)
             global_rows = dataloader.batch_size if not ragged_rows else rows
-            inputs = sharding.put_global(padded, self.mesh, row_dim=0, global_rows=global_rows)
+            inputs = self._evaluation_inputs(sharding.put_global(padded, self.mesh, row_dim=0, global_rows=global_rows))
             out: EvalOutputs
             if generating and not any(name in padded for name in self.label_names):
                 out = EvalOutputs(None, None)  # HF's Seq2SeqTrainer: generation alone, no forward without labels

@@ -671,6 +671,11 @@ class Trainer(
             "--label_names), or pass compute_loss_func."
         )
 
+    def _evaluation_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        """An evaluation batch as placed on the mesh, before the eval step; a Trainer whose loss reads values
+        computed from the batch by another model (jtrainer.trl's DPO reference) adds them here."""
+        return inputs
+
     def _on_recorded(self, recorded: dict[str, Any], micro_batches: int, training: bool) -> None:
         """What the loss recorded in a step (`step_metrics.record`: arrays over the window's micro-batches, the
         first `micro_batches` real) or an evaluation batch (scalars). A Trainer whose loss records (jtrainer.trl's)

@@ -99,6 +99,7 @@ CALLS: dict[str, str] = {
     "_loss_spec": "trainer",
     "_mesh_context": "trainer",
     "_on_recorded": "trainer",
+    "_evaluation_inputs": "trainer",
     "_model_params": "trainer",
     "_sync_model": "trainer",
     "get_eval_dataloader": "trainer",
@@ -222,6 +223,8 @@ class TrainerParts:
         def _mesh_context(self): ...
 
         def _on_recorded(self, recorded: dict[str, Any], micro_batches: int, training: bool) -> None: ...
+
+        def _evaluation_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]: ...
 
         def _model_params(self): ...
 

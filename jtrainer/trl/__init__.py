@@ -5,6 +5,7 @@ TRL's signatures, config fields and dataset preparation; the losses inside jtrai
 """
 
 from jtrainer.trl.config import DPOConfig, SFTConfig
+from jtrainer.trl.dpo import DPOTrainer
 from jtrainer.trl.sft import SFTTrainer
 
-__all__ = ["SFTConfig", "SFTTrainer", "DPOConfig"]
+__all__ = ["DPOConfig", "DPOTrainer", "SFTConfig", "SFTTrainer"]

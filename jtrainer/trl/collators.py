@@ -72,8 +72,49 @@ class LanguageModelingCollator:
 
 def real_tokens(batch: dict[str, np.ndarray]) -> int:
     """The tokens of a batch that are not padding (TRL's num_tokens counts them)."""
+    if "chosen_attention_mask" in batch:
+        return int(np.sum(batch["chosen_attention_mask"]) + np.sum(batch["rejected_attention_mask"]))
     if "attention_mask" in batch:
         return int(np.sum(batch["attention_mask"]))
     if "segment_ids" in batch:
         return int(np.count_nonzero(batch["segment_ids"]))
     return int(np.size(batch["input_ids"]))
+
+
+@dataclasses.dataclass
+class PreferenceCollator:
+    """TRL's DPO batches (`DataCollatorForPreference`: prompt + chosen and prompt + rejected, truncated to
+    max_length, with their completion masks), one row per pair: chosen_* and rejected_* columns padded to one
+    length (TRL stacks the 2B rows, chosen first; the loss does the same in the step)."""
+
+    pad_token_id: int
+    max_length: int | None = None
+    truncation_mode: str = "keep_start"
+    pad_to_multiple_of: int | None = None
+
+    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, np.ndarray]:
+        if self.truncation_mode not in ("keep_start", "keep_end"):
+            raise ValueError(
+                f"Unsupported truncation mode: {self.truncation_mode}, expected 'keep_start' or 'keep_end'"
+            )
+        sides: dict[str, tuple[list[np.ndarray], list[np.ndarray]]] = {}
+        for side in ("chosen", "rejected"):
+            ids = [list(e["prompt_ids"]) + list(e[f"{side}_ids"]) for e in examples]
+            masks = [[0] * len(e["prompt_ids"]) + [1] * len(e[f"{side}_ids"]) for e in examples]
+            if self.max_length is not None:
+                cut = (
+                    slice(None, self.max_length) if self.truncation_mode == "keep_start" else slice(-self.max_length, None)
+                )
+                ids, masks = [i[cut] for i in ids], [m[cut] for m in masks]
+            sides[side] = ([np.asarray(i, np.int64) for i in ids], [np.asarray(m, np.int64) for m in masks])
+        longest = max(len(row) for ids, _ in sides.values() for row in ids)
+        length = _padded_length(longest, self.pad_to_multiple_of, None)
+        batch: dict[str, np.ndarray] = {}
+        for side, (ids, masks) in sides.items():
+            batch[f"{side}_input_ids"] = _pad(ids, length, self.pad_token_id)
+            batch[f"{side}_attention_mask"] = _pad([np.ones_like(i) for i in ids], length, 0)
+            batch[f"{side}_completion_mask"] = _pad(masks, length, 0)
+        for name in ("ref_chosen_logps", "ref_rejected_logps"):
+            if name in examples[0]:
+                batch[name] = np.asarray([e[name] for e in examples], np.float32)
+        return batch

@@ -11,6 +11,7 @@ import numpy as np
 
 from jtrainer import bridge
 from jtrainer.errors import BadInput
+from jtrainer.trl.collators import real_tokens
 
 
 def load_model(name_or_path: str, args: Any, needs_torch: bool, quantization_config: Any = None):
@@ -103,3 +104,48 @@ class LoggedStatistics:
         metrics = {key: sum(values) / len(values) for key, values in self.values[mode].items()}
         self.values[mode].clear()
         return metrics
+
+
+class StatisticsLogging:
+    """TRL's trainers' logging on a jtrainer Trainer: what the loss records (per compute_loss call) averaged into
+    each log, `num_tokens` the running count of non-padding training tokens, eval values prefixed eval_."""
+
+    # TRL's order of its metrics in a log (its _metrics dict's insertion order); num_tokens is placed by TRL's code.
+    metric_order: tuple[str, ...] = ()
+    num_tokens_after: str | None = None  # the metric num_tokens follows (None: last)
+
+    def _init_statistics(self) -> None:
+        self._statistics = LoggedStatistics()
+        self._total_train_tokens = 0
+
+    def _on_recorded(self, recorded: dict[str, Any], micro_batches: int, training: bool) -> None:
+        self._statistics.add(recorded, micro_batches, training)
+
+    def _track_num_input_tokens(self, batch) -> None:
+        super()._track_num_input_tokens(batch)  # type: ignore[misc]
+        self._total_train_tokens += real_tokens(batch)
+
+    def _evaluate_with_statistics(self, evaluate, *args, **kwargs):
+        with self._statistics.evaluating():
+            return evaluate(*args, **kwargs)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        statistics = self._statistics
+        mode = statistics.mode
+        values = statistics.values[mode]
+        calls = statistics.take(mode)
+        for call in calls:
+            for name in sorted(call, key=lambda n: self.metric_order.index(n) if n in self.metric_order else 99):
+                values[name].append(float(call[name]))
+        if calls:
+            values["num_tokens"] = [self._total_train_tokens]
+            if self.num_tokens_after is not None:  # TRL's insertion order
+                order = list(values)
+                order.remove("num_tokens")
+                order.insert(order.index(self.num_tokens_after) + 1, "num_tokens")
+                statistics.values[mode] = values = defaultdict(list, {name: values[name] for name in order})
+        metrics = statistics.averaged(mode)
+        if mode == "eval":
+            metrics = {f"eval_{key}": val for key, val in metrics.items()}
+        logs.update(metrics)
+        super().log(logs, start_time)  # type: ignore[misc]

@@ -80,3 +80,155 @@ def mean_over_tokens(values: jax.Array, stats: TokenStats) -> jax.Array:
     """TRL's per-batch metric: the sum over scored tokens over their count (0 without any)."""
     valid = jnp.sum(stats.mask)
     return jnp.where(valid > 0, jnp.sum(values) / jnp.maximum(valid, 1), 0.0)
+
+
+# ---------------------------------------------------------------------------------------------------------- DPO
+DPO_LOSS_TYPES = (
+    "sigmoid",
+    "hinge",
+    "ipo",
+    "exo_pair",
+    "nca_pair",
+    "robust",
+    "bco_pair",
+    "sppo_hard",
+    "aot",
+    "aot_unpaired",
+    "apo_zero",
+    "apo_down",
+    "discopop",
+    "sft",
+    "sigmoid_norm",
+)
+F_DIVERGENCE_LOSS_TYPES = {"sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair", "robust", "discopop", "sft"}
+
+
+class DPOSettings(NamedTuple):
+    """DPOConfig's numbers the loss reads (static in the compiled step)."""
+
+    loss_types: tuple[str, ...]
+    loss_weights: tuple[float, ...]
+    beta: float
+    label_smoothing: float
+    f_divergence_type: str
+    f_alpha_divergence_coef: float
+    discopop_tau: float
+    ld_alpha: float | None
+    use_weighting: bool
+
+
+def sequence_log_probs(per_token: jax.Array, mask: jax.Array, ld_alpha: float | None) -> jax.Array:
+    """Each sequence's summed log-probability over its completion [2B]; LD-DPO weights the tokens past the
+    shorter of its chosen / rejected completions by ld_alpha."""
+    if ld_alpha is None:
+        return jnp.sum(per_token, axis=1)
+    shared, tail = _length_desensitised_masks(mask)
+    return jnp.sum(per_token * shared, axis=1) + ld_alpha * jnp.sum(per_token * tail, axis=1)
+
+
+def _length_desensitised_masks(mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    position = jnp.cumsum(mask, axis=1)
+    lengths = jnp.sum(mask, axis=1)
+    chosen, rejected = jnp.split(lengths, 2)
+    shared_lengths = jnp.tile(jnp.minimum(chosen, rejected), 2)[:, None]
+    return (position > 0) & (position <= shared_lengths), position > shared_lengths
+
+
+def _scores(logratios: jax.Array, settings: DPOSettings) -> jax.Array:
+    kind = settings.f_divergence_type
+    if kind == "reverse_kl":
+        return logratios
+    if kind == "forward_kl":
+        return 1 - jnp.exp(-logratios)
+    if kind == "js_divergence":
+        return jnp.log(2.0) + jax.nn.log_sigmoid(logratios)
+    if kind == "alpha_divergence":
+        alpha = settings.f_alpha_divergence_coef
+        if abs(alpha - 1.0) < 1e-6:
+            return logratios
+        t = jnp.minimum((alpha - 1.0) * logratios.astype(jnp.float32), 80.0)
+        return (jnp.exp(t) - 1.0) / (alpha - 1.0)
+    raise ValueError(f"Unknown f_divergence_type: {kind}")
+
+
+def dpo_loss(
+    settings: DPOSettings,
+    logps: jax.Array,  # [2B]: chosen rows then rejected rows
+    ref_logps: jax.Array,  # [2B]
+    per_token: jax.Array,  # [2B, L] log p of each completion token (0 elsewhere)
+    mask: jax.Array,  # [2B, L] completion tokens scored
+    completion_mask: jax.Array,  # [2B, L] the collator's completion_mask (unshifted)
+    log_sum_sq_probs: jax.Array | None = None,  # [2B, L] WPO weighting
+) -> jax.Array:
+    """TRL 1.16's DPOTrainer loss: the weighted sum over `loss_types` of each per-pair loss's mean."""
+    beta, smoothing = settings.beta, settings.label_smoothing
+    chosen_logps, rejected_logps = jnp.split(logps, 2)
+    ref_chosen, ref_rejected = jnp.split(ref_logps, 2)
+    chosen_logratios, rejected_logratios = chosen_logps - ref_chosen, rejected_logps - ref_rejected
+    chosen_scores, rejected_scores = _scores(chosen_logratios, settings), _scores(rejected_logratios, settings)
+    delta = chosen_scores - rejected_scores
+    log_sigmoid = jax.nn.log_sigmoid
+    loss = jnp.zeros((), jnp.float32)
+    for loss_type, weight in zip(settings.loss_types, settings.loss_weights, strict=True):
+        if loss_type == "sigmoid":
+            per_pair = -log_sigmoid(beta * delta)
+        elif loss_type == "hinge":
+            per_pair = jax.nn.relu(1 - beta * delta)
+        elif loss_type in ("ipo", "sigmoid_norm"):
+            chosen_len, rejected_len = jnp.split(jnp.maximum(jnp.sum(completion_mask, axis=1), 1.0), 2)
+            averaged = chosen_scores / chosen_len - rejected_scores / rejected_len
+            per_pair = (averaged - 1 / (2 * beta)) ** 2 if loss_type == "ipo" else -log_sigmoid(beta * averaged)
+        elif loss_type == "exo_pair":
+            qw, log_qw = jax.nn.sigmoid(beta * delta), log_sigmoid(beta * delta)
+            ql, log_ql = jax.nn.sigmoid(-beta * delta), log_sigmoid(-beta * delta)
+            per_pair = qw * (log_qw - jnp.log1p(-smoothing)) + ql * (log_ql - jnp.log(smoothing))
+        elif loss_type == "nca_pair":
+            chosen_rewards, rejected_rewards = beta * chosen_logratios, beta * rejected_logratios
+            per_pair = (
+                -log_sigmoid(chosen_rewards) - 0.5 * log_sigmoid(-chosen_rewards) - 0.5 * log_sigmoid(-rejected_rewards)
+            )
+        elif loss_type == "robust":
+            clean = -(1 - smoothing) * log_sigmoid(beta * delta)
+            flipped = -smoothing * log_sigmoid(-beta * delta)
+            per_pair = (clean - flipped) / (1 - 2 * smoothing)
+        elif loss_type == "bco_pair":
+            per_pair = -log_sigmoid(beta * chosen_logratios) - log_sigmoid(-beta * rejected_logratios)
+        elif loss_type == "sppo_hard":
+            per_pair = (chosen_logratios - 0.5 / beta) ** 2 + (rejected_logratios + 0.5 / beta) ** 2
+        elif loss_type in ("aot", "aot_unpaired"):
+            if loss_type == "aot":
+                gap = jnp.sort(chosen_logps - rejected_logps) - jnp.sort(ref_chosen - ref_rejected)
+            else:
+                gap = jnp.sort(chosen_logratios) - jnp.sort(rejected_logratios)
+            per_pair = -log_sigmoid(beta * gap) * (1 - smoothing) - log_sigmoid(-beta * gap) * smoothing
+        elif loss_type == "apo_zero":
+            per_pair = (1 - jax.nn.sigmoid(beta * chosen_logratios)) + jax.nn.sigmoid(beta * rejected_logratios)
+        elif loss_type == "apo_down":
+            per_pair = jax.nn.sigmoid(beta * chosen_logratios) + (
+                1 - jax.nn.sigmoid(beta * (chosen_logratios - rejected_logratios))
+            )
+        elif loss_type == "discopop":
+            logits = beta * delta
+            modulation = jax.nn.sigmoid(logits / settings.discopop_tau)
+            per_pair = -log_sigmoid(logits) * (1 - modulation) + jnp.exp(-logits) * modulation
+        elif loss_type == "sft":
+            chosen_mask = jnp.split(mask, 2)[0]
+            chosen_tokens = jnp.split(per_token, 2)[0]
+            per_pair = jnp.broadcast_to(-jnp.sum(chosen_tokens * chosen_mask) / jnp.sum(chosen_mask), delta.shape)
+        else:
+            raise ValueError(f"Unknown loss type: {loss_type}. Should be one of {list(DPO_LOSS_TYPES)}")
+        if settings.use_weighting:
+            assert log_sum_sq_probs is not None
+            lengths = jnp.maximum(jnp.sum(mask, axis=1), 1)
+            aligned = jax.lax.stop_gradient((per_token - log_sum_sq_probs) * mask)
+            weights = jnp.exp(jnp.sum(aligned, axis=1) / lengths)
+            chosen_weights, rejected_weights = jnp.split(weights, 2)
+            per_pair = per_pair * chosen_weights * rejected_weights
+        loss = loss + jnp.mean(per_pair) * weight
+    return loss
+
+
+def log_sum_sq_probs(logits_BxLxV: jax.Array) -> jax.Array:
+    """log(sum_v p_v^2) of each position (WPO's weighting), without gradient."""
+    log_p = jax.nn.log_softmax(jax.lax.stop_gradient(logits_BxLxV).astype(jnp.float32), axis=-1)
+    return jax.nn.logsumexp(2 * log_p, axis=-1)

@@ -30,19 +30,20 @@ from jtrainer.numerics import step_metrics
 from jtrainer.numerics.step import split_outputs
 from jtrainer.trainer.trainer import Trainer
 from jtrainer.trl import losses
-from jtrainer.trl.collators import LanguageModelingCollator, real_tokens
-from jtrainer.trl.common import LoggedStatistics, apply_peft, is_peft_model, load_model
+from jtrainer.trl.collators import LanguageModelingCollator
+from jtrainer.trl.common import StatisticsLogging, apply_peft, is_peft_model, load_model
 from jtrainer.trl.config import SFTConfig
 
 logger = transformers.utils.logging.get_logger(__name__)
 
 
-class SFTTrainer(Trainer):
+class SFTTrainer(StatisticsLogging, Trainer):
     """TRL's `SFTTrainer(model, args, data_collator, train_dataset, eval_dataset, processing_class, ...)`, trained
     by jtrainer's compiled step."""
 
     _tag_names = ["trl", "sft"]
     _name = "SFT"
+    metric_order = ("entropy", "mean_token_accuracy")
 
     def __init__(
         self,
@@ -186,8 +187,7 @@ class SFTTrainer(Trainer):
             if eval_dataset is not None:
                 eval_dataset = self._prepare_eval(eval_dataset, processing_class, args)
 
-        self._statistics = LoggedStatistics()
-        self._total_train_tokens = 0
+        self._init_statistics()
         super().__init__(
             model=model,
             args=args,
@@ -287,34 +287,13 @@ class SFTTrainer(Trainer):
 
     compute_loss.written_in_jax = True  # type: ignore[attr-defined]
 
-    def _on_recorded(self, recorded: dict[str, Any], micro_batches: int, training: bool) -> None:
-        self._statistics.add(recorded, micro_batches, training)
-
-    def _track_num_input_tokens(self, batch) -> None:
-        super()._track_num_input_tokens(batch)
-        self._total_train_tokens += real_tokens(batch)
-
     # ---------------------------------------------------------------------------------------------- logs
     def evaluate(self, eval_dataset: Any = None, ignore_keys: list[str] | None = None, metric_key_prefix="eval"):
         if not self._skip_prepare_dataset and eval_dataset is not None and not isinstance(eval_dataset, str):
             eval_dataset = self._prepare_eval(eval_dataset, self.processing_class, self.args)
-        with self._statistics.evaluating():
-            return super().evaluate(eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
-
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        mode = self._statistics.mode
-        values = self._statistics.values[mode]
-        calls = self._statistics.take(mode)
-        for call in calls:
-            for name, value in call.items():
-                values[name].append(float(value))
-        if calls:
-            values["num_tokens"] = [self._total_train_tokens]
-        metrics = self._statistics.averaged(mode)
-        if mode == "eval":
-            metrics = {f"eval_{key}": val for key, val in metrics.items()}
-        logs.update(metrics)
-        super().log(logs, start_time)
+        return self._evaluate_with_statistics(
+            super().evaluate, eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix
+        )
 
 
 def _sft_config(model: Any, args: Any) -> SFTConfig:
