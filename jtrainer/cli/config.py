@@ -65,9 +65,13 @@ def parse_train_args(argv: list[str], command: str = "train"):
     if argv and argv[0].endswith((".yaml", ".yml", ".json")):
         config_path, argv = argv[0], argv[1:]
     values = read_config(config_path)
+    training_class = training_arguments_class(_chosen_trainer(values, argv))
+    dataclass_types = (ModelArguments, DataArguments, training_class, RunArguments)
     parser = HfArgumentParser(list[Any](dataclass_types), prog=f"jtrainer {command}")
-    # Seq2SeqTrainingArguments: TrainingArguments plus predict_with_generate & co, for every task.
-    help_pages.mark_full_help(parser, command, {f.name for f in dataclasses.fields(Seq2SeqTrainingArguments)})
+    # The training fields: Seq2SeqTrainingArguments (TrainingArguments plus predict_with_generate & co, for every
+    # task), or TRL's SFTConfig / DPOConfig for `trainer: sft | dpo`.
+    training_fields = {f.name for f in dataclasses.fields(training_class)}
+    help_pages.mark_full_help(parser, command, training_fields, getattr(training_class, "trl_fields", None))
     if "--help-all" in argv:
         parser.print_help()
         raise SystemExit(0)
@@ -89,6 +93,32 @@ def parse_train_args(argv: list[str], command: str = "train"):
         return parser.parse_args_into_dataclasses(args=argv)
     except ValueError as e:  # the dataclasses' own validation (HF's and jtrainer's), before any work
         raise BadInput(str(e).strip().replace("\n", " ")) from None
+
+
+def _chosen_trainer(values: dict, argv: list[str]) -> str:
+    """The `trainer` field, read before parsing: it decides which arguments class the training fields are."""
+    chosen = values.get("trainer", "trainer")
+    for i, arg in enumerate(argv):
+        if arg == "--trainer" and i + 1 < len(argv):
+            chosen = argv[i + 1]
+        elif arg.startswith("--trainer="):
+            chosen = arg.split("=", 1)[1]
+    return str(chosen)
+
+
+def training_arguments_class(trainer: str):
+    """HF's Trainer: jtrainer's Seq2SeqTrainingArguments (every task); TRL's trainers: their configs."""
+    if trainer not in ("sft", "dpo"):
+        from jtrainer import Seq2SeqTrainingArguments
+
+        return Seq2SeqTrainingArguments
+    try:
+        import trl  # noqa: F401
+    except ImportError:
+        raise BadInput(f'trainer: {trainer} runs TRL\'s trainer: install it with pip install -e ".[trl]".') from None
+    from jtrainer.trl import DPOConfig, SFTConfig
+
+    return SFTConfig if trainer == "sft" else DPOConfig
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):

@@ -151,9 +151,16 @@ def short_help(command: str, dataclass_types) -> str:
     return "\n".join(lines)
 
 
-def mark_full_help(parser: argparse.ArgumentParser, command: str, training_fields: set[str]) -> None:
+def mark_full_help(
+    parser: argparse.ArgumentParser,
+    command: str,
+    training_fields: set[str],
+    trl_fields: dict[str, tuple[str, str]] | None = None,
+) -> None:
     """Prefix each TrainingArguments flag's help with how jtrainer treats it (as `jtrainer check` reports it;
-    `jtrainer` for fields HF does not have); hide `check`'s own flags under `train`."""
+    `jtrainer` for fields HF does not have; TRL's config fields by `trl_fields`); hide `check`'s own flags under
+    `train`."""
+    trl_fields = trl_fields or {}
     import transformers
 
     from jtrainer.trainer.args import field_treatment
@@ -166,4 +173,7 @@ def mark_full_help(parser: argparse.ArgumentParser, command: str, training_field
         elif action.dest in training_fields and action.help is not argparse.SUPPRESS:
             status, why = field_treatment(action.dest)
             mark = "jtrainer" if action.dest not in hf_fields else f"{status}: {why}" if why else status
+            if action.dest in trl_fields:
+                status, why = trl_fields[action.dest]
+                mark = f"TRL, {status}: {why}"
             action.help = f"[{mark}] " + (action.help or "")

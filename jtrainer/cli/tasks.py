@@ -35,6 +35,15 @@ class ModelArguments:
     """The model: a local HF folder to fine-tune, or a fresh model of `model_type` and this size."""
 
     task: str = field(default="causal_lm", metadata={"help": "causal_lm | sequence_classification | seq2seq."})
+    trainer: str = field(
+        default="trainer",
+        metadata={
+            "help": "trainer (HF's Trainer), or TRL's sft / dpo (needs jtrainer[trl]): a pretrained causal LM "
+            "fine-tuned on train_file's text / prompt-completion / messages rows (sft) or prompt / chosen / "
+            "rejected rows (dpo); the training fields are then SFTConfig's / DPOConfig's.",
+            "choices": ["trainer", "sft", "dpo"],
+        },
+    )
     model_name_or_path: str | None = field(default=None, metadata={"help": "Local folder with config.json + weights."})
     model_type: str = field(default="llama", metadata={"help": "Family of a fresh model: llama, gpt2, bert, t5, ..."})
     tokenizer_name: str | None = field(default=None, metadata={"help": "Local tokenizer folder (default: trained)."})
@@ -131,7 +140,7 @@ def check_job(model_args: ModelArguments, data_args: DataArguments, training_arg
     ):
         storage.check_reachable(path or "", name)
     check_run(model_args, data_args, training_args)
-    _check_data(data_args, model_args.task)
+    check_data(data_args, model_args.task)
     if training_args.max_steps <= 0 and training_args.num_train_epochs <= 0:
         raise BadInput("max_steps and num_train_epochs are both 0: nothing would be trained; set one above 0.")
 
@@ -256,7 +265,7 @@ def check_data_sizes(data_args: DataArguments) -> None:
     _at_least(data_args, 0, "sample_tokens")
 
 
-def _check_data(data_args: DataArguments, task: str) -> None:
+def check_data(data_args: DataArguments, task: str) -> None:
     d = data_args
     check_data_sizes(d)
     if not 0 < d.eval_fraction < 1:

@@ -61,10 +61,20 @@ def run_train(
         check_optimizer(training_args)  # fail before reading text and training a tokenizer
     except ValueError as e:
         raise BadInput(str(e)) from None
-    tasks.check_job(model_args, data_args, training_args)
+    trl = model_args.trainer in ("sft", "dpo")
+    if trl:
+        from jtrainer.cli.trl_job import check_trl_job
+
+        check_trl_job(model_args, data_args, training_args)
+    else:
+        tasks.check_job(model_args, data_args, training_args)
     with sigterm_stops_the_job(training_args.output_dir):
         with run_lock.hold(training_args.output_dir, is_main=jax.process_index() == 0):
             resume = resume_point(training_args, run_args or RunArguments())
+            if trl:
+                from jtrainer.cli.trl_job import trl_job
+
+                return trl_job(model_args, data_args, training_args, resume)
             return _train_job(model_args, data_args, training_args, resume)
 
 

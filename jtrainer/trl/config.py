@@ -9,7 +9,7 @@ cannot honour is refused in one line when set (`check_trl_fields`), never droppe
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import trl
 
@@ -94,6 +94,8 @@ def _resolve_auto_padding(args: Any) -> None:
 class SFTConfig(trl.SFTConfig, TrainingArguments):
     """TRL's SFTConfig (its fields and defaults) with jtrainer's TrainingArguments."""
 
+    trl_fields: ClassVar[dict[str, tuple[str, str]]] = SFT_FIELDS
+
     def __post_init__(self):
         _resolve_auto_padding(self)
         super().__post_init__()
@@ -106,6 +108,8 @@ class SFTConfig(trl.SFTConfig, TrainingArguments):
 @dataclasses.dataclass(repr=False)
 class DPOConfig(trl.DPOConfig, TrainingArguments):
     """TRL's DPOConfig (its fields and defaults) with jtrainer's TrainingArguments."""
+
+    trl_fields: ClassVar[dict[str, tuple[str, str]]] = DPO_FIELDS
 
     def __post_init__(self):
         _resolve_auto_padding(self)

@@ -1,0 +1,74 @@
+"""`jtrainer train` with `trainer: sft` / `trainer: dpo`: a chat dataset file and a local model folder, TRL's
+config fields in the YAML, resumed from its checkpoint when run again."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+pytest.importorskip("trl")
+
+from jtrainer.cli import main  # noqa: E402
+from tests import trl_cases as cases  # noqa: E402
+
+
+def model_folder(tmp_path):
+    folder = tmp_path / "model"
+    cases.torch_llama().save_pretrained(folder)
+    cases.tokenizer().save_pretrained(folder)
+    return folder
+
+
+def write_rows(path, rows):
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def config(tmp_path, trainer, rows, **over):
+    values = dict(
+        trainer=trainer,
+        model_name_or_path=str(model_folder(tmp_path)),
+        train_file=str(write_rows(tmp_path / "rows.jsonl", rows)),
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        max_steps=2,
+        bf16=False,
+        logging_steps=1,
+        save_steps=1,
+        report_to="none",
+        eval_fraction=0.25,
+    )
+    values.update(over)
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(values))
+    return str(path)
+
+
+def test_sft_job_on_a_chat_file_trains_and_resumes(tmp_path, capsys):
+    job = config(tmp_path, "sft", cases.conversation_rows(16), assistant_only_loss=True, packing=False)
+    assert main(["train", job]) == 0
+    out = capsys.readouterr().out
+    assert "trainer: sft" in out and "saved in HF format" in out
+    assert (tmp_path / "out" / "model.safetensors").exists()
+    assert main(["train", job, "--max_steps", "3"]) == 0  # run again: continues from checkpoint-2
+    assert "resuming from" in capsys.readouterr().out
+
+
+def test_dpo_job_trains(tmp_path, capsys):
+    job = config(tmp_path, "dpo", cases.preference_rows(16), beta=0.2, loss_type="sigmoid")
+    assert main(["train", job]) == 0
+    assert "held-out eval_loss" in capsys.readouterr().out
+
+
+def test_trl_job_refuses_in_one_line(tmp_path, capsys):
+    job = config(tmp_path, "sft", cases.preference_rows(8))
+    capsys.readouterr()
+    assert main(["train", job]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no messages or prompt+completion or text rows" in err[0], err
+    job = config(tmp_path, "sft", cases.text_rows(8), model_name_or_path=None)
+    capsys.readouterr()
+    assert main(["train", job]) == 1
+    assert "model_name_or_path: trainer: sft fine-tunes a pretrained model" in capsys.readouterr().err
