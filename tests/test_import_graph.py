@@ -92,6 +92,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("checkpointing", ("checkpointing",)),
     ("sizing", ("sizing",)),
     ("trainer", ("trainer",)),  # HF's front end and the loop
+    ("trl", ("trl",)),  # TRL's trainers on the Trainer
     ("cli", ("cli",)),  # the `jtrainer` command
 ]
 

@@ -81,14 +81,15 @@ TORCH_MODULES = {
 
 
 def test_import_loads_no_torch_until_torch_code_arrives(tmp_path):
-    """`import jtrainer`, the public names and every module outside the bridge's torch side load no torch, peft,
-    accelerate or bitsandbytes (installed here: the test extras); a native model trains without them; a
-    transformers.Trainer imported afterwards still gets torch, peft and accelerate where it needs them."""
+    """`import jtrainer`, the public names and every module outside the bridge's torch side and jtrainer.trl load
+    no torch, peft, accelerate, bitsandbytes or TRL (installed here: the test extras); a native model trains
+    without them; a transformers.Trainer imported afterwards still gets torch, peft and accelerate where it needs
+    them."""
     done = _run(
         f"""
         import importlib, os, pkgutil, sys
         sys.path.insert(0, "tests")
-        torch_side = ("torch", "peft", "accelerate", "bitsandbytes", "torchax")
+        torch_side = ("torch", "peft", "accelerate", "bitsandbytes", "torchax", "trl")
         loaded = lambda: sorted({{m.split(".")[0] for m in sys.modules}} & set(torch_side))
         import jtrainer
         assert loaded() == [], ("import jtrainer", loaded())
@@ -96,6 +97,8 @@ def test_import_loads_no_torch_until_torch_code_arrives(tmp_path):
         from jtrainer import *  # noqa
         import jtrainer.cli
         for info in pkgutil.walk_packages(jtrainer.__path__, "jtrainer."):
+            if info.name.startswith("jtrainer.trl."):  # TRL's trainers: TRL imports torch
+                continue
             if info.name not in {sorted(TORCH_MODULES)!r} and not info.name.endswith("__main__"):
                 importlib.import_module(info.name)
         assert loaded() == [], ("the modules", loaded())

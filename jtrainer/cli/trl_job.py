@@ -54,11 +54,10 @@ def _check_form(dataset, trainer: str, source: str) -> None:
 
 
 def trl_job(model_args: ModelArguments, data_args: DataArguments, training_args, resume: str | None) -> dict:
+    import datasets
     from transformers import AutoTokenizer
 
     from jtrainer.trl import DPOTrainer, SFTTrainer
-
-    import datasets
 
     datasets.disable_progress_bars()  # reading a file is quick; a refusal of its columns stays one line
     try:

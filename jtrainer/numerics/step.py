@@ -428,7 +428,9 @@ def make_eval_step(
             if labels is None and not spec.loss_without_labels:  # HF: no loss, the model alone
                 loss, outputs = None, model(**{k: v for k, v in inputs.items() if k not in spec.label_names})
             else:  # HF 5.x counts the batch's items in evaluation too
-                num_items = count_label_tokens(labels, spec.count_shifted) if spec.pass_num_items else None
+                num_items = None
+                if spec.pass_num_items and labels is not None:
+                    num_items = count_label_tokens(labels, spec.count_shifted)
                 if not want_logits and spec.skip_logits_in_loss_only:
                     inputs = {**inputs, "skip_logits": True}  # HF's use_liger_kernel with prediction_loss_only
                 with recording() as recorded:

@@ -77,7 +77,6 @@ from jtrainer.trainer.overrides import (
     check_loader,
     check_optimizer_override,
     check_overrides,
-    overrides,
 )
 from jtrainer.trainer.saving import SavingMixin
 from jtrainer.trainer.training_run import LossLog, PreemptionNotice, Throughput, TrainingRun, sigterm_notice

@@ -103,17 +103,19 @@ class PreferenceCollator:
             masks = [[0] * len(e["prompt_ids"]) + [1] * len(e[f"{side}_ids"]) for e in examples]
             if self.max_length is not None:
                 cut = (
-                    slice(None, self.max_length) if self.truncation_mode == "keep_start" else slice(-self.max_length, None)
+                    slice(None, self.max_length)
+                    if self.truncation_mode == "keep_start"
+                    else slice(-self.max_length, None)
                 )
                 ids, masks = [i[cut] for i in ids], [m[cut] for m in masks]
             sides[side] = ([np.asarray(i, np.int64) for i in ids], [np.asarray(m, np.int64) for m in masks])
-        longest = max(len(row) for ids, _ in sides.values() for row in ids)
+        longest = max(len(row) for rows, _ in sides.values() for row in rows)
         length = _padded_length(longest, self.pad_to_multiple_of, None)
         batch: dict[str, np.ndarray] = {}
-        for side, (ids, masks) in sides.items():
-            batch[f"{side}_input_ids"] = _pad(ids, length, self.pad_token_id)
-            batch[f"{side}_attention_mask"] = _pad([np.ones_like(i) for i in ids], length, 0)
-            batch[f"{side}_completion_mask"] = _pad(masks, length, 0)
+        for side, (rows, row_masks) in sides.items():
+            batch[f"{side}_input_ids"] = _pad(rows, length, self.pad_token_id)
+            batch[f"{side}_attention_mask"] = _pad([np.ones_like(i) for i in rows], length, 0)
+            batch[f"{side}_completion_mask"] = _pad(row_masks, length, 0)
         for name in ("ref_chosen_logps", "ref_rejected_logps"):
             if name in examples[0]:
                 batch[name] = np.asarray([e[name] for e in examples], np.float32)

@@ -84,6 +84,12 @@ def check_trl_fields(args: Any, table: dict[str, tuple[str, str]], defaults: typ
             raise BadInput(f"{type(args).__name__}.{name}={value!r} is not supported by jtrainer.trl: {why}.")
 
 
+def padding_multiple(args: Any) -> int | None:
+    """pad_to_multiple_of as a number (TRL's field also takes "auto", resolved at construction)."""
+    value = args.pad_to_multiple_of
+    return None if value is None else int(value)
+
+
 def _resolve_auto_padding(args: Any) -> None:
     # TRL reads "auto" from torch's device type (128 on Neuron); jtrainer never runs there.
     if args.pad_to_multiple_of == "auto":

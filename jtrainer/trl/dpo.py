@@ -29,7 +29,7 @@ from jtrainer.trainer.trainer import Trainer
 from jtrainer.trl import losses
 from jtrainer.trl.collators import PreferenceCollator
 from jtrainer.trl.common import StatisticsLogging, apply_peft, is_peft_model, load_model
-from jtrainer.trl.config import DPOConfig
+from jtrainer.trl.config import DPOConfig, padding_multiple
 from jtrainer.trl.reference import REFERENCE_COLUMNS, Reference, pair_forward, paired
 
 logger = transformers.utils.logging.get_logger(__name__)
@@ -90,7 +90,9 @@ class DPOTrainer(StatisticsLogging, Trainer):
         _check_settings(args)
         transformers.set_seed(args.seed)
         if isinstance(model, str):
-            model = load_model(model, args, needs_torch=peft_config is not None, quantization_config=quantization_config)
+            model = load_model(
+                model, args, needs_torch=peft_config is not None, quantization_config=quantization_config
+            )
         elif quantization_config is not None:
             raise ValueError(
                 "You passed `quantization_config` to the trainer, but your model is already instantiated. "
@@ -140,7 +142,7 @@ class DPOTrainer(StatisticsLogging, Trainer):
                 pad_token_id=self._tokenizer.pad_token_id,
                 max_length=args.max_length,
                 truncation_mode=args.truncation_mode,
-                pad_to_multiple_of=args.pad_to_multiple_of,
+                pad_to_multiple_of=padding_multiple(args),
             )
         if is_peft_model(model):
             from peft.tuners.tuners_utils import BaseTunerLayer
@@ -315,7 +317,9 @@ class DPOTrainer(StatisticsLogging, Trainer):
             ref_logps = jnp.concatenate([inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]])
         ref_logps = jax.lax.stop_gradient(ref_logps.astype(jnp.float32))
         weighting = losses.log_sum_sq_probs(logits) if settings.use_weighting else None
-        loss = losses.dpo_loss(settings, logps, ref_logps, stats.log_probs, stats.mask, pair["completion_mask"], weighting)
+        loss = losses.dpo_loss(
+            settings, logps, ref_logps, stats.log_probs, stats.mask, pair["completion_mask"], weighting
+        )
         _record_statistics(settings.beta, logits, stats, logps, ref_logps)
         return (loss, outputs) if return_outputs else loss
 

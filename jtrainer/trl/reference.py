@@ -58,7 +58,9 @@ def sequence_log_probs(model, pair, bridged: bool, ld_alpha, adapter_disabled: b
 class Reference:
     """A frozen copy of a model on the mesh and its jitted log-probability pass."""
 
-    def __init__(self, nnx_model, mesh, axis_rules, context, compute_dtype, bridged: bool, ld_alpha, adapter_disabled=False):
+    def __init__(
+        self, nnx_model, mesh, axis_rules, context, compute_dtype, bridged: bool, ld_alpha, adapter_disabled=False
+    ):
         graphdef = graphdef_in_mode(nnx_model, training=False)
         _, params, rest = split_params(nnx_model)
         self._context = context  # the Trainer's mesh and logical rules, under which model code traces

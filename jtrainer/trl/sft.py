@@ -32,7 +32,7 @@ from jtrainer.trainer.trainer import Trainer
 from jtrainer.trl import losses
 from jtrainer.trl.collators import LanguageModelingCollator
 from jtrainer.trl.common import StatisticsLogging, apply_peft, is_peft_model, load_model
-from jtrainer.trl.config import SFTConfig
+from jtrainer.trl.config import SFTConfig, padding_multiple
 
 logger = transformers.utils.logging.get_logger(__name__)
 
@@ -85,7 +85,9 @@ class SFTTrainer(StatisticsLogging, Trainer):
 
         transformers.set_seed(args.seed)  # TRL: peft draws its adapter weights after this
         if isinstance(model, str):
-            model = load_model(model, args, needs_torch=peft_config is not None, quantization_config=quantization_config)
+            model = load_model(
+                model, args, needs_torch=peft_config is not None, quantization_config=quantization_config
+            )
         elif quantization_config is not None:
             logger.warning("You passed `quantization_config` to the trainer, but your model is already instantiated.")
 
@@ -159,7 +161,7 @@ class SFTTrainer(StatisticsLogging, Trainer):
             data_collator = LanguageModelingCollator(
                 pad_token_id=self._tokenizer.pad_token_id,
                 padding_free=self.padding_free,
-                pad_to_multiple_of=args.pad_to_multiple_of,
+                pad_to_multiple_of=padding_multiple(args),
                 fixed_length=args.max_length if (self.padding_free and args.packing) else None,
             )
 
@@ -169,9 +171,12 @@ class SFTTrainer(StatisticsLogging, Trainer):
                 "(e.g., `packing=True, packing_strategy='bfd'`), provide already truncated inputs, or set "
                 "`max_length=None`."
             )
-        self._skip_prepare_dataset = bool(args.dataset_kwargs and args.dataset_kwargs.get("skip_prepare_dataset"))
+        dataset_kwargs = args.dataset_kwargs if isinstance(args.dataset_kwargs, dict) else {}
+        self._skip_prepare_dataset = bool(dataset_kwargs.get("skip_prepare_dataset"))
         self._formatting_func = formatting_func
-        eval_datasets = eval_dataset if isinstance(eval_dataset, dict) else {"eval": eval_dataset} if eval_dataset else {}
+        eval_datasets = (
+            eval_dataset if isinstance(eval_dataset, dict) else {"eval": eval_dataset} if eval_dataset else {}
+        )
         self._reject_skip_prepare_without_labels({"train": train_dataset, **eval_datasets})
         if not self._skip_prepare_dataset:
             if self.completion_only_loss and formatting_func:
@@ -306,8 +311,8 @@ def _sft_config(model: Any, args: Any) -> SFTConfig:
     if isinstance(args, transformers.TrainingArguments):
         if type(args).__module__.startswith("trl."):
             raise BadInput(
-                f"args: a trl.{type(args).__name__} reached jtrainer.trl; import {type(args).__name__} from jtrainer.trl "
-                "(its fields are TRL's)."
+                f"args: a trl.{type(args).__name__} reached jtrainer.trl; import {type(args).__name__} from "
+                "jtrainer.trl (its fields are TRL's)."
             )
         fields = args.to_dict()
         fields["hub_token"] = args.hub_token
