@@ -13,6 +13,7 @@ pytest.importorskip("trl")
 import trl  # noqa: E402
 
 from jtrainer import trl as jtrl  # noqa: E402
+from jtrainer.trl.losses import DPO_LOSS_TYPES  # noqa: E402
 from tests import trl_cases as cases  # noqa: E402
 
 DPO_KEYS = [
@@ -92,7 +93,7 @@ def test_precomputed_reference_log_probs(tmp_path):
     assert_same(theirs, ours)
 
 
-ALL_LOSSES = [t for t in (jtrl.dpo.losses.DPO_LOSS_TYPES) if t != "exo_pair"]
+ALL_LOSSES = [t for t in DPO_LOSS_TYPES if t != "exo_pair"]
 
 
 @pytest.mark.parametrize(
@@ -116,3 +117,33 @@ def test_evaluate_logs_trl_statistics(tmp_path):
     reference, mine = theirs.evaluate(held_out), ours.evaluate(held_out)
     for key in ("eval_loss", "eval_rewards/chosen", "eval_rewards/margins", "eval_logps/rejected", "eval_entropy"):
         assert np.isclose(mine[key], reference[key], rtol=1e-4, atol=1e-6), (key, mine, reference)
+
+
+def test_stop_and_resume_is_exact(tmp_path):
+    """Stopped at its step-2 checkpoint and resumed, a DPO run (explicit reference, shuffled order) logs the
+    uninterrupted run's steps 3 and 4."""
+    dataset = datasets.Dataset.from_list(cases.preference_rows(24))
+    model = cases.torch_llama()
+
+    def trainer():
+        fields = cases.config_fields(tmp_path / "run", max_steps=4, save_steps=2, learning_rate=1e-2)
+        fields.update(save_strategy="steps")
+        fields.pop("train_sampling_strategy")
+        return jtrl.DPOTrainer(
+            model=cases.twin(model),
+            ref_model=cases.twin(model),
+            args=jtrl.DPOConfig(**fields),
+            train_dataset=dataset,
+            processing_class=cases.tokenizer(),
+        )
+
+    whole = trainer()
+    whole.train()
+    full = cases.train_logs(whole.state.log_history)
+    resumed = trainer()
+    resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
+    tail = [e for e in cases.train_logs(resumed.state.log_history) if e["step"] > 2]
+    assert [e["step"] for e in tail] == [3, 4]
+    for mine, ref in zip(tail, full[2:], strict=True):
+        for key in ("loss", "grad_norm", "rewards/margins", "logps/chosen"):
+            assert np.isclose(mine[key], ref[key], rtol=1e-6), (key, mine, ref)

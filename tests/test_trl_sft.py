@@ -128,3 +128,32 @@ def test_model_path_trains_the_native_model_with_packed_segments(tmp_path):
 
     assert isinstance(ours.model, LlamaForCausalLM)
     cases.assert_logs_match(ours.state.log_history, theirs.state.log_history, SFT_KEYS)
+
+
+def test_stop_and_resume_is_exact(tmp_path):
+    """A run stopped at its step-2 checkpoint and resumed logs the uninterrupted run's steps 3 and 4 (packed
+    rows, shuffled order); num_tokens restarts at 0, as TRL's does."""
+    dataset = datasets.Dataset.from_list(cases.text_rows(40))
+
+    def trainer(name, **over):
+        fields = cases.config_fields(tmp_path / name, packing=True, max_length=24, max_steps=4, save_steps=2)
+        fields.update(save_strategy="steps", **over)
+        fields.pop("train_sampling_strategy")
+        return jtrl.SFTTrainer(
+            model=cases.torch_llama(),
+            args=jtrl.SFTConfig(**fields),
+            train_dataset=dataset,
+            processing_class=cases.tokenizer(),
+        )
+
+    whole = trainer("whole")
+    whole.train()
+    resumed = trainer("resumed", output_dir=str(tmp_path / "whole"))
+    resumed.train(resume_from_checkpoint=str(tmp_path / "whole" / "checkpoint-2"))
+    full = cases.train_logs(whole.state.log_history)
+    tail = [e for e in cases.train_logs(resumed.state.log_history) if e["step"] > 2]  # (1, 2: the checkpoint's)
+    assert [e["step"] for e in tail] == [3, 4]
+    for mine, ref in zip(tail, full[2:], strict=True):
+        for key in ("loss", "grad_norm", "entropy", "mean_token_accuracy"):
+            assert np.isclose(mine[key], ref[key], rtol=1e-6), (key, mine, ref)
+    assert tail[-1]["num_tokens"] == full[-1]["num_tokens"] - full[1]["num_tokens"]
