@@ -72,3 +72,32 @@ def test_trl_job_refuses_in_one_line(tmp_path, capsys):
     capsys.readouterr()
     assert main(["train", job]) == 1
     assert "model_name_or_path: trainer: sft fine-tunes a pretrained model" in capsys.readouterr().err
+
+
+def test_sft_job_killed_mid_run_continues_from_its_last_checkpoint(tmp_path, capsys):
+    """kill -9 during `jtrainer train` (trainer: sft): the committed checkpoints survive, and the same command
+    continues from the last one."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tests.conftest import wait_until
+
+    job = config(tmp_path, "sft", cases.text_rows(32), max_steps=500, save_steps=2, packing=True, max_length=24)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jtrainer.cli", "train", job],
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        wait_until(lambda: (tmp_path / "out" / "checkpoint-4").is_dir(), proc, "checkpoint-4")
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    capsys.readouterr()
+    committed = [p.name for p in (tmp_path / "out").glob("checkpoint-*") if p.name.split("-")[1].isdigit()]
+    last = max(int(name.split("-")[1]) for name in committed)  # (a checkpoint being written is not one)
+    assert main(["train", job, "--max_steps", str(last + 2)]) == 0
+    assert f"resuming from {tmp_path / 'out' / f'checkpoint-{last}'}" in capsys.readouterr().out
