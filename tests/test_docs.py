@@ -102,6 +102,19 @@ def _namespace(page: str) -> dict:
             class_weights=jnp.ones(64),
         )
         ns.update(train=token_rows(8))
+    elif page == "docs/trl.md":
+        import json
+
+        import torch
+
+        from tests import trl_cases
+
+        trl_cases.torch_llama().save_pretrained("path/to/model")
+        trl_cases.tokenizer().save_pretrained("path/to/model")
+        for name, rows in (("chat", trl_cases.conversation_rows()), ("prefs", trl_cases.preference_rows())):
+            with open(f"{name}.jsonl", "w") as f:
+                f.writelines(json.dumps(row) + "\n" for row in rows)
+        torch.manual_seed(0)
     elif page == "docs/performance.md":
         ns.update(tokenizer=_tokenizer(), texts=[f"def f{i}(): return {i}" for i in range(20)])
     elif page == "docs/integrations.md":

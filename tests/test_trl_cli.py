@@ -101,3 +101,13 @@ def test_sft_job_killed_mid_run_continues_from_its_last_checkpoint(tmp_path, cap
     last = max(int(name.split("-")[1]) for name in committed)  # (a checkpoint being written is not one)
     assert main(["train", job, "--max_steps", str(last + 2)]) == 0
     assert f"resuming from {tmp_path / 'out' / f'checkpoint-{last}'}" in capsys.readouterr().out
+
+
+def test_help_all_marks_trl_fields(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--trainer", "dpo", "--help-all"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--beta BETA [TRL, honoured: the loss's temperature]" in text
+    assert "--sync-ref-model [SYNC_REF_MODEL] [TRL, refused: TR-DPO" in text
+    assert "--learning-rate LEARNING_RATE [honoured]" in text
+    assert "(default: 1e-06)" in text  # DPOConfig's default learning rate

@@ -28,6 +28,7 @@ SHORT_FIELDS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
         "model",
         (
             ("task", "causal_lm | sequence_classification | seq2seq"),
+            ("trainer", "trainer | sft | dpo (TRL's trainers; their fields: --help-all)"),
             ("model_name_or_path", "a local transformers model folder to fine-tune"),
             ("model_type", "a fresh model: llama, mistral, qwen2, qwen3, gpt2, bert, t5"),
             ("hidden_size", "a fresh model's width (num_hidden_layers, ...)"),
