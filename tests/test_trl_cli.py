@@ -111,3 +111,30 @@ def test_help_all_marks_trl_fields(capsys):
     assert "--sync-ref-model [SYNC_REF_MODEL] [TRL, refused: TR-DPO" in text
     assert "--learning-rate LEARNING_RATE [honoured]" in text
     assert "(default: 1e-06)" in text  # DPOConfig's default learning rate
+
+
+def test_check_sizes_sft_and_dpo_steps(tmp_path, capsys):
+    """`jtrainer check` compiles TRL's step: SFT's packed rows at max_length; DPO's pairs (two sequences a row)
+    with the reference's weights held beside the policy (none with peft: the adapter is disabled instead)."""
+    fresh = dict(
+        model_type="llama",
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tokenizer_vocab_size=300,
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=2,
+        max_length=64,
+        bf16=False,
+    )
+    for name, extra in (("sft", dict(packing=True)), ("dpo", dict(beta=0.2))):
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(dict(fresh, trainer=name, **extra)))
+        capsys.readouterr()
+        assert main(["check", str(path)]) == 0
+        out = capsys.readouterr().out
+        assert f"tokens per step            {128 * (2 if name == 'dpo' else 1)}" in out, out
+        assert ("reference model (DPO, frozen)" in out) == (name == "dpo"), out
+        assert "(TRL's " in out  # the TRL fields set, reported with how jtrainer treats them

@@ -14,6 +14,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
+import warnings
 from typing import Any
 
 import jax
@@ -32,7 +34,9 @@ from jtrainer.trainer import args as args_module
 
 def field_report(training_args) -> list[tuple[str, Any, str, str]]:
     """(field, value, honoured|emulated|ignored, why) for every field that differs from its default."""
-    defaults = type(training_args)(output_dir=training_args.output_dir)
+    with warnings.catch_warnings():  # the defaults' own deprecation notes were shown when the config was read
+        warnings.simplefilter("ignore")
+        defaults = type(training_args)(output_dir=training_args.output_dir)
     rows = []
     for f in dataclasses.fields(training_args):
         if not f.init or f.name in ("output_dir",):
@@ -40,7 +44,9 @@ def field_report(training_args) -> list[tuple[str, Any, str, str]]:
         value = getattr(training_args, f.name)
         if value == getattr(defaults, f.name):
             continue
-        rows.append((f.name, value, *args_module.field_treatment(f.name)))
+        trl_fields = getattr(type(training_args), "trl_fields", {})  # SFTConfig / DPOConfig's own fields
+        treatment = trl_fields[f.name] if f.name in trl_fields else args_module.field_treatment(f.name)
+        rows.append((f.name, value, *treatment))
     return rows
 
 
@@ -126,21 +132,29 @@ def compile_step(model_args, data_args, training_args, target: targets.Target | 
     model = tasks.build_model(model_args, vocab, special, args.seed, abstract=True)
     if args.activation_checkpointing:
         model.gradient_checkpointing_enable(args.activation_checkpointing_kwargs)
-    trainer_class = Seq2SeqTrainer if model_args.task == "seq2seq" else Trainer
+    kind = model_args.trainer
+    trainer_class: Any = Seq2SeqTrainer if model_args.task == "seq2seq" else Trainer
     example = sample_batch(
         model_args.task, args.per_device_train_batch_size, data_args.block_size, data_args.max_target_length
     )
-    rows = args.per_device_train_batch_size
-    where = target.name if target else "this machine"
     eval_example = sample_batch(
         model_args.task, args.per_device_eval_batch_size, data_args.block_size, data_args.max_target_length
     )
+    if kind in TRL_TRAINERS:  # TRL's loss, on batches of its collators' shapes
+        from jtrainer.trl import sizing as trl_sizing
+
+        trainer_class = functools.partial(trl_sizing.step_trainer, kind, peft=model_args.use_peft)
+        example = trl_sizing.sample_batch(kind, args, args.per_device_train_batch_size)
+        eval_example = trl_sizing.sample_batch(kind, args, args.per_device_eval_batch_size)
+    rows = args.per_device_train_batch_size
+    where = target.name if target else "this machine"
     steps = args.max_steps if args.max_steps > 0 else 1000
     evaluates = str(getattr(args.eval_strategy, "value", args.eval_strategy)) != "no"
     with sharding.use_devices(target.devices if target else None), _without_compilation_cache(target is not None):
         # The CLI's trainer: classification computes accuracy from the logits, so its eval step returns them.
         metrics = tasks.accuracy if model_args.task == "sequence_classification" else None
         trainer = trainer_class(model=model, args=args, eval_dataset=(), compute_metrics=metrics)
+        reference = _reference_bytes(kind, model_args, trainer)
         with (
             splash_attention.forward_flops() as kernel_forward,
             attention.chosen_implementations() as attention_used,
@@ -174,6 +188,7 @@ def compile_step(model_args, data_args, training_args, target: targets.Target | 
         memory = {
             "parameters": params,
             **({"frozen weights (no gradients)": frozen} if frozen else {}),
+            **({"reference model (DPO, frozen)": reference} if reference else {}),
             "optimizer state": optimizer,
             "batch and other state": int(analysis.argument_size_in_bytes) - params - frozen - optimizer,
             "temporaries (activations, gradients)": int(analysis.temp_size_in_bytes),
@@ -200,7 +215,7 @@ def compile_step(model_args, data_args, training_args, target: targets.Target | 
     trainable = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state_info.params))
     n_params = trainable + sum(int(np.prod(x.shape)) for x in jax.tree.leaves(frozen_info))
     tokens = args.gradient_accumulation_steps * args.per_device_train_batch_size * data_args.block_size
-    tokens *= sharding.data_parallel_size(trainer.mesh)
+    tokens *= sharding.data_parallel_size(trainer.mesh) * (2 if kind == "dpo" else 1)
     return {
         "largest_values": largest,
         "step_shapes": shapes,
@@ -225,6 +240,35 @@ def compile_step(model_args, data_args, training_args, target: targets.Target | 
         "model_flops_per_step": (4 * n_params + 2 * trainable) * tokens,
         "model_flops_name": "6ND" if trainable == n_params else "4ND+2TD",
     }
+
+
+# `trainer: sft | dpo` (jtrainer.trl): TRL's trainers, whose rows are max_length long.
+TRL_TRAINERS = ("sft", "dpo")
+
+
+def trl_data_arguments(model_args, data_args, training_args):
+    """TRL's trainers cut rows at their config's max_length: the row length the checks and the sizing read."""
+    if model_args.trainer not in TRL_TRAINERS:
+        return data_args
+    return dataclasses.replace(data_args, block_size=training_args.max_length)
+
+
+def _reference_bytes(kind: str, model_args, trainer) -> int:
+    """Bytes a device holds of DPO's separate reference model: the policy's weights (the same layout) in the
+    compute dtype; 0 with peft, whose reference is the policy with its adapter disabled."""
+    if kind != "dpo" or model_args.use_peft:
+        return 0
+    from jtrainer.parallel import sharding
+    from jtrainer.state import split_params
+
+    _, params, rest = split_params(trainer.nnx_model)
+    specs = sharding.named(trainer.mesh, sharding.param_specs(trainer.nnx_model, trainer.mesh, trainer.axis_rules))
+    dtype = trainer.args.compute_dtype(True)
+    total = 0
+    for leaf, spec in zip(jax.tree.leaves(nnx.to_pure_dict(params)), jax.tree.leaves(specs), strict=True):
+        itemsize = np.dtype(dtype).itemsize if dtype is not None else np.dtype(leaf.dtype).itemsize
+        total += int(np.prod(spec.shard_shape(leaf.shape))) * itemsize
+    return total
 
 
 def _step_shapes(model, args, data_args, mesh) -> memory_report.StepShapes:
@@ -309,6 +353,7 @@ def run_check(
     """Print the field report and the compiled step's numbers (for `target_name`, e.g. "v5litepod-16", when
     given); returns both, with "fits"."""
     tasks.check_task(model_args)
+    data_args = trl_data_arguments(model_args, data_args, training_args)
     target = targets.resolve(target_name, num_slices, num_nodes) if target_name else None
     tasks.check_run(model_args, data_args, training_args, len(target.devices) if target else None, sizing=True)
     report = field_report(training_args)

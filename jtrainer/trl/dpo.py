@@ -48,7 +48,57 @@ DPO_METRICS = (
 )
 
 
-class DPOTrainer(StatisticsLogging, Trainer):
+class DPOLoss:
+    """TRL's DPO loss as a Trainer's compute_loss, run inside the compiled step. The Trainer sets `_settings`
+    (`dpo_settings`), `_bridged` and `_adapter_reference` (the reference is the policy with its adapter disabled;
+    else the batch carries the reference's log-probabilities)."""
+
+    _settings: losses.DPOSettings
+    _bridged: bool = False
+    _adapter_reference: bool = False
+    args: Any
+
+    def _default_loss_spec(self, sample, training: bool) -> LossSpec:
+        """No label column: the loss reads the chosen and rejected rows (computed in evaluation too)."""
+        return LossSpec(
+            LossMode.MODEL_MEAN,
+            label_names=(),
+            compute_dtype=self.args.compute_dtype(training),
+            pass_num_items=False,
+            scaled_for_ga=False,
+            loss_without_labels=True,
+        )
+
+    def _loss_spec(self, sample, training: bool = True) -> LossSpec:
+        rows = len(sample["chosen_input_ids"])
+        missing = {name: np.zeros(rows, np.float32) for name in REFERENCE_COLUMNS if name not in sample}
+        return super()._loss_spec({**sample, **missing}, training)  # type: ignore[misc]
+
+    def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
+        """TRL's DPO loss in the compiled step, recording TRL's rewards, log-probabilities and statistics."""
+        pair = paired(inputs)
+        outputs, logits, labels = pair_forward(model, pair, self._bridged)
+        stats = losses.next_token_stats(logits, labels)
+        settings = self._settings
+        logps = losses.sequence_log_probs(stats.log_probs, stats.mask, settings.ld_alpha)
+        if self._adapter_reference:  # the policy with its adapter disabled (TRL: use_adapter(model, None))
+            _, ref_logits, _ = pair_forward(model, pair, self._bridged, adapter_disabled=True)
+            ref_stats = losses.next_token_stats(jax.lax.stop_gradient(ref_logits), labels)
+            ref_logps = losses.sequence_log_probs(ref_stats.log_probs, ref_stats.mask, settings.ld_alpha)
+        else:
+            ref_logps = jnp.concatenate([inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]])
+        ref_logps = jax.lax.stop_gradient(ref_logps.astype(jnp.float32))
+        weighting = losses.log_sum_sq_probs(logits) if settings.use_weighting else None
+        loss = losses.dpo_loss(
+            settings, logps, ref_logps, stats.log_probs, stats.mask, pair["completion_mask"], weighting
+        )
+        _record_statistics(settings.beta, logits, stats, logps, ref_logps)
+        return (loss, outputs) if return_outputs else loss
+
+    compute_loss.written_in_jax = True  # type: ignore[attr-defined]
+
+
+class DPOTrainer(StatisticsLogging, DPOLoss, Trainer):
     """TRL's `DPOTrainer(model, ref_model, args, data_collator, train_dataset, eval_dataset, processing_class, ...)`,
     trained by jtrainer's compiled step."""
 
@@ -159,17 +209,7 @@ class DPOTrainer(StatisticsLogging, Trainer):
 
         self.beta = args.beta
         self.precompute_ref_logps = args.precompute_ref_log_probs
-        self._settings = losses.DPOSettings(
-            loss_types=tuple(args.loss_type),
-            loss_weights=tuple(float(w) for w in (args.loss_weights or [1.0] * len(args.loss_type))),
-            beta=float(args.beta),
-            label_smoothing=float(args.label_smoothing),
-            f_divergence_type=args.f_divergence_type,
-            f_alpha_divergence_coef=float(args.f_alpha_divergence_coef),
-            discopop_tau=float(args.discopop_tau),
-            ld_alpha=args.ld_alpha,
-            use_weighting=bool(args.use_weighting),
-        )
+        self._settings = dpo_settings(args)
         if args.disable_dropout:
             _disable_dropout(model)
         self._init_statistics()
@@ -285,46 +325,6 @@ class DPOTrainer(StatisticsLogging, Trainer):
     def _signature_columns(self) -> list[str]:
         return ["prompt_ids", "chosen_ids", "rejected_ids", *REFERENCE_COLUMNS]
 
-    # ------------------------------------------------------------------------------------------ the loss
-    def _default_loss_spec(self, sample, training: bool) -> LossSpec:
-        """No label column: the loss reads the chosen and rejected rows (computed in evaluation too)."""
-        return LossSpec(
-            LossMode.MODEL_MEAN,
-            label_names=(),
-            compute_dtype=self.args.compute_dtype(training),
-            pass_num_items=False,
-            scaled_for_ga=False,
-            loss_without_labels=True,
-        )
-
-    def _loss_spec(self, sample, training: bool = True) -> LossSpec:
-        rows = len(sample["chosen_input_ids"])
-        missing = {name: np.zeros(rows, np.float32) for name in REFERENCE_COLUMNS if name not in sample}
-        return super()._loss_spec({**sample, **missing}, training)
-
-    def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
-        """TRL's DPO loss in the compiled step, recording TRL's rewards, log-probabilities and statistics."""
-        pair = paired(inputs)
-        outputs, logits, labels = pair_forward(model, pair, self._bridged)
-        stats = losses.next_token_stats(logits, labels)
-        settings = self._settings
-        logps = losses.sequence_log_probs(stats.log_probs, stats.mask, settings.ld_alpha)
-        if self._adapter_reference:  # the policy with its adapter disabled (TRL: use_adapter(model, None))
-            _, ref_logits, _ = pair_forward(model, pair, self._bridged, adapter_disabled=True)
-            ref_stats = losses.next_token_stats(jax.lax.stop_gradient(ref_logits), labels)
-            ref_logps = losses.sequence_log_probs(ref_stats.log_probs, ref_stats.mask, settings.ld_alpha)
-        else:
-            ref_logps = jnp.concatenate([inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]])
-        ref_logps = jax.lax.stop_gradient(ref_logps.astype(jnp.float32))
-        weighting = losses.log_sum_sq_probs(logits) if settings.use_weighting else None
-        loss = losses.dpo_loss(
-            settings, logps, ref_logps, stats.log_probs, stats.mask, pair["completion_mask"], weighting
-        )
-        _record_statistics(settings.beta, logits, stats, logps, ref_logps)
-        return (loss, outputs) if return_outputs else loss
-
-    compute_loss.written_in_jax = True  # type: ignore[attr-defined]
-
     def evaluate(self, eval_dataset: Any = None, ignore_keys: list[str] | None = None, metric_key_prefix="eval"):
         if eval_dataset is not None and not isinstance(eval_dataset, str):
             if self.precompute_ref_logps and self.ref_model is None and self.state.global_step > 0:
@@ -338,6 +338,21 @@ class DPOTrainer(StatisticsLogging, Trainer):
         return self._evaluate_with_statistics(
             super().evaluate, eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix
         )
+
+
+def dpo_settings(args: DPOConfig) -> losses.DPOSettings:
+    """DPOConfig's loss settings, as the compiled step reads them."""
+    return losses.DPOSettings(
+        loss_types=tuple(args.loss_type),
+        loss_weights=tuple(float(w) for w in (args.loss_weights or [1.0] * len(args.loss_type))),
+        beta=float(args.beta),
+        label_smoothing=float(args.label_smoothing),
+        f_divergence_type=args.f_divergence_type,
+        f_alpha_divergence_coef=float(args.f_alpha_divergence_coef),
+        discopop_tau=float(args.discopop_tau),
+        ld_alpha=args.ld_alpha,
+        use_weighting=bool(args.use_weighting),
+    )
 
 
 def _record_statistics(beta: float, logits, stats: losses.TokenStats, logps, ref_logps) -> None:

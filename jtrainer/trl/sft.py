@@ -37,7 +37,33 @@ from jtrainer.trl.config import SFTConfig, padding_multiple
 logger = transformers.utils.logging.get_logger(__name__)
 
 
-class SFTTrainer(StatisticsLogging, Trainer):
+class SFTLoss:
+    """TRL's SFT loss as a Trainer's compute_loss, run inside the compiled step (`_bridged`: the model is
+    transformers' torch model, set by the Trainer)."""
+
+    _bridged: bool = False
+    args: Any
+
+    def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
+        """TRL's SFT loss in the compiled step: -sum(log p(label)) / num_items_in_batch (DFT: each term weighted
+        by its probability), recording TRL's entropy and mean_token_accuracy."""
+        inputs = dict(inputs)
+        labels = inputs.pop("labels")
+        if self._bridged:
+            inputs.pop("segment_ids", None)  # transformers' models find documents from position_ids
+            inputs["use_cache"] = False  # as TRL: with a cache, packed documents would attend to each other
+        outputs = model(**inputs)
+        _, logits = split_outputs(outputs)
+        stats = losses.next_token_stats(logits, labels)
+        loss = losses.sft_loss(stats, num_items_in_batch, self.args.loss_type)
+        step_metrics.record("entropy", losses.mean_over_tokens(stats.entropy, stats))
+        step_metrics.record("mean_token_accuracy", losses.mean_over_tokens(stats.is_top1, stats))
+        return (loss, outputs) if return_outputs else loss
+
+    compute_loss.written_in_jax = True  # type: ignore[attr-defined]
+
+
+class SFTTrainer(StatisticsLogging, SFTLoss, Trainer):
     """TRL's `SFTTrainer(model, args, data_collator, train_dataset, eval_dataset, processing_class, ...)`, trained
     by jtrainer's compiled step."""
 
@@ -272,25 +298,6 @@ class SFTTrainer(StatisticsLogging, Trainer):
             )
         model, self._tokenizer, _ = clone_chat_template(model, self._tokenizer, path)
         return model
-
-    # ------------------------------------------------------------------------------------------ the loss
-    def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
-        """TRL's SFT loss in the compiled step: -sum(log p(label)) / num_items_in_batch (DFT: each term weighted
-        by its probability), recording TRL's entropy and mean_token_accuracy."""
-        inputs = dict(inputs)
-        labels = inputs.pop("labels")
-        if self._bridged:
-            inputs.pop("segment_ids", None)  # transformers' models find documents from position_ids
-            inputs["use_cache"] = False  # as TRL: with a cache, packed documents would attend to each other
-        outputs = model(**inputs)
-        _, logits = split_outputs(outputs)
-        stats = losses.next_token_stats(logits, labels)
-        loss = losses.sft_loss(stats, num_items_in_batch, self.args.loss_type)
-        step_metrics.record("entropy", losses.mean_over_tokens(stats.entropy, stats))
-        step_metrics.record("mean_token_accuracy", losses.mean_over_tokens(stats.is_top1, stats))
-        return (loss, outputs) if return_outputs else loss
-
-    compute_loss.written_in_jax = True  # type: ignore[attr-defined]
 
     # ---------------------------------------------------------------------------------------------- logs
     def evaluate(self, eval_dataset: Any = None, ignore_keys: list[str] | None = None, metric_key_prefix="eval"):
