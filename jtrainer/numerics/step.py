@@ -100,7 +100,8 @@ def split_outputs(outputs: Any) -> tuple[jax.Array | None, Any]:
     return None, outputs
 
 
-def _cast_floats(tree, dtype):
+def cast_floats(tree, dtype):
+    """The tree with its floating-point leaves in `dtype` (None: as they are)."""
     if dtype is None:
         return tree
     return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
@@ -126,7 +127,7 @@ def cast_frozen(model_state, dtype):
     frozen, rest = nnx.split_state(model_state, Frozen, ...)
     if not jax.tree.leaves(frozen):
         return model_state
-    return nnx.merge_state(_cast_floats(frozen, dtype), rest)
+    return nnx.merge_state(cast_floats(frozen, dtype), rest)
 
 
 @contextlib.contextmanager
@@ -135,7 +136,7 @@ def bound_model(graphdef, params, model_state, compute_dtype=None, rng=None):
     if rng is not None:
         model_state = reseed_streams(model_state, rng)
     model_state = cast_frozen(model_state, compute_dtype)
-    model = nnx.merge(graphdef, _cast_floats(params, compute_dtype), model_state)
+    model = nnx.merge(graphdef, cast_floats(params, compute_dtype), model_state)
     noisy = [] if rng is None else [m for _, m in nnx.iter_graph(model) if getattr(m, "neftune_noise_alpha", None)]
     for i, module in enumerate(noisy):  # NEFTune: the step's key, handed over for this call only
         object.__setattr__(module, "_neftune_key", jax.random.fold_in(rng, i))

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jtrainer.numerics.losses import IGNORE_INDEX
-from jtrainer.numerics.step import _cast_floats, bound_model, graphdef_in_mode, split_outputs
+from jtrainer.numerics.step import cast_floats, bound_model, graphdef_in_mode, split_outputs
 from jtrainer.parallel import sharding
 from jtrainer.state import split_params
 from jtrainer.trl import losses
@@ -65,7 +65,7 @@ class Reference:
         _, params, rest = split_params(nnx_model)
         self._context = context  # the Trainer's mesh and logical rules, under which model code traces
         # Cast once (the reference computes in the compute dtype), then placed as the policy's are laid out.
-        params = _cast_floats(nnx.to_pure_dict(params), compute_dtype)
+        params = cast_floats(nnx.to_pure_dict(params), compute_dtype)
         self.params = jax.device_put(params, sharding.named(mesh, sharding.param_specs(nnx_model, mesh, axis_rules)))
         self.state = jax.device_put(rest, sharding.model_state_shardings(nnx_model, mesh, axis_rules))
 

@@ -1,0 +1,36 @@
+"""jtrainer.trl's SFT (BFD-packed rows) and DPO (explicit reference) on a mesh of 8 CPU devices; prints each run's
+train logs as JSON (tests/test_trl_dpo.py compares them with TRL's on one torch process)."""
+
+import json
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import datasets  # noqa: E402
+
+from jtrainer import trl as jtrl  # noqa: E402
+from tests import trl_cases as cases  # noqa: E402
+
+out = sys.argv[1]
+mesh = {"data": 2, "fsdp": 4}
+model = cases.torch_llama()
+fields = dict(per_device_train_batch_size=1, mesh_shape=mesh, max_steps=2)
+sft = jtrl.SFTTrainer(
+    model=cases.twin(model),
+    args=jtrl.SFTConfig(**cases.config_fields(f"{out}/sft", packing=True, max_length=24, **fields)),
+    train_dataset=datasets.Dataset.from_list(cases.text_rows(60)),
+    processing_class=cases.tokenizer(),
+)
+sft.train()
+dpo = jtrl.DPOTrainer(
+    model=cases.twin(model),
+    ref_model=cases.twin(model),
+    args=jtrl.DPOConfig(**cases.config_fields(f"{out}/dpo", learning_rate=1e-3, **fields)),
+    train_dataset=datasets.Dataset.from_list(cases.preference_rows(16)),
+    processing_class=cases.tokenizer(),
+)
+dpo.train()
+assert dict(dpo.mesh.shape)["fsdp"] == 4
+print(json.dumps({"sft": sft.state.log_history, "dpo": dpo.state.log_history}))
