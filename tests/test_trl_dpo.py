@@ -66,14 +66,20 @@ def test_sigmoid_loss_with_an_explicit_reference_left_untouched(tmp_path):
         np.testing.assert_array_equal(value.numpy(), before[key])
 
 
-def test_reference_reloaded_from_the_checkpoint_when_none(tmp_path):
-    """ref_model=None: TRL loads the policy's checkpoint again (config._name_or_path)."""
+@pytest.mark.parametrize("given", ["torch model", "path"])
+def test_reference_reloaded_from_the_checkpoint_when_none(tmp_path, given):
+    """ref_model=None: TRL loads the policy's checkpoint again (config._name_or_path); a path trains (and
+    reloads) jtrainer's native Llama."""
     cases.torch_llama().save_pretrained(tmp_path / "model")
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
-    theirs, ours = run_both(tmp_path, model, reference=False)
+    model = str(tmp_path / "model")
+    if given == "torch model":
+        model = AutoModelForCausalLM.from_pretrained(model)
+    theirs, ours = run_both(tmp_path, model, reference=False, learning_rate=1e-2)
     assert_same(theirs, ours)
+    native = given == "path"
+    assert (type(ours.ref_model).__module__ == "jtrainer.models.llama") == native
 
 
 def test_peft_reference_is_the_disabled_adapter(tmp_path):
