@@ -18,7 +18,7 @@ from tests import trl_cases as cases  # noqa: E402
 SFT_KEYS = ["loss", "grad_norm", "entropy", "mean_token_accuracy", "num_tokens"]
 
 
-def run_both(tmp_path, rows, model=None, peft_config=None, **fields):
+def run_both(tmp_path, rows, model=None, peft_config=None, eval_rows=None, formatting_func=None, **fields):
     """TRL's run and ours on the same model and rows: (TRL's trainer, ours)."""
     model = model if model is not None else cases.torch_llama()
     dataset = datasets.Dataset.from_list(rows)
@@ -28,8 +28,10 @@ def run_both(tmp_path, rows, model=None, peft_config=None, **fields):
             model=cases.twin(model),
             args=package.SFTConfig(**cases.config_fields(tmp_path / name, **fields)),
             train_dataset=dataset,
+            eval_dataset=None if eval_rows is None else datasets.Dataset.from_list(eval_rows),
             processing_class=cases.tokenizer(),
             peft_config=None if peft_config is None else cases.twin(peft_config),
+            formatting_func=formatting_func,
         )
         trainer.train()
         trainers.append(trainer)
@@ -55,11 +57,40 @@ def test_text_rows_as_trl(tmp_path):
 
 @pytest.mark.parametrize("completion_only_loss", [None, False])
 def test_prompt_completion_rows_as_trl(tmp_path, completion_only_loss):
-    theirs, ours = run_both(tmp_path, cases.prompt_completion_rows(), completion_only_loss=completion_only_loss)
+    """With evaluations during training (eval_steps 1) on held-out prompt/completion rows."""
+    theirs, ours = run_both(
+        tmp_path,
+        cases.prompt_completion_rows(),
+        eval_rows=cases.prompt_completion_rows(6, seed=5),
+        completion_only_loss=completion_only_loss,
+        eval_strategy="steps",
+        eval_steps=1,
+    )
     cases.assert_logs_match(ours.state.log_history, theirs.state.log_history, SFT_KEYS)
+    evals = [[e for e in t.state.log_history if "eval_loss" in e] for t in (ours, theirs)]
+    assert len(evals[0]) == len(evals[1]) == 3
+    for mine, ref in zip(*evals, strict=True):
+        for key in ("eval_loss", "eval_entropy", "eval_mean_token_accuracy", "eval_num_tokens"):
+            assert np.isclose(mine[key], ref[key], rtol=1e-4), (key, mine, ref)
     row = ours.train_dataset[0]
     masked = sum(label == -100 for label in row["labels"])
     assert (masked > 0) == (completion_only_loss is None)  # the prompt is off the loss by default
+
+
+def test_text_field_formatting_function_dft_and_padding_free_as_trl(tmp_path):
+    """dataset_text_field, then a formatting function, with the DFT loss; padding-free rows without packing."""
+    rows = [{"content": row["text"]} for row in cases.text_rows()]
+    theirs, ours = run_both(tmp_path / "field", rows, dataset_text_field="content", loss_type="dft")
+    cases.assert_logs_match(ours.state.log_history, theirs.state.log_history, SFT_KEYS)
+    pairs = [{"question": r["prompt"], "answer": r["completion"]} for r in cases.prompt_completion_rows()]
+    theirs, ours = run_both(
+        tmp_path / "formatted",
+        pairs,
+        formatting_func=lambda row: f"{row['question']} {row['answer']}",
+        padding_free=True,
+        max_length=None,
+    )
+    cases.assert_logs_match(ours.state.log_history, theirs.state.log_history, SFT_KEYS)
 
 
 def test_conversations_with_assistant_only_loss_as_trl(tmp_path):
