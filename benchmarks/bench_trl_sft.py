@@ -77,8 +77,8 @@ rows = datasets.load_dataset("json", data_files=folder + "/rows.jsonl", split="t
 args = SFTConfig(output_dir=folder + "/out-" + system, per_device_train_batch_size=8, max_steps=steps, logging_steps=1,
                  max_length=256, packing=packing, bf16=False, gradient_checkpointing=False, report_to="none",
                  save_strategy="no", disable_tqdm=True, learning_rate=1e-4, use_cpu=True)
-trainer = SFTTrainer(model=folder, args=args, train_dataset=rows, processing_class=AutoTokenizer.from_pretrained(folder),
-                     callbacks=[clock])
+tokenizer = AutoTokenizer.from_pretrained(folder)
+trainer = SFTTrainer(model=folder, args=args, train_dataset=rows, processing_class=tokenizer, callbacks=[clock])
 trainer.train()
 tokens = [h["num_tokens"] for h in trainer.state.log_history if "num_tokens" in h]
 steady = (tokens[-1] - tokens[1]) / (clock.ends[-1] - clock.ends[1])

@@ -30,7 +30,7 @@ from jtrainer.trl import losses
 from jtrainer.trl.collators import PreferenceCollator
 from jtrainer.trl.common import StatisticsLogging, apply_peft, is_peft_model, load_model
 from jtrainer.trl.config import DPOConfig, padding_multiple
-from jtrainer.trl.reference import REFERENCE_COLUMNS, Reference, pair_forward, paired
+from jtrainer.trl.reference import REFERENCE_COLUMNS, Reference, pair_forward, paired, sequence_log_probs
 
 logger = transformers.utils.logging.get_logger(__name__)
 
@@ -82,9 +82,7 @@ class DPOLoss:
         settings = self._settings
         logps = losses.sequence_log_probs(stats.log_probs, stats.mask, settings.ld_alpha)
         if self._adapter_reference:  # the policy with its adapter disabled (TRL: use_adapter(model, None))
-            _, ref_logits, _ = pair_forward(model, pair, self._bridged, adapter_disabled=True)
-            ref_stats = losses.next_token_stats(jax.lax.stop_gradient(ref_logits), labels)
-            ref_logps = losses.sequence_log_probs(ref_stats.log_probs, ref_stats.mask, settings.ld_alpha)
+            ref_logps = sequence_log_probs(model, pair, self._bridged, settings.ld_alpha, adapter_disabled=True)
         else:
             ref_logps = jnp.concatenate([inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]])
         ref_logps = jax.lax.stop_gradient(ref_logps.astype(jnp.float32))

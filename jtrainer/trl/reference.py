@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jtrainer.numerics.losses import IGNORE_INDEX
-from jtrainer.numerics.step import cast_floats, bound_model, graphdef_in_mode, split_outputs
+from jtrainer.numerics.step import bound_model, cast_floats, graphdef_in_mode, split_outputs
 from jtrainer.parallel import sharding
 from jtrainer.state import split_params
 from jtrainer.trl import losses
