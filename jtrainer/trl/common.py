@@ -11,6 +11,7 @@ import numpy as np
 
 from jtrainer import bridge
 from jtrainer.errors import BadInput
+from jtrainer.parallel import distributed
 from jtrainer.trl.collators import real_tokens
 
 
@@ -116,7 +117,7 @@ class StatisticsLogging:
 
     def _init_statistics(self) -> None:
         self._statistics = LoggedStatistics()
-        self._total_train_tokens = 0
+        self._total_train_tokens = 0  # this process's rows' tokens (summed over processes when logged)
 
     def _on_recorded(self, recorded: dict[str, Any], micro_batches: int, training: bool) -> None:
         self._statistics.add(recorded, micro_batches, training)
@@ -137,8 +138,8 @@ class StatisticsLogging:
         for call in calls:
             for name in sorted(call, key=lambda n: self.metric_order.index(n) if n in self.metric_order else 99):
                 values[name].append(float(call[name]))
-        if calls:
-            values["num_tokens"] = [self._total_train_tokens]
+        if calls:  # (each process counted its own rows; every process logs at the same points)
+            values["num_tokens"] = [distributed.agree_sum(self._total_train_tokens)]
             if self.num_tokens_after is not None:  # TRL's insertion order
                 order = list(values)
                 order.remove("num_tokens")

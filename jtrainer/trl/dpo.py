@@ -24,6 +24,7 @@ from jtrainer import bridge
 from jtrainer.errors import BadInput
 from jtrainer.numerics import step_metrics
 from jtrainer.numerics.step import LossMode, LossSpec
+from jtrainer.parallel import sharding
 from jtrainer.trainer import data
 from jtrainer.trainer.trainer import Trainer
 from jtrainer.trl import losses
@@ -289,7 +290,8 @@ class DPOTrainer(StatisticsLogging, DPOLoss, Trainer):
             rows = [dataset[i] for i in range(start, min(start + batch_size, len(dataset)))]
             batch = self.data_collator(rows)
             padded = shapes.pad(batch, shapes.sequence_length([batch]))
-            placed = jax.device_put(padded, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
+            whole = sharding.replicated(self.mesh)  # every process computes every row (each holds them all)
+            placed = sharding.place(padded, {name: whole for name in padded})
             columns = jax.device_get(self._reference.columns(placed))
             chosen.append(columns["ref_chosen_logps"][: len(rows)])
             rejected.append(columns["ref_rejected_logps"][: len(rows)])

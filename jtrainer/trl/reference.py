@@ -66,8 +66,9 @@ class Reference:
         self._context = context  # the Trainer's mesh and logical rules, under which model code traces
         # Cast once (the reference computes in the compute dtype), then placed as the policy's are laid out.
         params = cast_floats(nnx.to_pure_dict(params), compute_dtype)
-        self.params = jax.device_put(params, sharding.named(mesh, sharding.param_specs(nnx_model, mesh, axis_rules)))
-        self.state = jax.device_put(rest, sharding.model_state_shardings(nnx_model, mesh, axis_rules))
+        # (sharding.place: copies, built by each process from its own whole weights on several hosts.)
+        self.params = sharding.place(params, sharding.named(mesh, sharding.param_specs(nnx_model, mesh, axis_rules)))
+        self.state = sharding.place(rest, sharding.model_state_shardings(nnx_model, mesh, axis_rules))
 
         def log_probs(params, state, inputs):
             with bound_model(graphdef, params, state) as model:
