@@ -33,10 +33,11 @@ DPO_KEYS = [
 ]
 
 
-def run_both(tmp_path, model=None, reference=True, peft_config=None, rows=None, **fields):
+def run_both(tmp_path, model=None, reference=True, peft_config=None, rows=None, eval_rows=None, **fields):
     """TRL's run and ours: `reference` True passes a copy of the model as ref_model, False leaves it None."""
     model = model if model is not None else cases.torch_llama()
     dataset = datasets.Dataset.from_list(rows or cases.preference_rows())
+    held_out = None if eval_rows is None else datasets.Dataset.from_list(eval_rows)
     fields.setdefault("learning_rate", 1e-3)
     trainers = []
     for package, name in ((trl, "theirs"), (jtrl, "ours")):
@@ -45,6 +46,7 @@ def run_both(tmp_path, model=None, reference=True, peft_config=None, rows=None, 
             ref_model=cases.twin(model) if reference else None,
             args=package.DPOConfig(**cases.config_fields(tmp_path / name, **fields)),
             train_dataset=dataset,
+            eval_dataset=held_out,
             processing_class=cases.tokenizer(),
             peft_config=None if peft_config is None else cases.twin(peft_config),
         )
@@ -58,9 +60,18 @@ def assert_same(theirs, ours, keys=DPO_KEYS):
 
 
 def test_sigmoid_loss_with_an_explicit_reference_left_untouched(tmp_path):
+    """With gradient accumulation and an evaluation after each step (the reference's pass on eval batches)."""
     model = cases.torch_llama()
-    theirs, ours = run_both(tmp_path, model, gradient_accumulation_steps=2, max_steps=2)
+    eval_rows = cases.preference_rows(6, seed=7)
+    theirs, ours = run_both(
+        tmp_path, model, eval_rows=eval_rows, gradient_accumulation_steps=2, max_steps=2, eval_strategy="steps"
+    )
     assert_same(theirs, ours)
+    evals = [[e for e in t.state.log_history if "eval_loss" in e] for t in (ours, theirs)]
+    assert len(evals[0]) == len(evals[1]) == 2
+    for mine, ref in zip(*evals, strict=True):
+        for key in ("eval_loss", "eval_rewards/margins", "eval_logps/chosen", "eval_num_tokens"):
+            assert np.isclose(mine[key], ref[key], rtol=1e-4, atol=1e-6), (key, mine, ref)
     before = {k: v.numpy() for k, v in model.state_dict().items()}
     for key, value in ours.ref_model.state_dict().items():
         np.testing.assert_array_equal(value.numpy(), before[key])

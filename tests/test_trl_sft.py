@@ -139,9 +139,11 @@ def test_save_model_writes_transformers_weights(tmp_path):
 
 
 def test_model_path_trains_the_native_model_with_packed_segments(tmp_path):
-    """A path loads jtrainer's native Llama (TRL: transformers' from the same files); BFD-packed documents stay
-    apart through segment_ids, with TRL's numbers."""
+    """A path loads jtrainer's native Llama (TRL: transformers' from the same files) and, with no
+    processing_class, the tokenizer saved there; BFD-packed documents stay apart through segment_ids, with TRL's
+    numbers."""
     cases.torch_llama().save_pretrained(tmp_path / "model")
+    cases.tokenizer().save_pretrained(tmp_path / "model")
     dataset = datasets.Dataset.from_list(cases.text_rows(24))
     trainers = []
     for package, name in ((trl, "theirs"), (jtrl, "ours")):
@@ -150,7 +152,6 @@ def test_model_path_trains_the_native_model_with_packed_segments(tmp_path):
             model=str(tmp_path / "model"),
             args=package.SFTConfig(**fields),
             train_dataset=dataset,
-            processing_class=cases.tokenizer(),
         )
         trainer.train()
         trainers.append(trainer)
