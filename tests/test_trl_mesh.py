@@ -1,7 +1,7 @@
 """jtrainer.trl on a mesh of 8 devices ({data: 2, fsdp: 4}: one process, or two launched by `jtrainer launch`)
-gives TRL's numbers on one torch process with the same global batch: SFT on BFD-packed rows, DPO with its reference sharded like the policy. (Full
-batches only: with several data shards, a short last batch is completed with rows from the start, as accelerate's
-even_batches does on several GPUs.)"""
+gives TRL's numbers on one torch process with the same global batch: SFT on BFD-packed rows, DPO with its
+reference sharded like the policy. (Full batches only: with several data shards, a short last batch is completed
+with rows from the start, as accelerate's even_batches does on several GPUs.)"""
 
 from __future__ import annotations
 

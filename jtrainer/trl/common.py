@@ -59,6 +59,64 @@ def apply_peft(model: Any, peft_config: Any, trainer_name: str):
     return peft.get_peft_model(model, peft_config)
 
 
+def tokenizer_of(model: Any, processing_class: Any, args: Any, trainer_name: str):
+    """TRL's processing class: the one given, else the model folder's (AutoProcessor); text models only."""
+    import transformers
+    from trl.trainer.utils import get_config_model_id
+
+    if processing_class is None:
+        processing_class = transformers.AutoProcessor.from_pretrained(
+            get_config_model_id(model.config), trust_remote_code=args.trust_remote_code
+        )
+    if not isinstance(processing_class, transformers.PreTrainedTokenizerBase):
+        raise BadInput(
+            f"processing_class: {type(processing_class).__name__} is not a tokenizer; jtrainer.trl's {trainer_name} "
+            "trains text models (pass the tokenizer)."
+        )
+    return processing_class
+
+
+def set_pad_token(tokenizer: Any, model: Any, args: Any) -> int:
+    """TRL's pad token (the config's, the tokenizer's, else its eos token), told to the model; returns its id."""
+    pad_token = args.pad_token or tokenizer.pad_token or tokenizer.eos_token
+    if pad_token not in tokenizer.get_vocab():
+        raise ValueError(
+            f"The specified `pad_token` ('{pad_token}') is not found in the vocabulary of the given "
+            f"`processing_class` ({type(tokenizer).__name__}). Ensure that the `pad_token` exists in the "
+            "vocabulary before using it as a padding token."
+        )
+    tokenizer.pad_token = pad_token
+    text_config(model).pad_token_id = tokenizer.pad_token_id
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return tokenizer.pad_token_id
+
+
+def text_config(model: Any):
+    """The model's (text) config, where TRL writes the tokens it sets."""
+    config = model.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def refuse_lm_head_adapter(model: Any) -> None:
+    """TRL's refusal: the log-probabilities read lm_head's weight directly, so an adapter there never trains."""
+    if not is_peft_model(model):
+        return
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    if isinstance(model.get_output_embeddings(), BaseTunerLayer):
+        raise ValueError(
+            "Applying a PEFT adapter to `lm_head` is not supported: the log-probabilities are computed from "
+            "`lm_head.weight` directly, so the adapter would never be trained. Remove `'lm_head'` from your "
+            "`target_modules`."
+        )
+
+
+def refuse_images(sample: dict) -> None:
+    if "image" in sample or "images" in sample:
+        raise BadInput("train_dataset: images are not supported by jtrainer.trl (text models only).")
+
+
 def is_peft_model(model: Any) -> bool:
     try:
         import peft

@@ -29,7 +29,16 @@ from jtrainer.trainer import data
 from jtrainer.trainer.trainer import Trainer
 from jtrainer.trl import losses
 from jtrainer.trl.collators import PreferenceCollator
-from jtrainer.trl.common import StatisticsLogging, apply_peft, is_peft_model, load_model
+from jtrainer.trl.common import (
+    StatisticsLogging,
+    apply_peft,
+    is_peft_model,
+    load_model,
+    refuse_images,
+    refuse_lm_head_adapter,
+    set_pad_token,
+    tokenizer_of,
+)
 from jtrainer.trl.config import DPOConfig, padding_multiple
 from jtrainer.trl.reference import REFERENCE_COLUMNS, Reference, pair_forward, paired, sequence_log_probs
 
@@ -152,15 +161,7 @@ class DPOTrainer(StatisticsLogging, DPOLoss, Trainer):
                 "`model` and `ref_model` cannot be the same object. In most cases you should omit `ref_model` and "
                 "we'll initialize it to a copy of `model` for you."
             )
-        if processing_class is None:
-            processing_class = transformers.AutoProcessor.from_pretrained(
-                get_config_model_id(model.config), trust_remote_code=args.trust_remote_code
-            )
-        if not isinstance(processing_class, transformers.PreTrainedTokenizerBase):
-            raise BadInput(
-                f"processing_class: {type(processing_class).__name__} is not a tokenizer; jtrainer.trl trains text "
-                "models (pass the tokenizer)."
-            )
+        processing_class = tokenizer_of(model, processing_class, args, "DPOTrainer")
         self._tokenizer = processing_class
         self._is_vlm = False
         self._is_vision_dataset = False
@@ -174,34 +175,16 @@ class DPOTrainer(StatisticsLogging, DPOLoss, Trainer):
                 "back to standard padding (`padding_free=False`)."
             )  # TRL 1.16's own behaviour
         dataset_sample = next(iter(train_dataset))
-        if "image" in dataset_sample or "images" in dataset_sample:
-            raise BadInput("train_dataset: images are not supported by jtrainer.trl (text models only).")
+        refuse_images(dataset_sample)
         if data_collator is None:
-            pad_token = args.pad_token or self._tokenizer.pad_token or self._tokenizer.eos_token
-            if pad_token not in self._tokenizer.get_vocab():
-                raise ValueError(
-                    f"The specified `pad_token` ('{pad_token}') is not found in the vocabulary of the given "
-                    f"`processing_class` ({type(processing_class).__name__})."
-                )
-            self._tokenizer.pad_token = pad_token
-            _text_config(model).pad_token_id = self._tokenizer.pad_token_id
-            if getattr(model, "generation_config", None) is not None:
-                model.generation_config.pad_token_id = self._tokenizer.pad_token_id
+            pad_token_id = set_pad_token(self._tokenizer, model, args)
             data_collator = PreferenceCollator(
-                pad_token_id=self._tokenizer.pad_token_id,
+                pad_token_id=pad_token_id,
                 max_length=args.max_length,
                 truncation_mode=args.truncation_mode,
                 pad_to_multiple_of=padding_multiple(args),
             )
-        if is_peft_model(model):
-            from peft.tuners.tuners_utils import BaseTunerLayer
-
-            if isinstance(model.get_output_embeddings(), BaseTunerLayer):
-                raise ValueError(
-                    "Applying a PEFT adapter to `lm_head` is not supported: the log-probabilities are computed from "
-                    "`lm_head.weight` directly, so the adapter would never be trained. Remove `'lm_head'` from your "
-                    "`target_modules`."
-                )
+        refuse_lm_head_adapter(model)
         train_dataset = self._prepare_trl_dataset(train_dataset, processing_class, args, "train")
         if eval_dataset is not None:
             eval_dataset = self._prepare_eval(eval_dataset, processing_class, args)
@@ -406,11 +389,6 @@ def _check_settings(args: DPOConfig) -> None:
         raise BadInput(
             f"loss_weights: {len(args.loss_weights)} weights for {len(args.loss_type)} loss types; give one per type."
         )
-
-
-def _text_config(model: Any):
-    config = model.config
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def _disable_dropout(model: Any) -> None:

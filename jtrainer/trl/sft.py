@@ -31,7 +31,16 @@ from jtrainer.numerics.step import split_outputs
 from jtrainer.trainer.trainer import Trainer
 from jtrainer.trl import losses
 from jtrainer.trl.collators import LanguageModelingCollator
-from jtrainer.trl.common import StatisticsLogging, apply_peft, is_peft_model, load_model
+from jtrainer.trl.common import (
+    StatisticsLogging,
+    apply_peft,
+    load_model,
+    refuse_images,
+    refuse_lm_head_adapter,
+    set_pad_token,
+    text_config,
+    tokenizer_of,
+)
 from jtrainer.trl.config import SFTConfig, padding_multiple
 
 logger = transformers.utils.logging.get_logger(__name__)
@@ -117,17 +126,7 @@ class SFTTrainer(StatisticsLogging, SFTLoss, Trainer):
         elif quantization_config is not None:
             logger.warning("You passed `quantization_config` to the trainer, but your model is already instantiated.")
 
-        if processing_class is None:
-            processing_class = transformers.AutoProcessor.from_pretrained(
-                get_config_model_id(model.config), trust_remote_code=args.trust_remote_code
-            )
-        if isinstance(processing_class, transformers.ProcessorMixin):
-            raise BadInput(
-                f"processing_class: {type(processing_class).__name__} is a multimodal processor; jtrainer.trl trains "
-                "text models (pass the tokenizer)."
-            )
-        if not isinstance(processing_class, transformers.PreTrainedTokenizerBase):
-            raise TypeError("The `processing_class` must be either a `PreTrainedTokenizerBase` or a `ProcessorMixin`")
+        processing_class = tokenizer_of(model, processing_class, args, "SFTTrainer")
         self._tokenizer = processing_class
         self._is_vlm = False
         self._is_vision_dataset = False
@@ -135,15 +134,9 @@ class SFTTrainer(StatisticsLogging, SFTLoss, Trainer):
         model = self._set_chat_template(model, args)
 
         dataset_sample = next(iter(train_dataset))
-        if "image" in dataset_sample or "images" in dataset_sample:
-            raise BadInput("train_dataset: images are not supported by jtrainer.trl (text models only).")
+        refuse_images(dataset_sample)
         model = apply_peft(model, peft_config, "SFTTrainer")
-        if is_peft_model(model) and _adapts_lm_head(model):
-            raise ValueError(
-                "Applying a PEFT adapter to `lm_head` is not supported: the log-probabilities are computed from "
-                "`lm_head.weight` directly, so the adapter would never be trained. Remove `'lm_head'` from your "
-                "`target_modules`."
-            )
+        refuse_lm_head_adapter(model)
 
         self.padding_free = args.padding_free or (args.packing and args.packing_strategy in {"bfd", "bfd_split"})
         if self.padding_free:
@@ -173,19 +166,9 @@ class SFTTrainer(StatisticsLogging, SFTLoss, Trainer):
             self.completion_only_loss = args.completion_only_loss
 
         if data_collator is None:
-            pad_token = args.pad_token or self._tokenizer.pad_token or self._tokenizer.eos_token
-            if pad_token not in self._tokenizer.get_vocab():
-                raise ValueError(
-                    f"The specified `pad_token` ('{pad_token}') is not found in the vocabulary of the given "
-                    f"`processing_class` ({type(processing_class).__name__}). Ensure that the `pad_token` exists in "
-                    "the vocabulary before using it as a padding token."
-                )
-            self._tokenizer.pad_token = pad_token
-            _text_config(model).pad_token_id = self._tokenizer.pad_token_id
-            if getattr(model, "generation_config", None) is not None:
-                model.generation_config.pad_token_id = self._tokenizer.pad_token_id
+            pad_token_id = set_pad_token(self._tokenizer, model, args)
             data_collator = LanguageModelingCollator(
-                pad_token_id=self._tokenizer.pad_token_id,
+                pad_token_id=pad_token_id,
                 padding_free=self.padding_free,
                 pad_to_multiple_of=padding_multiple(args),
                 fixed_length=args.max_length if (self.padding_free and args.packing) else None,
@@ -275,7 +258,7 @@ class SFTTrainer(StatisticsLogging, SFTLoss, Trainer):
                 "vocabulary before using it as an EOS token."
             )
         self._tokenizer.eos_token = args.eos_token
-        _text_config(model).eos_token_id = self._tokenizer.eos_token_id
+        text_config(model).eos_token_id = self._tokenizer.eos_token_id
         generation = getattr(model, "generation_config", None)
         if generation is not None:
             ids = generation.eos_token_id
@@ -325,17 +308,6 @@ def _sft_config(model: Any, args: Any) -> SFTConfig:
         fields["hub_token"] = args.hub_token
         return SFTConfig(**fields)
     raise TypeError(f"args must be an SFTConfig or TrainingArguments, got {type(args).__name__}.")
-
-
-def _text_config(model: Any):
-    config = model.config
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-
-def _adapts_lm_head(model: Any) -> bool:
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    return isinstance(model.get_output_embeddings(), BaseTunerLayer)
 
 
 def _check_takes_segments(model: Any) -> None:
