@@ -4,6 +4,7 @@ implementation (torch._grouped_mm, lowered to jax.lax.ragged_dot): loss and ever
 
 import importlib.util
 
+import jax
 import numpy as np
 import pytest
 
@@ -57,5 +58,36 @@ def test_moe_family_traces_as_torch(name):
 
     loss, got = bridged_loss_and_grads(model, input_ids=ids, labels=ids)
     np.testing.assert_allclose(loss, float(reference.loss), rtol=1e-6)
+    for key, grad in wanted.items():
+        np.testing.assert_allclose(got[key], grad, atol=1e-6, err_msg=key)
+
+
+def test_router_logits_leave_rematerialised_layers():
+    """With activation checkpointing, transformers' output hooks record each layer's router logits inside the
+    rematerialised layer; they come out of jax.checkpoint with its outputs (they would leak its tracer), and the
+    router loss and every gradient equal torch's."""
+    from flax import nnx
+
+    from jtrainer.bridge.module import TorchModel
+
+    torch.manual_seed(0)
+    model = _model("olmoe")
+    model.gradient_checkpointing_enable()
+    model.train()
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    reference = model(input_ids=ids, labels=ids)
+    reference.loss.backward()
+    wanted = {n: p.grad.numpy() for n, p in model.named_parameters() if p.grad is not None}
+
+    bridged = TorchModel(model)
+    assert bridged.gradient_checkpointing and not bridged.deterministic
+    graphdef, params, rest = nnx.split(bridged, nnx.Param, ...)
+
+    def loss_of(params):
+        return nnx.merge(graphdef, params, rest)(input_ids=jax.numpy.asarray(ids.numpy()), labels=ids.numpy())["loss"]
+
+    loss, grads = jax.jit(jax.value_and_grad(loss_of))(params)
+    got = {".".join(map(str, path[1:])): np.asarray(v[...]) for path, v in nnx.to_flat_state(grads)}
+    np.testing.assert_allclose(float(loss), float(reference.loss), rtol=1e-6)
     for key, grad in wanted.items():
         np.testing.assert_allclose(got[key], grad, atol=1e-6, err_msg=key)

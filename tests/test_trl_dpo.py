@@ -128,6 +128,11 @@ def test_loss_types_as_trl(tmp_path, fields):
     assert_same(theirs, ours)
 
 
+def test_mixture_of_experts_load_balancing_loss_as_trl(tmp_path):
+    theirs, ours = run_both(tmp_path, cases.torch_mixtral(), max_steps=2, learning_rate=1e-2)
+    assert_same(theirs, ours, [*DPO_KEYS, "aux_loss"])
+
+
 def test_evaluate_logs_trl_statistics(tmp_path):
     theirs, ours = run_both(tmp_path, max_steps=1)
     held_out = datasets.Dataset.from_list(cases.preference_rows(6, seed=8))

@@ -118,6 +118,23 @@ def test_peft_adapter_as_trl(tmp_path):
     assert_same_weights(theirs, ours)
 
 
+def test_mixture_of_experts_load_balancing_loss_as_trl(tmp_path):
+    """An MoE model: TRL adds the router's load-balancing loss (the config's coefficient), averaged over the
+    window's micro-batches, and logs aux_loss; over padding-free rows it is refused (it would count padding)."""
+    model = cases.torch_mixtral()
+    theirs, ours = run_both(tmp_path, cases.text_rows(), model=model, gradient_accumulation_steps=2, max_steps=2)
+    cases.assert_logs_match(ours.state.log_history, theirs.state.log_history, [*SFT_KEYS, "aux_loss"])
+    from jtrainer.errors import BadInput
+
+    with pytest.raises(BadInput, match="router_aux_loss_coef: TRL's MoE load-balancing loss over padding-free"):
+        jtrl.SFTTrainer(
+            model=model,
+            args=jtrl.SFTConfig(**cases.config_fields(tmp_path / "packed", packing=True, max_length=24)),
+            train_dataset=datasets.Dataset.from_list(cases.text_rows()),
+            processing_class=cases.tokenizer(),
+        )
+
+
 def test_evaluate_logs_trl_statistics(tmp_path):
     rows = cases.text_rows(8)
     theirs, ours = run_both(tmp_path, rows, max_steps=1)

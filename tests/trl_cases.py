@@ -52,6 +52,16 @@ def torch_llama(seed: int = 0, **overrides):
     return LlamaForCausalLM(config).eval()
 
 
+def torch_mixtral(seed: int = 0):
+    """A tiny transformers Mixtral (4 experts, 2 a token, router aux loss coefficient 0.05; vocabulary 64)."""
+    import torch
+
+    from tests.bridge_cases import _causal
+
+    torch.manual_seed(seed)
+    return _causal("mixtral").eval()
+
+
 def twin(model):
     return copy.deepcopy(model)
 

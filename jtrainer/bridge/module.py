@@ -113,23 +113,53 @@ def _jax_checkpoint(function, *args, policy: str | None = None):
     """transformers' `_gradient_checkpointing_func` under the bridge: the layer's call rematerialised by
     `jax.checkpoint` (its activations recomputed in the backward pass, not stored; `policy`: one of
     `jax.checkpoint_policies` by name, what to keep)."""
+    from transformers.utils.output_capturing import _active_collector
+
     env = torchax_compat.environment()
     arrays = {i: env.t2j_iso(a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)}
+    collected = _active_collector.get()  # what transformers' output hooks record (router logits, ...), or None
 
     # The key torch's random ops (dropout) draw from goes in and out of the rematerialised function explicitly:
     # drawn inside it, torchax's rotated key would leak the checkpoint's tracer; as an input, the recomputation
-    # in the backward pass draws the same masks.
+    # in the backward pass draws the same masks. What transformers' output hooks record inside the layer (an MoE
+    # router's logits) comes out the same way, then joins the outer record: kept there, it would leak too.
     def layer(arrays, key):
         outer, env.param.prng = env.param.prng, key
+        inner = _fresh_record(collected)
+        token = _active_collector.set(inner) if inner is not None else None
         try:
             call_args = [env.j2t_iso(arrays[i]) if i in arrays else a for i, a in enumerate(args)]
-            return env.t2j_iso(function(*call_args)), env.param.prng
+            result = function(*call_args)
+            return env.t2j_iso(result), env.t2j_iso(_recorded_since(collected, inner)), env.param.prng
         finally:
+            if token is not None:
+                _active_collector.reset(token)
             env.param.prng = outer
 
     keep = remat.policy(policy)
-    outputs, env.param.prng = jax.checkpoint(layer, policy=keep)(arrays, env.param.prng)
+    outputs, recorded, env.param.prng = jax.checkpoint(layer, policy=keep)(arrays, env.param.prng)
+    for name, values in env.j2t_iso(recorded).items():
+        collected[name].extend(values)
     return env.j2t_iso(outputs)
+
+
+def _fresh_record(collected: dict | None) -> dict | None:
+    """A stand-in for transformers' output record inside a rematerialised layer: each list as long as the outer
+    one (its hooks read the length: which hidden states are kept), holding nothing yet."""
+    if collected is None:
+        return None
+    return {name: [None] * len(value) if isinstance(value, list) else value for name, value in collected.items()}
+
+
+def _recorded_since(collected: dict | None, inner: dict | None) -> dict[str, list]:
+    """What the hooks appended inside the layer, by output name."""
+    if collected is None or inner is None:
+        return {}
+    return {
+        name: value[len(collected[name]) :]
+        for name, value in inner.items()
+        if isinstance(value, list) and len(value) > len(collected[name])
+    }
 
 
 @contextlib.contextmanager

@@ -188,6 +188,17 @@ _BASE_SPEC: contextvars.ContextVar[LossSpec | None] = contextvars.ContextVar("jt
 _PROCESS_SCALE: contextvars.ContextVar[int] = contextvars.ContextVar("jtrainer_process_scale", default=1)
 
 
+# HF's current_gradient_accumulation_steps: the micro-batches of the window a loss is traced in (1 outside a train
+# step). A traced count: a window cut short at the end of an epoch has fewer.
+_WINDOW_MICRO_BATCHES: contextvars.ContextVar[Any] = contextvars.ContextVar("jtrainer_window_micro_batches", default=1)
+
+
+def window_micro_batches():
+    """While a loss is traced in a train step: the micro-batches of its window (HF's
+    current_gradient_accumulation_steps); 1 elsewhere."""
+    return _WINDOW_MICRO_BATCHES.get()
+
+
 def active_base_spec() -> LossSpec | None:
     """While a compute_loss override is traced: the rules of the Trainer's own compute_loss (its super())."""
     return _BASE_SPEC.get()
@@ -238,9 +249,13 @@ def compute_loss(model, inputs, spec: LossSpec, num_items_in_batch=None, return_
 def micro_batch_loss(graphdef, params, model_state, inputs, num_items, micro_weight, n_micro, spec: LossSpec, rng):
     """This micro-batch's share of the step loss (summing the shares over a window gives the step's loss), the
     model's new state and the values the loss recorded (`step_metrics.record`)."""
-    with bound_model(graphdef, params, model_state, spec.compute_dtype, rng) as model, recording() as recorded:
-        loss = compute_loss(model, inputs, spec, num_items if spec.pass_num_items else None)
-        new_state = model_state_of(model)
+    token = _WINDOW_MICRO_BATCHES.set(n_micro)
+    try:
+        with bound_model(graphdef, params, model_state, spec.compute_dtype, rng) as model, recording() as recorded:
+            loss = compute_loss(model, inputs, spec, num_items if spec.pass_num_items else None)
+            new_state = model_state_of(model)
+    finally:
+        _WINDOW_MICRO_BATCHES.reset(token)
     loss = jnp.asarray(loss, jnp.float32)
     if not spec.scaled_for_ga:  # HF's training_step: a per-batch mean is divided by the window's micro-batches
         loss = loss / n_micro

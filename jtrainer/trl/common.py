@@ -98,6 +98,25 @@ def text_config(model: Any):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
+def router_aux_coefficient(model: Any, args: Any, sync_config: bool = False) -> float:
+    """TRL's MoE load-balancing loss weight: the config's router_aux_loss_coef, else the architecture's own (0 when
+    the model returns no router logits). 0.0: no auxiliary loss. `sync_config` (SFT): the model's config follows
+    it, as TRL's SFTTrainer sets it."""
+    config = text_config(model)
+    coef = args.router_aux_loss_coef
+    weight = getattr(config, "router_aux_loss_coef", 0.0) if coef is None else coef
+    if coef and not hasattr(config, "output_router_logits"):
+        raise ValueError(
+            f"`router_aux_loss_coef` is set to {coef} but {type(model).__name__} is not a Mixture-of-Experts model "
+            "that returns its router logits, so there is no auxiliary loss to weight."
+        )
+    enabled = hasattr(config, "output_router_logits") and weight != 0.0
+    if sync_config and hasattr(config, "router_aux_loss_coef"):
+        config.output_router_logits = enabled
+        config.router_aux_loss_coef = weight
+    return float(weight) if enabled else 0.0
+
+
 def refuse_lm_head_adapter(model: Any) -> None:
     """TRL's refusal: the log-probabilities read lm_head's weight directly, so an adapter there never trains."""
     if not is_peft_model(model):

@@ -21,7 +21,7 @@ from jtrainer.trainer.args import TrainingArguments
 SFT_FIELDS: dict[str, tuple[str, str]] = {
     "model_init_kwargs": ("honoured", "from_pretrained's keyword arguments when the model is a path"),
     "trust_remote_code": ("honoured", "from_pretrained's trust_remote_code"),
-    "router_aux_loss_coef": ("refused", "MoE load-balancing loss in TRL's trainers is not built yet; set 0.0"),
+    "router_aux_loss_coef": ("honoured", "MoE models' load-balancing loss, added in the compiled step"),
     "chat_template_path": ("honoured", "TRL's chat-template handling (a .jinja file, or a tokenizer to clone)"),
     "dataset_text_field": ("honoured", "TRL's dataset preparation"),
     "dataset_kwargs": ("honoured", "TRL's dataset preparation (skip_prepare_dataset)"),
@@ -80,7 +80,7 @@ def check_trl_fields(args: Any, table: dict[str, tuple[str, str]], defaults: typ
         spec = default_of[name]
         default = spec.default_factory() if spec.default_factory is not dataclasses.MISSING else spec.default
         value = getattr(args, name)
-        if value != default and not (name == "router_aux_loss_coef" and not value):
+        if value != default:
             raise BadInput(f"{type(args).__name__}.{name}={value!r} is not supported by jtrainer.trl: {why}.")
 
 

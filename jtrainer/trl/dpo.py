@@ -36,6 +36,7 @@ from jtrainer.trl.common import (
     load_model,
     refuse_images,
     refuse_lm_head_adapter,
+    router_aux_coefficient,
     set_pad_token,
     tokenizer_of,
 )
@@ -66,6 +67,7 @@ class DPOLoss:
     _settings: losses.DPOSettings
     _bridged: bool = False
     _adapter_reference: bool = False
+    _router_aux_coef: float = 0.0  # MoE models: TRL's weight of the load-balancing loss (0: none)
     args: Any
 
     def _default_loss_spec(self, sample, training: bool) -> LossSpec:
@@ -87,7 +89,7 @@ class DPOLoss:
     def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
         """TRL's DPO loss in the compiled step, recording TRL's rewards, log-probabilities and statistics."""
         pair = paired(inputs)
-        outputs, logits, labels = pair_forward(model, pair, self._bridged)
+        outputs, logits, labels = pair_forward(model, pair, self._bridged, router_logits=bool(self._router_aux_coef))
         stats = losses.next_token_stats(logits, labels)
         settings = self._settings
         logps = losses.sequence_log_probs(stats.log_probs, stats.mask, settings.ld_alpha)
@@ -100,6 +102,9 @@ class DPOLoss:
         loss = losses.dpo_loss(
             settings, logps, ref_logps, stats.log_probs, stats.mask, pair["completion_mask"], weighting
         )
+        if self._router_aux_coef:  # TRL: added to the per-batch mean as it is
+            loss = loss + self._router_aux_coef * outputs.aux_loss
+            step_metrics.record("aux_loss", outputs.aux_loss)
         _record_statistics(settings.beta, logits, stats, logps, ref_logps)
         return (loss, outputs) if return_outputs else loss
 
@@ -113,7 +118,7 @@ class DPOTrainer(StatisticsLogging, DPOLoss, Trainer):
     _tag_names = ["trl", "dpo"]
     _name = "DPO"
     loss_is_scaled_for_ga = False  # TRL's: a per-batch mean, divided by the accumulation steps
-    metric_order = DPO_METRICS
+    metric_order = ("aux_loss", *DPO_METRICS)
     num_tokens_after = "entropy"
 
     def __init__(
@@ -192,6 +197,7 @@ class DPOTrainer(StatisticsLogging, DPOLoss, Trainer):
         self.beta = args.beta
         self.precompute_ref_logps = args.precompute_ref_log_probs
         self._settings = dpo_settings(args)
+        self._router_aux_coef = router_aux_coefficient(model, args)
         if args.disable_dropout:
             _disable_dropout(model)
         self._init_statistics()

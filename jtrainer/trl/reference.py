@@ -34,11 +34,16 @@ def paired(inputs: dict[str, jax.Array]) -> dict[str, jax.Array]:
     }
 
 
-def pair_forward(model, pair: dict[str, jax.Array], bridged: bool, adapter_disabled: bool = False):
-    """The model's outputs and logits on the stacked rows, and the completion labels (-100 elsewhere)."""
+def pair_forward(
+    model, pair: dict[str, jax.Array], bridged: bool, adapter_disabled: bool = False, router_logits: bool = False
+):
+    """The model's outputs and logits on the stacked rows, and the completion labels (-100 elsewhere);
+    `router_logits`: an MoE model returns its load-balancing loss (outputs.aux_loss)."""
     kwargs: dict[str, Any] = {"input_ids": pair["input_ids"], "attention_mask": pair["attention_mask"]}
     if bridged:
         kwargs["use_cache"] = False  # as TRL
+    if router_logits:
+        kwargs["output_router_logits"] = True
     if adapter_disabled:
         with model.torch_model.disable_adapter():
             outputs = model(**kwargs)

@@ -27,7 +27,7 @@ from trl.trainer.utils import get_config_model_id
 from jtrainer import bridge
 from jtrainer.errors import BadInput
 from jtrainer.numerics import step_metrics
-from jtrainer.numerics.step import split_outputs
+from jtrainer.numerics.step import split_outputs, window_micro_batches
 from jtrainer.trainer.trainer import Trainer
 from jtrainer.trl import losses
 from jtrainer.trl.collators import LanguageModelingCollator
@@ -37,6 +37,7 @@ from jtrainer.trl.common import (
     load_model,
     refuse_images,
     refuse_lm_head_adapter,
+    router_aux_coefficient,
     set_pad_token,
     text_config,
     tokenizer_of,
@@ -51,6 +52,7 @@ class SFTLoss:
     transformers' torch model, set by the Trainer)."""
 
     _bridged: bool = False
+    _router_aux_coef: float = 0.0  # MoE models: TRL's weight of the load-balancing loss (0: none)
     args: Any
 
     def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
@@ -61,10 +63,17 @@ class SFTLoss:
         if self._bridged:
             inputs.pop("segment_ids", None)  # transformers' models find documents from position_ids
             inputs["use_cache"] = False  # as TRL: with a cache, packed documents would attend to each other
+        if self._router_aux_coef:
+            inputs["output_router_logits"] = True
         outputs = model(**inputs)
         _, logits = split_outputs(outputs)
         stats = losses.next_token_stats(logits, labels)
         loss = losses.sft_loss(stats, num_items_in_batch, self.args.loss_type)
+        if self._router_aux_coef:
+            # TRL: a per-micro-batch mean, averaged over the window when the loss is normalised by num_items.
+            steps = window_micro_batches() if num_items_in_batch is not None else 1
+            loss = loss + self._router_aux_coef * outputs.aux_loss / steps
+            step_metrics.record("aux_loss", outputs.aux_loss)
         step_metrics.record("entropy", losses.mean_over_tokens(stats.entropy, stats))
         step_metrics.record("mean_token_accuracy", losses.mean_over_tokens(stats.is_top1, stats))
         return (loss, outputs) if return_outputs else loss
@@ -78,7 +87,8 @@ class SFTTrainer(StatisticsLogging, SFTLoss, Trainer):
 
     _tag_names = ["trl", "sft"]
     _name = "SFT"
-    metric_order = ("entropy", "mean_token_accuracy")
+    metric_order = ("entropy", "mean_token_accuracy", "aux_loss")
+    num_tokens_after = "mean_token_accuracy"
 
     def __init__(
         self,
@@ -139,10 +149,17 @@ class SFTTrainer(StatisticsLogging, SFTLoss, Trainer):
         refuse_lm_head_adapter(model)
 
         self.padding_free = args.padding_free or (args.packing and args.packing_strategy in {"bfd", "bfd_split"})
+        self._router_aux_coef = router_aux_coefficient(model, args, sync_config=True)
         if self.padding_free:
             if data_collator is not None:
                 raise ValueError("Passing a custom data collator is not supported when using padding-free.")
             _check_takes_segments(model)
+            if self._router_aux_coef:
+                raise BadInput(
+                    "router_aux_loss_coef: TRL's MoE load-balancing loss over padding-free rows counts every token of "
+                    "one concatenated row, and jtrainer's fixed-length rows hold padding it would count: set "
+                    "router_aux_loss_coef=0.0, or packing_strategy='wrapped' (or packing=False)."
+                )
         if args.assistant_only_loss and not is_conversational(dataset_sample):
             raise ValueError(
                 "You set `assistant_only_loss=True`, but the dataset is not conversational. This option is only "

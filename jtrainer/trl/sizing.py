@@ -9,6 +9,7 @@ import numpy as np
 
 from jtrainer import bridge
 from jtrainer.trainer.trainer import Trainer
+from jtrainer.trl.common import router_aux_coefficient
 from jtrainer.trl.dpo import DPOLoss, dpo_settings
 from jtrainer.trl.reference import REFERENCE_COLUMNS
 from jtrainer.trl.sft import SFTLoss
@@ -18,6 +19,7 @@ class SFTStep(SFTLoss, Trainer):
     """The SFT train step of a model and an SFTConfig."""
 
     def __init__(self, model: Any, args: Any, **kwargs: Any):
+        self._router_aux_coef = router_aux_coefficient(model, args)
         super().__init__(model=model, args=args, **kwargs)
         self._bridged = bridge.is_bridged(self.nnx_model)
 
@@ -29,6 +31,7 @@ class DPOStep(DPOLoss, Trainer):
     def __init__(self, model: Any, args: Any, adapter_reference: bool = False, **kwargs: Any):
         self._settings = dpo_settings(args)
         self._adapter_reference = adapter_reference
+        self._router_aux_coef = router_aux_coefficient(model, args)
         super().__init__(model=model, args=args, **kwargs)
         self._bridged = bridge.is_bridged(self.nnx_model)
 
