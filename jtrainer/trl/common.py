@@ -15,6 +15,18 @@ from jtrainer.parallel import distributed
 from jtrainer.trl.collators import real_tokens
 
 
+def check_train_dataset(train_dataset: Any) -> None:
+    """TRL's: a train dataset is required, a `datasets` Dataset or IterableDataset."""
+    import datasets
+
+    if train_dataset is None:
+        raise ValueError("`train_dataset` is required")
+    if not isinstance(train_dataset, (datasets.Dataset, datasets.IterableDataset)):
+        raise TypeError(
+            f"`train_dataset` must be a `Dataset` or `IterableDataset`, got `{type(train_dataset).__name__}`."
+        )
+
+
 def load_model(name_or_path: str, args: Any, needs_torch: bool, quantization_config: Any = None):
     """TRL's `create_model_from_path`: jtrainer's native model where the family has one, transformers' own torch
     model (the bridge) otherwise or where peft needs it."""

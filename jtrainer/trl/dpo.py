@@ -32,6 +32,7 @@ from jtrainer.trl.collators import PreferenceCollator
 from jtrainer.trl.common import (
     StatisticsLogging,
     apply_peft,
+    check_train_dataset,
     is_peft_model,
     load_model,
     refuse_images,
@@ -144,12 +145,7 @@ class DPOTrainer(StatisticsLogging, DPOLoss, Trainer):
                 f"args: jtrainer.trl.DPOTrainer takes a jtrainer.trl.DPOConfig (TRL's fields), got "
                 f"{type(args).__module__}.{type(args).__name__}."
             )
-        if train_dataset is None:
-            raise ValueError("`train_dataset` is required")
-        if not isinstance(train_dataset, (datasets.Dataset, datasets.IterableDataset)):
-            raise TypeError(
-                f"`train_dataset` must be a `Dataset` or `IterableDataset`, got `{type(train_dataset).__name__}`."
-            )
+        check_train_dataset(train_dataset)
         _check_settings(args)
         transformers.set_seed(args.seed)
         if isinstance(model, str):

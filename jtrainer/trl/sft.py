@@ -12,7 +12,6 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-import datasets
 import transformers
 from trl.chat_template_utils import (
     clone_chat_template,
@@ -34,6 +33,7 @@ from jtrainer.trl.collators import LanguageModelingCollator
 from jtrainer.trl.common import (
     StatisticsLogging,
     apply_peft,
+    check_train_dataset,
     load_model,
     refuse_images,
     refuse_lm_head_adapter,
@@ -109,45 +109,12 @@ class SFTTrainer(StatisticsLogging, SFTLoss, Trainer):
         formatting_func: Callable[[dict], str] | None = None,
     ):
         args = _sft_config(model, args)
-        if train_dataset is None:
-            raise ValueError("`train_dataset` is required")
-        if not isinstance(train_dataset, (datasets.Dataset, datasets.IterableDataset)):
-            raise TypeError(
-                f"`train_dataset` must be a `Dataset` or `IterableDataset`, got `{type(train_dataset).__name__}`."
-            )
-        if compute_loss_func is not None:
-            raise BadInput(
-                "compute_loss_func: TRL deprecates it for SFTTrainer; subclass jtrainer.trl.SFTTrainer and override "
-                "compute_loss (it runs inside the compiled step)."
-            )
-        if args.label_smoothing_factor > 0:
-            raise BadInput(
-                "label_smoothing_factor: TRL deprecates label smoothing in SFTTrainer and jtrainer.trl does not "
-                "build it; set label_smoothing_factor=0."
-            )
-        if args.loss_type not in ("nll", "dft"):
-            raise ValueError(f"Invalid `loss_type` {args.loss_type} passed. Supported values are 'nll' and 'dft'.")
-
+        _check_arguments(args, train_dataset, compute_loss_func)
         transformers.set_seed(args.seed)  # TRL: peft draws its adapter weights after this
-        if isinstance(model, str):
-            model = load_model(
-                model, args, needs_torch=peft_config is not None, quantization_config=quantization_config
-            )
-        elif quantization_config is not None:
-            logger.warning("You passed `quantization_config` to the trainer, but your model is already instantiated.")
-
-        processing_class = tokenizer_of(model, processing_class, args, "SFTTrainer")
-        self._tokenizer = processing_class
-        self._is_vlm = False
-        self._is_vision_dataset = False
-        self._set_eos_token(model, args)
-        model = self._set_chat_template(model, args)
-
+        model = self._model_and_tokenizer(model, args, processing_class, quantization_config, peft_config)
+        processing_class = self._tokenizer
         dataset_sample = next(iter(train_dataset))
         refuse_images(dataset_sample)
-        model = apply_peft(model, peft_config, "SFTTrainer")
-        refuse_lm_head_adapter(model)
-
         self.padding_free = args.padding_free or (args.packing and args.packing_strategy in {"bfd", "bfd_split"})
         self._router_aux_coef = router_aux_coefficient(model, args, sync_config=True)
         if self.padding_free:
@@ -160,64 +127,21 @@ class SFTTrainer(StatisticsLogging, SFTLoss, Trainer):
                     "one concatenated row, and jtrainer's fixed-length rows hold padding it would count: set "
                     "router_aux_loss_coef=0.0, or packing_strategy='wrapped' (or packing=False)."
                 )
-        if args.assistant_only_loss and not is_conversational(dataset_sample):
-            raise ValueError(
-                "You set `assistant_only_loss=True`, but the dataset is not conversational. This option is only "
-                "supported for conversational datasets."
-            )
-        if args.assistant_only_loss and not has_generation_markers(processing_class.chat_template):
-            self.chat_template = get_training_chat_template(processing_class)
-        else:
-            self.chat_template = None
-        if args.assistant_only_loss and not is_chat_template_stop_token_trained(
-            processing_class, chat_template=self.chat_template
-        ):
-            logger.warning(
-                "The chat template does not include the assistant turn's end-of-turn token in the loss mask; the "
-                "model may not learn to stop. Either set `assistant_only_loss=False` or edit the chat template so the "
-                "end-of-turn token falls inside `{% generation %}...{% endgeneration %}`."
-            )
-        if args.completion_only_loss is None:
-            self.completion_only_loss = "prompt" in dataset_sample and "completion" in dataset_sample
-        else:
-            self.completion_only_loss = args.completion_only_loss
-
+        self._set_loss_masks(args, dataset_sample)
         if data_collator is None:
-            pad_token_id = set_pad_token(self._tokenizer, model, args)
             data_collator = LanguageModelingCollator(
-                pad_token_id=pad_token_id,
+                pad_token_id=set_pad_token(self._tokenizer, model, args),
                 padding_free=self.padding_free,
                 pad_to_multiple_of=padding_multiple(args),
                 fixed_length=args.max_length if (self.padding_free and args.packing) else None,
             )
-
         if self.padding_free and not args.packing and args.max_length is not None:
             raise ValueError(
                 "When `padding_free=True` without packing, `max_length` is not enforced. Either enable packing "
                 "(e.g., `packing=True, packing_strategy='bfd'`), provide already truncated inputs, or set "
                 "`max_length=None`."
             )
-        dataset_kwargs = args.dataset_kwargs if isinstance(args.dataset_kwargs, dict) else {}
-        self._skip_prepare_dataset = bool(dataset_kwargs.get("skip_prepare_dataset"))
-        self._formatting_func = formatting_func
-        eval_datasets = (
-            eval_dataset if isinstance(eval_dataset, dict) else {"eval": eval_dataset} if eval_dataset else {}
-        )
-        self._reject_skip_prepare_without_labels({"train": train_dataset, **eval_datasets})
-        if not self._skip_prepare_dataset:
-            if self.completion_only_loss and formatting_func:
-                raise ValueError(
-                    "A formatting function was provided while `completion_only_loss=True`, which is incompatible. "
-                    "Using a formatter converts the dataset to a language modeling type, conflicting with "
-                    "completion-only loss. To resolve this, apply your formatting function before passing the "
-                    "dataset, or disable `completion_only_loss` in `SFTConfig`."
-                )
-            train_dataset = self._prepare_trl_dataset(
-                train_dataset, processing_class, args, args.packing, formatting_func, "train"
-            )
-            if eval_dataset is not None:
-                eval_dataset = self._prepare_eval(eval_dataset, processing_class, args)
-
+        train_dataset, eval_dataset = self._prepared(train_dataset, eval_dataset, args, formatting_func)
         self._init_statistics()
         super().__init__(
             model=model,
@@ -233,6 +157,75 @@ class SFTTrainer(StatisticsLogging, SFTLoss, Trainer):
             preprocess_logits_for_metrics=preprocess_logits_for_metrics,
         )
         self._bridged = bridge.is_bridged(self.nnx_model)
+
+    def _model_and_tokenizer(self, model, args, processing_class, quantization_config, peft_config):
+        """TRL's model (loaded from a path, wrapped by peft) and tokenizer (eos token, chat template)."""
+        if isinstance(model, str):
+            model = load_model(
+                model, args, needs_torch=peft_config is not None, quantization_config=quantization_config
+            )
+        elif quantization_config is not None:
+            logger.warning("You passed `quantization_config` to the trainer, but your model is already instantiated.")
+        self._tokenizer = tokenizer_of(model, processing_class, args, "SFTTrainer")
+        self._is_vlm = False
+        self._is_vision_dataset = False
+        self._set_eos_token(model, args)
+        model = self._set_chat_template(model, args)
+        model = apply_peft(model, peft_config, "SFTTrainer")
+        refuse_lm_head_adapter(model)
+        return model
+
+    def _set_loss_masks(self, args: SFTConfig, dataset_sample: dict) -> None:
+        """TRL's choice of the tokens the loss reads: assistant turns (with a training chat template where the
+        tokenizer's has no generation markers), completions, or everything."""
+        tokenizer = self._tokenizer
+        if args.assistant_only_loss and not is_conversational(dataset_sample):
+            raise ValueError(
+                "You set `assistant_only_loss=True`, but the dataset is not conversational. This option is only "
+                "supported for conversational datasets."
+            )
+        if args.assistant_only_loss and not has_generation_markers(tokenizer.chat_template):
+            self.chat_template = get_training_chat_template(tokenizer)
+        else:
+            self.chat_template = None
+        if args.assistant_only_loss and not is_chat_template_stop_token_trained(
+            tokenizer, chat_template=self.chat_template
+        ):
+            logger.warning(
+                "The chat template does not include the assistant turn's end-of-turn token in the loss mask; the "
+                "model may not learn to stop. Either set `assistant_only_loss=False` or edit the chat template so the "
+                "end-of-turn token falls inside `{% generation %}...{% endgeneration %}`."
+            )
+        if args.completion_only_loss is None:
+            self.completion_only_loss = "prompt" in dataset_sample and "completion" in dataset_sample
+        else:
+            self.completion_only_loss = args.completion_only_loss
+
+    def _prepared(self, train_dataset, eval_dataset, args: SFTConfig, formatting_func):
+        """The train and eval datasets through TRL's preparation (unless `skip_prepare_dataset`)."""
+        dataset_kwargs = args.dataset_kwargs if isinstance(args.dataset_kwargs, dict) else {}
+        self._skip_prepare_dataset = bool(dataset_kwargs.get("skip_prepare_dataset"))
+        self._formatting_func = formatting_func
+        eval_datasets = (
+            eval_dataset if isinstance(eval_dataset, dict) else {"eval": eval_dataset} if eval_dataset else {}
+        )
+        self._reject_skip_prepare_without_labels({"train": train_dataset, **eval_datasets})
+        if self._skip_prepare_dataset:
+            return train_dataset, eval_dataset
+        if self.completion_only_loss and formatting_func:
+            raise ValueError(
+                "A formatting function was provided while `completion_only_loss=True`, which is incompatible. "
+                "Using a formatter converts the dataset to a language modeling type, conflicting with "
+                "completion-only loss. To resolve this, apply your formatting function before passing the "
+                "dataset, or disable `completion_only_loss` in `SFTConfig`."
+            )
+        tokenizer = self._tokenizer
+        train_dataset = self._prepare_trl_dataset(
+            train_dataset, tokenizer, args, args.packing, formatting_func, "train"
+        )
+        if eval_dataset is not None:
+            eval_dataset = self._prepare_eval(eval_dataset, tokenizer, args)
+        return train_dataset, eval_dataset
 
     # ------------------------------------------------------------------------------------- TRL's preparation
     def _prepare_trl_dataset(self, dataset, processing_class, args, packing, formatting_func, dataset_name):
@@ -325,6 +318,23 @@ def _sft_config(model: Any, args: Any) -> SFTConfig:
         fields["hub_token"] = args.hub_token
         return SFTConfig(**fields)
     raise TypeError(f"args must be an SFTConfig or TrainingArguments, got {type(args).__name__}.")
+
+
+def _check_arguments(args: SFTConfig, train_dataset: Any, compute_loss_func: Any) -> None:
+    """TRL's checks of the arguments, and what jtrainer.trl refuses, before anything is loaded."""
+    check_train_dataset(train_dataset)
+    if compute_loss_func is not None:
+        raise BadInput(
+            "compute_loss_func: TRL deprecates it for SFTTrainer; subclass jtrainer.trl.SFTTrainer and override "
+            "compute_loss (it runs inside the compiled step)."
+        )
+    if args.label_smoothing_factor > 0:
+        raise BadInput(
+            "label_smoothing_factor: TRL deprecates label smoothing in SFTTrainer and jtrainer.trl does not build it; "
+            "set label_smoothing_factor=0."
+        )
+    if args.loss_type not in ("nll", "dft"):
+        raise ValueError(f"Invalid `loss_type` {args.loss_type} passed. Supported values are 'nll' and 'dft'.")
 
 
 def _check_takes_segments(model: Any) -> None:
