@@ -102,6 +102,24 @@ def test_peft_reference_is_the_disabled_adapter(tmp_path):
     assert ours._adapter_reference
 
 
+def test_a_peft_model_passed_in_is_its_own_frozen_reference(tmp_path):
+    """A PeftModel given with ref_model=None: TRL's reference is a frozen copy of its adapter as given (not the
+    disabled adapter); its adapter starts away from zero here, so the two differ."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(
+        cases.torch_llama(), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    )
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(0))
+    theirs, ours = run_both(tmp_path, model, reference=False, learning_rate=1e-2)
+    assert_same(theirs, ours)
+    assert not ours._adapter_reference
+
+
 def test_precomputed_reference_log_probs(tmp_path):
     theirs, ours = run_both(tmp_path, reference=False, precompute_ref_log_probs=True)
     np.testing.assert_allclose(

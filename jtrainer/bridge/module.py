@@ -13,6 +13,7 @@ import contextlib
 import functools
 import logging
 import os
+import threading
 import weakref
 from typing import Any
 
@@ -28,6 +29,11 @@ from jtrainer.parallel import sharding
 from jtrainer.state import Frozen  # requires_grad=False: transformers.Trainer's optimizer never sees it
 
 _NEFTUNE_HOOKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # embeddings -> NEFTune's hook handle
+
+# torchax's environment (its random key, modes, the weights a call swaps into a module) is one per process: torch
+# code traces under it one thread at a time (a batch prepared ahead in the prefetch thread may run a model's pass,
+# a DPO reference's, while the main thread traces the train step).
+_TRACING = threading.RLock()
 
 
 class Buffer(nnx.Variable):
@@ -345,6 +351,10 @@ class TorchModel(nnx.Module):
         return {name: var for tree in (self.params, self.frozen, self.buffers) for name, var in _flatten(tree).items()}
 
     def __call__(self, *args, **kwargs):
+        with _TRACING:
+            return self._call(*args, **kwargs)
+
+    def _call(self, *args, **kwargs):
         env = torchax_compat.environment()
         torch_io = holds_torch((args, kwargs))
         flat = self._named_variables()

@@ -8,6 +8,7 @@ disabled inside the step; every loss type TRL 1.16 offers and its logged statist
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -224,7 +225,11 @@ class DPOTrainer(StatisticsLogging, DPOLoss, Trainer):
             self._adapter_reference = True  # TRL: use_adapter(model, None)
             reference_model = None
         elif ref_model is None and (passed_peft_model or args.precompute_ref_log_probs):
-            reference_model = self.nnx_model  # the policy as it is now (TRL: a "ref" copy of its adapter)
+            # The policy as it is now (TRL: a "ref" copy of its adapter). A torch policy is copied: the reference's
+            # pass may trace while the train step does (batches are prepared ahead), and both swap the weights of
+            # the torch module they call.
+            policy = self.model
+            reference_model = copy.deepcopy(policy) if bridge.is_torch_module(policy) else self.nnx_model
         elif ref_model is None:
             path = get_config_model_id(self.model.config)
             reference_model = load_model(path, args, needs_torch=bridge.is_torch_module(self.model))
