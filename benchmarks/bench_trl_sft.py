@@ -21,15 +21,10 @@ import sys
 import tempfile
 import time
 
-MODEL = dict(
-    hidden_size=256,
-    intermediate_size=688,
-    num_hidden_layers=4,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    vocab_size=4096,
-    max_position_embeddings=2048,
-)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_train import CONFIGS  # noqa: E402  (bench_train's "small" Llama)
+
+MODEL = {k: v for k, v in CONFIGS["small"].items() if k not in ("seq", "batch")} | {"max_position_embeddings": 2048}
 
 
 def prepare(folder: str) -> None:
