@@ -85,6 +85,9 @@ class LossSpec:
     # Evaluation computes the loss of batches without a label column (HF's loss_without_labels): a loss that reads
     # other columns (TRL's DPO: chosen and rejected completions).
     loss_without_labels: bool = False
+    # The names the loss records (step_metrics.record: a float32 scalar each), found when the Trainer probes an
+    # override: a skipped padding micro-batch records zeros under them.
+    recorded: tuple[str, ...] = ()
 
 
 def split_outputs(outputs: Any) -> tuple[jax.Array | None, Any]:
@@ -320,9 +323,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, spec: LossSpec, 
             return grads, loss, model_state, recorded
 
         def skipped(model_state, inputs, weight, key_data):
-            # What a run micro-batch records (traced for its shapes only), as zeros.
-            shapes = jax.eval_shape(micro_batch, model_state, inputs, weight, key_data)[3]
-            nothing = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+            nothing = {name: jnp.zeros((), jnp.float32) for name in spec.recorded}  # what a run one records
             return zeros, jnp.zeros((), jnp.float32), model_state, nothing
 
         def accumulate(carry, xs):

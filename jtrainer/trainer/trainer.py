@@ -61,6 +61,7 @@ from jtrainer.numerics.step import (
     split_outputs,
 )
 from jtrainer.numerics.step import compute_loss as step_compute_loss
+from jtrainer.numerics.step_metrics import recording
 from jtrainer.parallel import distributed, sharding
 from jtrainer.runtime import compiled_steps, startup
 from jtrainer.sizing import batch_size
@@ -535,7 +536,7 @@ class Trainer(
         errors = []
         for candidate in candidates:
             try:
-                loss, trained = self._trace_compute_loss(candidate, sample)
+                loss, trained, recorded = self._trace_compute_loss(candidate, sample)
                 break
             except Exception as error:  # noqa: BLE001  (the next way may run it; else the first error is raised)
                 errors.append(error)
@@ -548,23 +549,27 @@ class Trainer(
                 f"{NO_GRAD}: no trainable parameter reaches the loss {type(self).__name__}.compute_loss returns "
                 "(a detach(), torch.no_grad() or stop_gradient cuts it off)."
             )
-        return candidate
+        return dataclasses.replace(candidate, recorded=recorded)
 
     def _trace_compute_loss(self, spec: LossSpec, sample: data.Batch):
-        """The override's loss, traced on the batch's shapes (nothing runs), and whether the trainable
-        parameters reach it."""
+        """The override's loss, traced on the batch's shapes (nothing runs), whether the trainable parameters
+        reach it, and the names it records (step_metrics.record)."""
         graphdef, params, rest = split_params(self.nnx_model)
         probe = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in sample.items()}
 
+        names: list[str] = []
+
         def loss_of(p, s, inputs):
-            with bound_model(graphdef, p, s, spec.compute_dtype) as model:
+            with bound_model(graphdef, p, s, spec.compute_dtype) as model, recording() as recorded:
                 num_items = count_label_tokens(inputs["labels"], spec.count_shifted) if spec.pass_num_items else None
-                return step_compute_loss(model, inputs, spec, num_items)
+                loss = step_compute_loss(model, inputs, spec, num_items)
+            names.extend(recorded)
+            return loss
 
         with self._mesh_context():
             traced, loss = jax.make_jaxpr(loss_of, return_shape=True)(params, rest, probe)
         trainable = [True] * len(jax.tree.leaves(params)) + [False] * len(jax.tree.leaves((rest, probe)))
-        return loss, any(dependence.outputs_reached(traced, trainable))
+        return loss, any(dependence.outputs_reached(traced, trainable)), tuple(sorted(names))
 
     def _raise_untraceable(self, error: Exception):
         name = f"{type(self).__name__}.compute_loss"
