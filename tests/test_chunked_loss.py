@@ -13,6 +13,7 @@ from conftest import short_run_args, tiny_llama_config, token_rows
 from flax import nnx
 
 from jtrainer import Trainer
+from jtrainer.models.bert import BertForMaskedLM
 from jtrainer.models.gpt2 import GPT2LMHeadModel
 from jtrainer.models.llama import LlamaForCausalLM
 
@@ -27,15 +28,23 @@ def _loss_and_grads(model, batch, chunk, num_items=None):
     def loss(p):
         bound = nnx.merge(graphdef, p, rest)
         bound.loss_chunk_positions = chunk
-        return bound(**batch, num_items_in_batch=num_items).loss
+        return bound(**batch, num_items_in_batch=num_items, skip_logits=chunk is not None).loss
 
     return jax.value_and_grad(loss)(params)
 
 
-@pytest.mark.parametrize("tied", [False, True])
+def _native_model(family):
+    if family == "gpt2":
+        from transformers import GPT2Config
+
+        return GPT2LMHeadModel.from_config(GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2), seed=1)
+    return LlamaForCausalLM.from_config(tiny_llama_config(tie_word_embeddings=family == "llama tied"), seed=1)
+
+
+@pytest.mark.parametrize("family", ["llama", "llama tied", "gpt2"])
 @pytest.mark.parametrize("chunk", [1, 4, 13, 64])  # 13 positions: chunks of 4 leave a ragged last chunk
-def test_chunked_loss_and_gradients_equal_whole_logits(tied, chunk):
-    model = LlamaForCausalLM.from_config(tiny_llama_config(tie_word_embeddings=tied), seed=1)
+def test_chunked_loss_and_gradients_equal_whole_logits(family, chunk):
+    model = _native_model(family)
     batch = _batch(token_rows(3, length=13, ragged_labels=True, seed=2))
     for num_items in (None, jnp.asarray(29)):
         whole, whole_grads = _loss_and_grads(model, batch, None, num_items)
@@ -50,7 +59,10 @@ def test_chunked_loss_returns_no_logits_in_training_and_logits_in_eval_mode():
     model = LlamaForCausalLM.from_config(tiny_llama_config())
     model.loss_chunk_positions = 4
     batch = _batch(token_rows(2, length=8))
-    assert model(**batch).logits is None  # Liger's skip_logits in training
+    assert model(**batch).logits.shape == (2, 8, 64)  # the Trainer asks for the loss alone where it wants it
+    assert model(**batch, skip_logits=True).logits is None
+    model.skip_logits_in_training = True
+    assert model(**batch).logits is None  # use_liger_kernel: Liger's skip_logits in every training call
     model.eval()
     out = model(**batch)
     assert out.logits.shape == (2, 8, 64)
@@ -71,7 +83,7 @@ def test_chunked_train_step_needs_less_memory():
         def loss(p):
             bound = nnx.merge(graphdef, p, rest)
             bound.loss_chunk_positions = chunk
-            return bound(**batch).loss
+            return bound(**batch, skip_logits=True).loss
 
         return jax.jit(jax.grad(loss)).lower(params).compile().memory_analysis().temp_size_in_bytes
 
@@ -94,7 +106,8 @@ def test_trainer_with_use_liger_kernel_trains_and_evaluates_as_without():
             _args(use_liger_kernel=liger, loss_chunk_size=5),
             train_dataset=rows,
         )
-        assert trainer.model.loss_chunk_positions == (5 if liger else None)
+        assert trainer.model.loss_chunk_positions == 5
+        assert trainer.model.skip_logits_in_training is liger
         trainer.train()
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         metrics = trainer.evaluate(eval_rows)
@@ -112,14 +125,16 @@ def test_liger_kernel_config_and_unsupported_models(caplog):
     assert _args(use_liger_kernel=True).chunked_loss_positions() == 1024
     with pytest.raises(ValueError, match="liger_kernel_config: unknown kernel 'flash'"):
         _args(use_liger_kernel=True, liger_kernel_config={"flash": True})
+    assert _args().chunked_loss_positions() == 1024  # the default, use_liger_kernel or not
+    assert _args(loss_chunk_size=0).chunked_loss_positions() is None
     with pytest.raises(ValueError, match="loss_chunk_size"):
-        _args(loss_chunk_size=0)
-    from transformers import GPT2Config
+        _args(loss_chunk_size=-1)
+    from transformers import BertConfig
 
-    gpt2 = GPT2LMHeadModel.from_config(GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=32))
+    config = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
     with caplog.at_level(logging.WARNING, logger="jtrainer.trainer.trainer"):
-        Trainer(gpt2, _args(use_liger_kernel=True), train_dataset=token_rows(4))
-    assert "GPT2LMHeadModel has no chunked loss" in caplog.text
+        Trainer(BertForMaskedLM.from_config(config), _args(use_liger_kernel=True), train_dataset=token_rows(4))
+    assert "BertForMaskedLM has no chunked loss" in caplog.text
 
 
 def test_loss_only_evaluation_hands_any_model_skip_logits_as_hf():

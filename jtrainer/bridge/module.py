@@ -22,8 +22,9 @@ import numpy as np
 import torch
 from flax import nnx
 
-from jtrainer.bridge import adapters, attention, custom_autograd, layout, torchax_compat, untraceable
+from jtrainer.bridge import adapters, attention, chunked_loss, custom_autograd, layout, torchax_compat, untraceable
 from jtrainer.models import remat
+from jtrainer.models.lm_head import ChunkedLossHead
 from jtrainer.models.outputs import Outputs
 from jtrainer.parallel import sharding
 from jtrainer.state import Frozen  # requires_grad=False: transformers.Trainer's optimizer never sees it
@@ -34,6 +35,7 @@ _NEFTUNE_HOOKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # embed
 # code traces under it one thread at a time (a batch prepared ahead in the prefetch thread may run a model's pass,
 # a DPO reference's, while the main thread traces the train step).
 _TRACING = threading.RLock()
+_log = logging.getLogger(__name__)
 
 
 class Buffer(nnx.Variable):
@@ -274,7 +276,7 @@ def holds_torch(value) -> bool:
     return any(isinstance(leaf, torch.Tensor) for leaf in jax.tree.leaves(value))
 
 
-class TorchModel(nnx.Module):
+class TorchModel(ChunkedLossHead, nnx.Module):
     """A transformers `PreTrainedModel` (or any torch module) as a pure function of its weights, under JAX.
 
     Called with jax arrays it returns `Outputs` of jax arrays; called with torchax tensors (a torch-written
@@ -307,6 +309,11 @@ class TorchModel(nnx.Module):
         # Static, so a compiled step knows it: the Trainer refreshes it after gradient_checkpointing_enable().
         self.gradient_checkpointing = checkpointing_enabled(torch_model)
         self.remat_policy: str | None = None
+        # A transformers causal LM computes its loss alone (skip_logits) in chunks (chunked_loss), with the
+        # settings the Trainer gives (models.lm_head.ChunkedLossHead).
+        self.chunks_causal_lm_loss = chunked_loss.chunkable(torch_model)
+        self.loss_chunk_positions: int | None = None
+        self.skip_logits_in_training = False
 
     def __getattr__(self, name: str):
         if name.startswith("_") or name == "torch_model":
@@ -352,9 +359,31 @@ class TorchModel(nnx.Module):
 
     def __call__(self, *args, **kwargs):
         with _TRACING:
-            return self._call(*args, **kwargs)
+            if self.chunks_causal_lm_loss and not holds_torch((args, kwargs)):
+                labels = kwargs.get("labels")
+                if self.resolve_skip_logits(kwargs.pop("skip_logits", None), labels):
+                    try:
+                        return self._loss_only(args, kwargs)
+                    except chunked_loss.NotChunked:
+                        _log.debug("%s: the loss from whole logits", type(self.torch_model).__name__)
+            return self._call(args, kwargs)
 
-    def _call(self, *args, **kwargs):
+    def _loss_only(self, args, kwargs) -> Outputs:
+        """transformers' causal-LM loss without whole logits: the model called without labels, its LM head
+        computing the loss in chunks (chunked_loss); the outputs hold the loss and no logits."""
+        kwargs = dict(kwargs)
+        labels, num_items = kwargs.pop("labels"), kwargs.pop("num_items_in_batch", None)
+
+        def loss_of_hidden(hidden_BxLxD, project):
+            return self.head_outputs(hidden_BxLxD, project, labels, num_items, skip_logits=True)[0]
+
+        with chunked_loss.loss_at_head(self.torch_model, loss_of_hidden) as head:
+            outputs = self._call(args, kwargs, head)
+        return Outputs({"loss": head.loss, **{k: v for k, v in outputs.items() if k not in ("loss", "logits")}})
+
+    def _call(self, args, kwargs, head: chunked_loss.HeadCall | None = None):
+        """The torch model's forward on this module's weights; with `head`, one whose LM head computes the loss
+        (`chunked_loss.check_outputs` raises NotChunked before anything of this call is kept)."""
         env = torchax_compat.environment()
         torch_io = holds_torch((args, kwargs))
         flat = self._named_variables()
@@ -383,6 +412,8 @@ class TorchModel(nnx.Module):
                     if explanation is None:
                         raise
                     raise explanation from None
+                if head is not None:
+                    chunked_loss.check_outputs(outputs, head)
                 next_key = env.param.prng
         self.random["key"] = RandomKey(next_key)
         for name in _flatten(self.buffers):  # in-place updates (BatchNorm's running statistics)

@@ -12,8 +12,8 @@ from jtrainer.models import remat
 from jtrainer.models.base import Embed, PretrainedMixin, StaticConfig, call_block
 from jtrainer.models.kernels import TokenMask, causal_attention, dense
 from jtrainer.models.layers import ACTIVATION_AXES, ACTIVATIONS, LayerNorm
+from jtrainer.models.lm_head import ChunkedLossHead
 from jtrainer.models.outputs import ModelOutput
-from jtrainer.numerics.losses import token_loss
 from jtrainer.parallel.sharding import TENSOR, constrain
 
 
@@ -98,7 +98,7 @@ class GPT2Model(nnx.Module):
         return self.ln_f(x)
 
 
-class GPT2LMHeadModel(PretrainedMixin, nnx.Module):
+class GPT2LMHeadModel(ChunkedLossHead, PretrainedMixin, nnx.Module):
     """HF's `GPT2LMHeadModel` (the LM head is tied to `wte`, as in every GPT-2 checkpoint)."""
 
     generates = True
@@ -116,6 +116,9 @@ class GPT2LMHeadModel(PretrainedMixin, nnx.Module):
             raise ValueError("GPT2LMHeadModel with untied embeddings is not supported (GPT-2 ties lm_head to wte).")
         self._config = StaticConfig(config)
         self.transformer = GPT2Model(config, rngs)
+        self.loss_chunk_positions: int | None = None  # lm_head.ChunkedLossHead's settings, set by the Trainer
+        self.skip_logits_in_training = False
+        self.deterministic = False
 
     def check_mesh(self, mesh) -> None:
         n, heads = mesh.shape[TENSOR], self.config.n_head
@@ -123,11 +126,20 @@ class GPT2LMHeadModel(PretrainedMixin, nnx.Module):
             raise ValueError(f"Tensor parallel size {n} does not divide n_head={heads}: change mesh_shape.")
 
     def __call__(
-        self, input_ids, attention_mask=None, position_ids=None, labels=None, num_items_in_batch=None, **kwargs
+        self,
+        input_ids,
+        attention_mask=None,
+        position_ids=None,
+        labels=None,
+        num_items_in_batch=None,
+        skip_logits: bool | None = None,
+        **kwargs,
     ) -> ModelOutput:
+        """`skip_logits`: the loss without logits (lm_head.ChunkedLossHead); unset, use_liger_kernel's rule."""
+        skip_logits = self.resolve_skip_logits(skip_logits, labels)
         hidden = self.transformer(input_ids, attention_mask, position_ids)
-        logits = self.transformer.wte.attend(hidden).astype(jnp.float32)
-        loss = None
-        if labels is not None:
-            loss = token_loss(logits, labels, num_items_in_batch, causal=True)
+        loss, logits = self.head_outputs(hidden, self._logits, labels, num_items_in_batch, skip_logits)
         return ModelOutput(loss=loss, logits=logits)
+
+    def _logits(self, hidden_BxLxD: jax.Array) -> jax.Array:
+        return self.transformer.wte.attend(hidden_BxLxD).astype(jnp.float32)

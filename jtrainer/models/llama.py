@@ -22,8 +22,8 @@ from jtrainer.models import remat
 from jtrainer.models.base import Embed, PretrainedMixin, StaticConfig, call_block
 from jtrainer.models.kernels import TokenMask, causal_attention, project
 from jtrainer.models.layers import ACTIVATION_AXES, RMSNorm, linear
+from jtrainer.models.lm_head import ChunkedLossHead
 from jtrainer.models.outputs import ModelOutput
-from jtrainer.numerics.losses import chunked_token_loss, token_loss
 from jtrainer.parallel.sharding import TENSOR, constrain
 
 # Activations between layers: rows over (data, fsdp), positions over `sequence`, features whole.
@@ -309,7 +309,7 @@ class KVCache:
         return KVCache(keys[:, rows], values[:, rows], self.index)
 
 
-class LlamaForCausalLM(PretrainedMixin, nnx.Module):
+class LlamaForCausalLM(ChunkedLossHead, PretrainedMixin, nnx.Module):
     """HF's `LlamaForCausalLM`: `__call__(input_ids, attention_mask, position_ids, labels, num_items_in_batch)`."""
 
     generates = True
@@ -335,10 +335,10 @@ class LlamaForCausalLM(PretrainedMixin, nnx.Module):
         scan_layers: bool = False,
     ):
         self._config = StaticConfig(config)
-        # Positions per chunk of the training loss computed without whole logits (the Trainer's use_liger_kernel
-        # sets it; None: whole logits). `deterministic` is nnx's train()/eval() flag: evaluation and prediction
-        # always produce logits, as Liger's skip_logits holds only in training.
+        # The chunked loss's settings (lm_head.ChunkedLossHead), set by the Trainer. `deterministic` is nnx's
+        # train()/eval() flag: use_liger_kernel's skip_logits holds only in training.
         self.loss_chunk_positions: int | None = None
+        self.skip_logits_in_training = False
         self.deterministic = False
         self.model = LlamaModel(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs, scan_layers=scan_layers)
         if not config.tie_word_embeddings:
@@ -379,29 +379,12 @@ class LlamaForCausalLM(PretrainedMixin, nnx.Module):
         skip_logits: bool | None = None,
         **kwargs,
     ) -> ModelOutput:
-        """`skip_logits` (Liger's): the loss without logits; unset, in training whenever the chunked loss is on."""
-        if skip_logits is None:
-            skip_logits = bool(self.loss_chunk_positions) and not self.deterministic and labels is not None
-        if skip_logits and labels is None:
-            raise ValueError("skip_logits=True computes the loss without logits: it needs labels.")
+        """`skip_logits`: the loss without logits (lm_head.ChunkedLossHead); unset, use_liger_kernel's rule."""
+        skip_logits = self.resolve_skip_logits(skip_logits, labels)
         hidden_BxLxD = self.model(input_ids, attention_mask, position_ids, cache, segment_ids)
         if cache is not None:
             hidden_BxLxD, cache = hidden_BxLxD
-        if skip_logits:
-            # use_liger_kernel, as Liger's fused linear cross-entropy: the loss in chunks, no whole logits.
-            chunked = chunked_token_loss(
-                hidden_BxLxD,
-                self._logits,
-                labels,
-                num_items_in_batch,
-                chunk_positions=self.loss_chunk_positions or 1024,
-                causal=True,
-            )
-            return ModelOutput(loss=chunked, logits=None, cache=cache)
-        logits = self._logits(hidden_BxLxD)
-        loss: jax.Array | None = None
-        if labels is not None:
-            loss = token_loss(logits, labels, num_items_in_batch, causal=True)
+        loss, logits = self.head_outputs(hidden_BxLxD, self._logits, labels, num_items_in_batch, skip_logits)
         return ModelOutput(loss=loss, logits=logits, cache=cache)
 
     def _logits(self, hidden_BxLxD: jax.Array) -> jax.Array:

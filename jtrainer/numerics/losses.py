@@ -103,14 +103,17 @@ def chunked_token_loss(
     causal: bool = False,
 ) -> jax.Array:
     """`token_loss(project(hidden), labels, ...)` without the [tokens, vocab] logits: the positions go through
-    `project` (the LM head) and the cross-entropy `chunk_positions` at a time, and the backward pass recomputes
-    each chunk's logits (jax.checkpoint), so one chunk's logits and their gradient exist at once. The LM head's
-    weight gradient is summed over the chunks by the scan's transpose. jtrainer's `use_liger_kernel`."""
+        `project` (the LM head) and the cross-entropy `chunk_positions` at a time, and the backward pass recomputes
+        each chunk's logits (jax.checkpoint), so one chunk's logits and their gradient exist at once. The LM head's
+        weight gradient is summed over the chunks by the scan's transpose. Rows of at most `chunk_positions` positions
+    are one chunk, computed as the whole logits are (no recomputation)."""
     targets_BxL = shift_labels(labels_BxL) if causal else labels_BxL
     count = num_items_in_batch if num_items_in_batch is not None else jnp.sum(targets_BxL != IGNORE_INDEX)
     batch, length = targets_BxL.shape
     chunk = min(chunk_positions, length)
     chunks = -(-length // chunk)
+    if chunks == 1:  # the whole logits are one chunk: nothing to save, nothing to recompute in the backward pass
+        return token_cross_entropy_sum(project(hidden_BxLxD), targets_BxL) / count
     pad = chunks * chunk - length  # padded positions carry label -100: they add nothing to the sum
     hidden_BxLxD = jnp.pad(hidden_BxLxD, ((0, 0), (0, pad), (0, 0)))
     targets_BxL = jnp.pad(targets_BxL, ((0, 0), (0, pad)), constant_values=IGNORE_INDEX)

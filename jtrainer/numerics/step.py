@@ -72,6 +72,9 @@ class LossSpec:
     accepts_loss_kwargs: bool = False  # HF's model_accepts_loss_kwargs
     # HF's use_liger_kernel: a loss-only evaluation hands the model skip_logits=True (whatever the model).
     skip_logits_in_loss_only: bool = False
+    # The model's own causal-LM loss, which it computes without whole logits when handed skip_logits=True
+    # (models.lm_head): the train step and loss-only evaluation ask for it, as nothing else reads the logits.
+    chunked_model_loss: bool = False
     compute_loss: Callable | None = None  # OVERRIDE: the subclass's bound compute_loss
     base: "LossSpec | None" = None  # OVERRIDE: the rules its super().compute_loss follows
 
@@ -254,6 +257,8 @@ def micro_batch_loss(graphdef, params, model_state, inputs, num_items, micro_wei
     model's new state and the values the loss recorded (`step_metrics.record`)."""
     token = _WINDOW_MICRO_BATCHES.set(n_micro)
     try:
+        if spec.chunked_model_loss:
+            inputs = {**inputs, "skip_logits": True}
         with bound_model(graphdef, params, model_state, spec.compute_dtype, rng) as model, recording() as recorded:
             loss = compute_loss(model, inputs, spec, num_items if spec.pass_num_items else None)
             new_state = model_state_of(model)
@@ -448,7 +453,7 @@ def make_eval_step(
                 num_items = None
                 if spec.pass_num_items and labels is not None:
                     num_items = count_label_tokens(labels, spec.count_shifted)
-                if not want_logits and spec.skip_logits_in_loss_only:
+                if not want_logits and (spec.skip_logits_in_loss_only or spec.chunked_model_loss):
                     inputs = {**inputs, "skip_logits": True}  # HF's use_liger_kernel with prediction_loss_only
                 with recording() as recorded:
                     loss, outputs = compute_loss(model, inputs, spec, num_items, return_outputs=True)

@@ -169,8 +169,9 @@ class TrainingArguments(transformers.TrainingArguments):
     loss_chunk_size: int = field(
         default=1024,
         metadata={
-            "help": "With use_liger_kernel: sequence positions per chunk of the causal-LM loss computed without "
-            "whole [tokens, vocab] logits (one chunk's logits exist at a time, recomputed in the backward pass)."
+            "help": "Sequence positions per chunk of the causal-LM loss, computed without whole [tokens, vocab] "
+            "logits wherever nothing else reads them (one chunk's logits exist at a time, recomputed in the backward "
+            "pass; rows no longer than this are one chunk). 0: whole logits."
         },
     )
 
@@ -189,11 +190,12 @@ class TrainingArguments(transformers.TrainingArguments):
             self.dataloader_pin_memory = False
 
     def chunked_loss_positions(self) -> int | None:
-        """Positions per chunk of the causal-LM training loss (use_liger_kernel: Liger's fused linear
-        cross-entropy, on unless liger_kernel_config turns it off), or None for whole logits."""
-        if not self.use_liger_kernel or not (self.liger_kernel_config or {}).get("fused_linear_cross_entropy", True):
-            return None
-        return self.loss_chunk_size
+        """Positions per chunk of the causal-LM loss where only the loss reads the logits, or None for whole
+        logits (`loss_chunk_size` 0, or use_liger_kernel with liger_kernel_config's fused_linear_cross_entropy
+        off: HF then computes whole logits)."""
+        kernels = self.liger_kernel_config or {}
+        liger_off = self.use_liger_kernel and not kernels.get("fused_linear_cross_entropy", True)
+        return None if liger_off or self.loss_chunk_size == 0 else self.loss_chunk_size
 
     def compute_dtype(self, training: bool = True):
         """The dtype steps compute in, parameters cast from their fp32 masters (None: fp32). Evaluation follows
@@ -341,8 +343,10 @@ class TrainingArguments(transformers.TrainingArguments):
                 raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}.")
         if self.nan_inf_policy not in ("log", "skip", "error"):
             raise ValueError(f"--nan_inf_policy must be 'log', 'skip' or 'error', got {self.nan_inf_policy!r}.")
-        if not (isinstance(self.loss_chunk_size, int) and self.loss_chunk_size > 0):
-            raise ValueError(f"--loss_chunk_size must be an integer > 0, got {self.loss_chunk_size!r}.")
+        if not (isinstance(self.loss_chunk_size, int) and self.loss_chunk_size >= 0):
+            raise ValueError(
+                f"--loss_chunk_size must be an integer >= 0 (0: whole logits), got {self.loss_chunk_size!r}."
+            )
         unknown = sorted(set(self.liger_kernel_config or {}) - set(LIGER_KERNELS))
         if unknown:
             raise ValueError(

@@ -406,19 +406,22 @@ class Trainer(
         return self.args.process_index == 0
 
     def _apply_chunked_loss(self) -> None:
-        """use_liger_kernel: the causal-LM training loss in chunks of positions, without whole logits (HF patches
-        in Liger's fused linear cross-entropy). Models without it train with whole logits and a warning, as HF's
-        Liger integration does for model types it has no kernels for."""
+        """The causal-LM loss in chunks of positions where nothing but the loss reads the logits (the model's
+        `loss_chunk_positions`), and use_liger_kernel's skip_logits in every training call (HF patches in Liger's
+        fused linear cross-entropy). A model without the chunked loss trains with whole logits; with
+        use_liger_kernel it says so, as HF's Liger integration does for model types it has no kernels for."""
         positions = self.args.chunked_loss_positions()
-        if positions is None:
+        model = self.nnx_model
+        if not getattr(model, "chunks_causal_lm_loss", False):
+            if self.args.use_liger_kernel and positions is not None:
+                logger.warning(
+                    "use_liger_kernel: %s has no chunked loss (causal LMs of jtrainer's families and transformers' "
+                    "have); it trains with whole logits.",
+                    type(self.model).__name__,
+                )
             return
-        if not hasattr(self.model, "loss_chunk_positions"):
-            logger.warning(
-                "use_liger_kernel: %s has no chunked loss (jtrainer's Llama family has); it trains with whole logits.",
-                type(self.model).__name__,
-            )
-            return
-        self.model.loss_chunk_positions = positions
+        model.loss_chunk_positions = positions
+        model.skip_logits_in_training = bool(self.args.use_liger_kernel and positions is not None)
 
     def call_model_init(self, trial=None) -> nnx.Module:
         params = inspect.signature(self.model_init).parameters
@@ -662,11 +665,15 @@ class Trainer(
         if loss is None and has_labels and bridge.is_bridged(self.nnx_model):
             raise _no_loss_error(outputs, sample)  # HF computes no loss of its own for a torch model
         if loss is not None:
+            # The model's own causal-LM loss with labels: computed without whole logits (nothing else reads them).
+            chunked = has_labels and getattr(self.nnx_model, "chunks_causal_lm_loss", False)
             if has_labels and self.model_accepts_loss_kwargs and "labels" in sample:  # HF counts "labels" only
                 # jtrainer's models and transformers' (through the bridge) leave -100 labels out of their sums.
                 neutral = isinstance(self.model, PretrainedMixin) or bridge.is_bridged(self.nnx_model)
-                return LossSpec(LossMode.MODEL_SUM, padding_neutral=neutral, **common)
-            return LossSpec(LossMode.MODEL_MEAN, pass_num_items=False, scaled_for_ga=False, **common)
+                return LossSpec(LossMode.MODEL_SUM, padding_neutral=neutral, chunked_model_loss=chunked, **common)
+            return LossSpec(
+                LossMode.MODEL_MEAN, pass_num_items=False, scaled_for_ga=False, chunked_model_loss=chunked, **common
+            )
         if has_labels or not training:
             return LossSpec(LossMode.TRAINER, padding_neutral=True, **common)
         raise ValueError(
