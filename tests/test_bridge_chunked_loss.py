@@ -93,7 +93,7 @@ def test_loss_alone_equals_torch(name, chunked):
         wanted_loss, wanted = _torch_loss_and_grads(model, inputs, num_items)
         loss, got, kept_logits, chunkable = _bridged_loss_only(model, inputs, num_items, chunk)
         assert kept_logits is not chunked  # the chunked path leaves no logits; the others ran with them
-        assert chunkable  # each is a transformers causal LM: the others fall back when their call is traced
+        assert chunkable is chunked  # their configs name what they do after the head
         np.testing.assert_allclose(loss, wanted_loss, rtol=2e-6)
         assert set(got) == set(wanted)
         for key, grad in wanted.items():
@@ -104,6 +104,7 @@ def test_chunkable_models():
     from jtrainer.bridge.chunked_loss import chunkable
 
     assert chunkable(_model("llama")) and chunkable(_model("lora head"))
+    assert not chunkable(_model("gemma2 softcap")) and not chunkable(_model("mixtral aux"))
     classifier = transformers.LlamaForSequenceClassification(tiny_llama_config(pad_token_id=0))
     assert not chunkable(classifier)
     t5 = transformers.T5ForConditionalGeneration(
@@ -116,6 +117,20 @@ def test_chunkable_models():
             return super().forward(input_ids=input_ids, labels=labels, **kwargs)
 
     assert not chunkable(OwnLoss(tiny_llama_config()))
+
+
+def test_a_model_found_to_change_its_logits_when_traced_runs_with_whole_logits():
+    """A model whose config does not say it (Gemma 2 with soft-capping, told chunkable): its traced call returns
+    other logits than the head's, so the call runs again with whole logits and gives torch's loss."""
+    model = _model("gemma2 softcap")
+    inputs = _inputs()
+    wanted_loss, _ = _torch_loss_and_grads(model, inputs, None)
+    bridged = TorchModel(model)
+    bridged.deterministic = True
+    bridged.chunks_causal_lm_loss, bridged.loss_chunk_positions = True, 4
+    outputs = bridged(**{k: jnp.asarray(v) for k, v in inputs.items()}, skip_logits=True)
+    assert "logits" in outputs
+    np.testing.assert_allclose(float(outputs["loss"]), wanted_loss, rtol=2e-6)
 
 
 def test_bridged_trainer_chunks_its_loss_and_needs_less_memory():

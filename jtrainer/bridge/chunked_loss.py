@@ -37,6 +37,11 @@ def _output_embeddings(model: Any) -> torch.nn.Module | None:
     return head if isinstance(head, torch.nn.Module) else None
 
 
+# Config fields of transformers' families that change the logits after the head (soft-capping, scaling) or add
+# the router's loss to the model's.
+_AFTER_THE_HEAD = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_router_logits")
+
+
 def chunkable(model: torch.nn.Module) -> bool:
     """Whether `model` (a peft model: its base) is a decoder-only transformers causal LM whose loss is
     ForCausalLMLoss on its LM head's output: transformers' own forward, computing its loss by
@@ -47,6 +52,8 @@ def chunkable(model: torch.nn.Module) -> bool:
     config = getattr(base, "config", None)
     if forward is None or config is None or getattr(config, "is_encoder_decoder", False):
         return False
+    if any(getattr(config, name, None) for name in _AFTER_THE_HEAD):
+        return False  # known at once; check_outputs finds the others when their call is traced
     return (
         getattr(base, "loss_type", None) in (None, "ForCausalLM")  # None: PreTrainedModel's ForCausalLMLoss
         and "_loss_function" not in vars(base)
