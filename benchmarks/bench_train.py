@@ -385,19 +385,25 @@ def report(config, ns, results):
 
 
 def startup(config, ns):
-    """Time to the end of the first step: a first run with an empty persistent compilation cache, then a second
-    identical run that loads the compiled steps from it (median of the repeats, each with a fresh cache)."""
-    first, second = [], []
+    """Time to the end of the first step: for jtrainer's native model and the bridge, a first run with an empty
+    persistent compilation cache, then a second identical run that loads the compiled steps from it (median of
+    the repeats, each with a fresh cache); for transformers.Trainer (no compilation), two runs alike. Printed
+    with the ratios to torch's."""
+    systems = [s for s in ("jtrainer", "bridge", "hf") if s in ns.systems]
+    first: dict[str, list[float]] = {s: [] for s in systems}
+    second: dict[str, list[float]] = {s: [] for s in systems}
     for _ in range(ns.repeats):
-        with tempfile.TemporaryDirectory() as cache:
-            for times in (first, second):
-                result = _run(ns, "jtrainer", config, 3, JTRAINER_COMPILATION_CACHE_DIR=cache)
-                if result is None:
-                    raise SystemExit("the startup run failed")
-                times.append(result["first_step_s"])
-    a, b = statistics.median(first), statistics.median(second)
-    print(f"startup: first step {a:.2f} s with an empty compilation cache, {b:.2f} s on the second run: {b / a:.2f}x")
-
-
-if __name__ == "__main__":
-    main()
+        for system in systems:
+            with tempfile.TemporaryDirectory() as cache:
+                for times in (first[system], second[system]):
+                    result = _run(ns, system, config, 3, JTRAINER_COMPILATION_CACHE_DIR=cache)
+                    if result is None:
+                        raise SystemExit(f"the startup run of {system} failed")
+                    times.append(result["first_step_s"])
+    cold = {s: statistics.median(first[s]) for s in systems}
+    warm = {s: statistics.median(second[s]) for s in systems}
+    for system in systems:
+        line = f"startup {system:<9} first step {cold[system]:.2f} s cold, {warm[system]:.2f} s on the second run"
+        if "hf" in cold and system != "hf":
+            line += f"; / torch's: {cold[system] / cold['hf']:.2f}x cold, {warm[system] / warm['hf']:.2f}x warm"
+        print(line)

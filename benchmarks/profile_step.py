@@ -1,6 +1,7 @@
 """Where a train step's time goes on this machine: forward, forward+backward, optimizer, per XLA flag set.
 
     python benchmarks/profile_step.py                 # the small Llama of bench_train.py
+    python benchmarks/profile_step.py small bridge    # transformers' own Llama of that shape, through the bridge
     XLA_FLAGS=--xla_cpu_use_xnnpack=true python benchmarks/profile_step.py
 
 Prints median milliseconds of each jitted piece over repeated calls (after a warm-up call).
@@ -33,17 +34,12 @@ def timed(fn, *args, repeats=10):
     return statistics.median(times) * 1e3
 
 
-def main(name="small"):
-    import transformers
-
+def _native(config):
     from jtrainer.models import LlamaForCausalLM
     from jtrainer.numerics.losses import token_loss
 
-    cfg = CONFIGS[name]
-    model_cfg = {k: v for k, v in cfg.items() if k not in ("seq", "batch")}
-    model = LlamaForCausalLM.from_config(transformers.LlamaConfig(max_position_embeddings=cfg["seq"], **model_cfg))
+    model = LlamaForCausalLM.from_config(config)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    ids = jnp.asarray(np.random.RandomState(0).randint(0, cfg["vocab_size"], (cfg["batch"], cfg["seq"])))
 
     def loss_fn(params, ids):
         out = nnx.merge(graphdef, params, rest)(ids)
@@ -51,6 +47,37 @@ def main(name="small"):
 
     def hidden_fn(params, ids):
         return nnx.merge(graphdef, params, rest).model(ids)
+
+    return params, loss_fn, hidden_fn
+
+
+def _bridged(config):
+    """transformers' LlamaForCausalLM through the bridge, in training mode; its own loss (ForCausalLMLoss)."""
+    import transformers
+
+    from jtrainer.bridge.module import TorchModel
+
+    model = TorchModel(transformers.LlamaForCausalLM(config))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss_fn(params, ids):
+        return nnx.merge(graphdef, params, rest)(input_ids=ids, labels=ids)["loss"]
+
+    def hidden_fn(params, ids):
+        bound = nnx.merge(graphdef, params, rest)
+        return bound(input_ids=ids, output_hidden_states=True)["hidden_states"][-1]
+
+    return params, loss_fn, hidden_fn
+
+
+def main(name="small", system="native"):
+    import transformers
+
+    cfg = CONFIGS[name]
+    model_cfg = {k: v for k, v in cfg.items() if k not in ("seq", "batch")}
+    config = transformers.LlamaConfig(max_position_embeddings=cfg["seq"], **model_cfg)
+    params, loss_fn, hidden_fn = (_bridged if system == "bridge" else _native)(config)
+    ids = jnp.asarray(np.random.RandomState(0).randint(0, cfg["vocab_size"], (cfg["batch"], cfg["seq"])))
 
     tx = optax.adamw(1e-4, weight_decay=0.01)
     opt_state = tx.init(params)
@@ -69,7 +96,7 @@ def main(name="small"):
         ("optimizer update", jax.jit(lambda g, s, p: tx.update(g, s, p)), (grads, opt_state, params)),
         ("whole step", jax.jit(step), (params, opt_state, ids)),
     ]
-    print(f"{name}: {tokens} tokens/step, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
+    print(f"{name} ({system}): {tokens} tokens/step, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
     for label, fn, args in rows:
         ms = timed(fn, *args)
         print(f"  {label:<28} {ms:8.1f} ms   {tokens / ms * 1e3:10.0f} tokens/s")

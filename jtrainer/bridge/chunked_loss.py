@@ -47,6 +47,8 @@ def chunkable(model: torch.nn.Module) -> bool:
     ForCausalLMLoss on its LM head's output: transformers' own forward, computing its loss by
     `self.loss_function`, which its loss_type resolves to ForCausalLMLoss; no `skip_logits` of its own (a
     Liger-patched forward takes the flag itself)."""
+    if any(getattr(c, "is_prompt_learning", False) for c in (getattr(model, "peft_config", None) or {}).values()):
+        return False  # peft's virtual tokens lengthen the hidden states, and peft pads the labels to match
     base = adapters.inspected(model)
     forward = getattr(type(base), "forward", None)
     config = getattr(base, "config", None)
@@ -82,10 +84,11 @@ class HeadCall:
 
 
 @contextlib.contextmanager
-def loss_at_head(model: torch.nn.Module, loss_of_hidden: Callable[..., jax.Array]):
+def loss_at_head(model: torch.nn.Module, labels_shape: tuple[int, ...], loss_of_hidden: Callable[..., jax.Array]):
     """For one call of `model`: its LM head computes `loss_of_hidden(hidden, project)` (`project`: the head's own
     forward on a chunk of hidden states, as JAX arrays; logits in float32, as ForCausalLMLoss upcasts them) and
-    returns a stand-in for the logits. Yields the `HeadCall`; the head's own forward is put back after."""
+    returns a stand-in for the logits (hidden states of other positions than the labels' [rows, length]: raises
+    NotChunked). Yields the `HeadCall`; the head's own forward is put back after."""
     head = _output_embeddings(adapters.inspected(model))
     assert head is not None, "chunkable(model) was checked"
     env = torchax_compat.environment()
@@ -97,8 +100,8 @@ def loss_at_head(model: torch.nn.Module, loss_of_hidden: Callable[..., jax.Array
         return env.t2j_iso(own_forward(env.j2t_iso(hidden_BxCxD))).astype(jnp.float32)
 
     def forward(hidden: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        if args or kwargs or call.stand_in is not None:  # an unusual head call: leave it to the whole logits
-            raise NotChunked
+        if args or kwargs or call.stand_in is not None or tuple(hidden.shape[:2]) != tuple(labels_shape):
+            raise NotChunked  # an unusual head call (or positions the labels do not match): whole logits
         call.loss = loss_of_hidden(env.t2j_iso(hidden), project)
         call.stand_in = hidden.new_zeros(())
         return call.stand_in

@@ -377,7 +377,7 @@ class TorchModel(ChunkedLossHead, nnx.Module):
         def loss_of_hidden(hidden_BxLxD, project):
             return self.head_outputs(hidden_BxLxD, project, labels, num_items, skip_logits=True)[0]
 
-        with chunked_loss.loss_at_head(self.torch_model, loss_of_hidden) as head:
+        with chunked_loss.loss_at_head(self.torch_model, tuple(labels.shape), loss_of_hidden) as head:
             outputs = self._call(args, kwargs, head)
         return Outputs({"loss": head.loss, **{k: v for k, v in outputs.items() if k not in ("loss", "logits")}})
 

@@ -35,7 +35,11 @@ ADVICE = {
         "attention holds [length, length] scores: on TPUs the splash kernel does not (lengths a multiple of 128); "
         "split rows over the sequence axis (mesh_shape {{fsdp: N, sequence: M}}) or shorten block_size"
     ),
-    LOGITS: "whole [tokens, vocabulary] logits: use_liger_kernel: true computes the loss in chunks without them",
+    LOGITS: (
+        "whole [tokens, vocabulary] logits: something reads them (a compute_loss override, compute_loss_func, label "
+        "smoothing, compute_metrics' predictions) or loss_chunk_size is 0; the loss alone is computed in chunks "
+        "without them"
+    ),
     MLP: (
         "activations of {length}-token rows: split rows over the sequence axis (mesh_shape {{fsdp: N, sequence: M}}), "
         "keep gradient checkpointing on with policy full, or lower per_device_train_batch_size / block_size"

@@ -522,6 +522,7 @@ class Trainer(
             scaled_for_ga=bool(scaled),
             padding_neutral=False,
             num_classes=None,  # the override's labels may mean something else: the config's classes
+            chunked_model_loss=False,  # the override may read the outputs' logits
         )
         return self._probe_compute_loss(spec, sample, training)
 
