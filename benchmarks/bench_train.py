@@ -407,3 +407,7 @@ def startup(config, ns):
         if "hf" in cold and system != "hf":
             line += f"; / torch's: {cold[system] / cold['hf']:.2f}x cold, {warm[system] / warm['hf']:.2f}x warm"
         print(line)
+
+
+if __name__ == "__main__":
+    main()

@@ -72,6 +72,7 @@ def test_a_process_of_many_that_used_a_device_first_gets_one_line():
 TORCH_MODULES = {
     "jtrainer.bridge.aliasing",
     "jtrainer.bridge.attention",
+    "jtrainer.bridge.chunked_loss",
     "jtrainer.bridge.custom_autograd",
     "jtrainer.bridge.module",
     "jtrainer.bridge.torch_code",
