@@ -1,4 +1,5 @@
-"""use_liger_kernel: the causal-LM loss in chunks of positions, without whole [tokens, vocab] logits. Loss and
+"""The causal-LM loss in chunks of positions, without whole [tokens, vocab] logits (the default; use_liger_kernel
+adds Liger's skip_logits in every training call). Loss and
 gradients equal the whole-logits path (itself tested against transformers' torch models); the compiled step
 needs less memory; evaluation still returns logits."""
 

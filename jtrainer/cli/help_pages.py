@@ -83,7 +83,7 @@ SHORT_FIELDS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
             ("mesh_shape", 'device mesh axes, e.g. {"fsdp": -1, "tensor": 2}'),
             ("fsdp", "split parameters and optimizer state over the devices"),
             ("activation_checkpointing", "recompute each block in the backward pass (remat)"),
-            ("use_liger_kernel", "the causal-LM loss in chunks: no whole logits"),
+            ("loss_chunk_size", "positions per chunk of the causal-LM loss: no whole logits (0: whole)"),
         ),
     ),
 )

@@ -426,6 +426,46 @@ class PreprocessPlacement:
     warned: bool = False  # the host fallback's cost was told once
 
 
+@dataclass(frozen=True)
+class MicroBatching:
+    """Rows of a loss-only evaluation batch run at once: `rows` a data shard, the batch split over `shards` data
+    shards (HF evaluates per_device_eval_batch_size rows at once; their activations at long rows may not fit
+    where training's micro-batches do)."""
+
+    rows: int
+    shards: int
+
+    def parts(self, inputs: dict[str, Any]) -> int | None:
+        """How many micro-batches this batch runs in (None: at once)."""
+        total = next(iter(inputs.values())).shape[0]
+        if total % self.shards or (total // self.shards) % self.rows or total // self.shards <= self.rows:
+            return None
+        return total // self.shards // self.rows
+
+    def split(self, x: jax.Array, parts: int) -> jax.Array:
+        """[rows, ...] -> [parts, shards x rows, ...]: micro-batch j holds rows j*rows..(j+1)*rows of every data
+        shard's block, so each stays spread over the data shards as the batch is."""
+        x = x.reshape(self.shards, parts, self.rows, *x.shape[1:]).swapaxes(0, 1)
+        return x.reshape(parts, self.shards * self.rows, *x.shape[3:])
+
+
+def _loss_in_micro_batches(graphdef, params, model_state, inputs, spec: LossSpec, micro: MicroBatching, parts: int):
+    """The batch's loss as the sum over its micro-batches of each one's label sum / the batch's label count."""
+    labels = inputs[spec.label_names[0]]
+    num_items = count_label_tokens(labels, spec.count_shifted) if spec.pass_num_items else None
+    if num_items is None:  # a per-batch mean would not add up over parts
+        raise ValueError("micro-batched evaluation needs the loss normalised by the batch's label count")
+    stacked = {k: micro.split(v, parts) for k, v in inputs.items()}
+
+    def add(total, part):
+        with bound_model(graphdef, params, model_state, spec.compute_dtype) as model:
+            loss, _ = compute_loss(model, {**part, "skip_logits": True}, spec, num_items, return_outputs=True)
+        return total + jnp.asarray(loss, jnp.float32), None
+
+    total, _ = jax.lax.scan(add, jnp.zeros((), jnp.float32), stacked)
+    return total
+
+
 def make_eval_step(
     graphdef,
     spec: LossSpec,
@@ -434,18 +474,25 @@ def make_eval_step(
     ignore_keys: tuple[str, ...] = (),
     placement: PreprocessPlacement | None = None,
     preprocess_in_torch: Callable | None = None,
+    micro_batch: MicroBatching | None = None,
 ):
     """A pure evaluation step on one batch [rows, ...]: the batch's mean loss and (optionally) its predictions,
     chosen from the outputs by HF's prediction_step rules (`prediction_values`). `preprocess_logits` is traced
     into the step; when tracing it fails, the step returns the predictions as they are and marks `placement`
     so the caller runs the function on the host, as HF calls it. `preprocess_in_torch` (the function called
-    with torchax tensors) is tried in the step before that."""
+    with torchax tensors) is tried in the step before that. `micro_batch`: a loss-only evaluation of the model's own
+    causal-LM loss runs the batch in micro-batches of that many rows a data shard (the same loss: each part's
+    label sum over the whole batch's count)."""
     placement = placement if placement is not None else PreprocessPlacement()
 
     def eval_step(params, model_state, inputs: dict[str, Any]) -> EvalOutputs:
         labels = inputs.get(spec.label_names[0]) if spec.label_names else None
         all_labels = batch_label_values(inputs, spec.label_names)
         recorded: dict[str, jax.Array] = {}
+        parts = None if micro_batch is None else micro_batch.parts(inputs)
+        if micro_batch and parts and labels is not None and not want_logits and spec.chunked_model_loss:
+            loss = _loss_in_micro_batches(graphdef, params, model_state, inputs, spec, micro_batch, parts)
+            return EvalOutputs(loss, None, {})
         with bound_model(graphdef, params, model_state, spec.compute_dtype) as model:
             if labels is None and not spec.loss_without_labels:  # HF: no loss, the model alone
                 loss, outputs = None, model(**{k: v for k, v in inputs.items() if k not in spec.label_names})

@@ -81,7 +81,7 @@ EMULATED_FIELDS: dict[str, str] = {
     "torch_compile": "the step is always compiled by XLA",
     "gradient_accumulation_steps": "a scan over micro-batches inside one compiled step",
     "auto_find_batch_size": "XLA out-of-memory or the compiled step's memory analysis; effective batch kept",
-    "use_liger_kernel": "the causal-LM loss in chunks of loss_chunk_size positions, no whole logits",
+    "use_liger_kernel": "as Liger's patched forward: no logits in any training call (chunking is the default)",
     "liger_kernel_config": "fused_linear_cross_entropy: the chunked loss; the other kernels are XLA's fusions",
 }
 

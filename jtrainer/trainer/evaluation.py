@@ -28,6 +28,7 @@ from jtrainer.numerics.losses import IGNORE_INDEX
 from jtrainer.numerics.step import (
     EvalOutputs,
     LossSpec,
+    MicroBatching,
     PreprocessPlacement,
     batch_label_values,
     graphdef_in_mode,
@@ -176,10 +177,22 @@ class EvaluationMixin(TrainerParts):
         )
         return output
 
+    def _eval_micro_batching(self, spec: LossSpec, want_logits: bool) -> MicroBatching | None:
+        """A loss-only evaluation of the model's own causal-LM loss (computed in chunks, normalised by the batch's
+        label count) runs its batch in micro-batches of per_device_train_batch_size rows a data shard, the rows
+        training holds activations for: the same loss, the memory of a training micro-batch's forward pass."""
+        args = self.args
+        if want_logits or not spec.chunked_model_loss or not spec.pass_num_items:
+            return None
+        if args.per_device_eval_batch_size <= args.per_device_train_batch_size:
+            return None
+        return MicroBatching(args.per_device_train_batch_size, sharding.data_parallel_size(self.mesh))
+
     def _eval_step(self, spec: LossSpec, want_logits: bool, ignore_keys: tuple[str, ...]):
         """The jitted eval step, shared by structure like the train step (trials of a search reuse it)."""
         graphdef = graphdef_in_mode(self.nnx_model, training=False)
-        key = (graphdef, spec, want_logits, self.preprocess_logits_for_metrics, ignore_keys)
+        micro = self._eval_micro_batching(spec, want_logits)
+        key = (graphdef, spec, want_logits, self.preprocess_logits_for_metrics, ignore_keys, micro)
         if key not in compiled_steps.EVAL_STEPS:
             placement = PreprocessPlacement()
             preprocess, in_torch = self.preprocess_logits_for_metrics, None
@@ -187,7 +200,9 @@ class EvaluationMixin(TrainerParts):
                 from jtrainer.bridge.torch_code import function_in_torch
 
                 in_torch = function_in_torch(preprocess)  # torch code (HF's contract) inside the step, via torchax
-            step = jax.jit(make_eval_step(graphdef, spec, want_logits, preprocess, ignore_keys, placement, in_torch))
+            step = jax.jit(
+                make_eval_step(graphdef, spec, want_logits, preprocess, ignore_keys, placement, in_torch, micro)
+            )
             compiled_steps.EVAL_STEPS[key] = (step, placement)
         step, self._preprocess_placement = compiled_steps.EVAL_STEPS[key]
         return step
