@@ -107,12 +107,26 @@ def test_import_loads_no_torch_until_torch_code_arrives(tmp_path):
         from jtrainer import Trainer, TrainingArguments
         from jtrainer.models import LlamaForCausalLM
         import numpy as np
+        import jax, jax.numpy as jnp
+        from flax import nnx
         model = LlamaForCausalLM.from_config(tiny_llama_config())
         rows = [{{"input_ids": np.arange(8) % 50, "labels": np.arange(8) % 50}}] * 4
         args = TrainingArguments(output_dir="{{}}".format(os.environ["OUT"]), max_steps=1, report_to="none",
                                  per_device_train_batch_size=2, save_strategy="no")
         Trainer(model=model, args=args, train_dataset=rows).train()
         assert loaded() == [], ("a native run", loaded())
+        import json
+        from jtrainer.models import AutoModelForCausalLM
+        folder = os.path.join(os.environ["OUT"], "saved")
+        model.save_pretrained(folder)
+        with open(os.path.join(folder, "config.json")) as f:
+            saved = json.load(f)
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            json.dump(dict(saved, dtype="bfloat16"), f)  # as transformers writes it (a name torch would read)
+        assert LlamaForCausalLM.from_pretrained(folder).config.dtype == "bfloat16"
+        again = AutoModelForCausalLM.from_pretrained(folder, dtype="auto")
+        assert next(iter(jax.tree.leaves(nnx.state(again, nnx.Param)))).dtype == jnp.bfloat16
+        assert loaded() == [], ("loading a saved model", loaded())
         from transformers import Trainer as HFTrainer  # a side-by-side script: transformers' own Trainer
         from transformers.trainer_utils import _is_peft_model
         from transformers.training_args import TrainingArguments as HFArgs

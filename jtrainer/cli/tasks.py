@@ -597,9 +597,9 @@ def build_model(
 def _model_config(model_args: ModelArguments, vocab_size: int, special: dict[str, int] | None, warn: bool = True):
     """The transformers config of the model: `model_name_or_path`'s, or a fresh one's."""
     if model_args.model_name_or_path:
-        from transformers import AutoConfig
+        from jtrainer.models import loading
 
-        return AutoConfig.from_pretrained(storage.fetched(model_args.model_name_or_path))
+        return loading.read_config(storage.fetched(model_args.model_name_or_path))
     return fresh_config(model_args, vocab_size, special, warn)
 
 

@@ -9,8 +9,6 @@ import importlib.util
 import logging
 from typing import Any
 
-from transformers import AutoConfig
-
 from jtrainer.models.bert import BertForMaskedLM, BertForSequenceClassification, BertForTokenClassification
 from jtrainer.models.gpt2 import GPT2LMHeadModel
 from jtrainer.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
@@ -76,7 +74,7 @@ class _AutoModel:
         given = config
         if config is None:
             hub = {k: kwargs[k] for k in loading.HUB_KEYWORDS if k in kwargs}
-            config = AutoConfig.from_pretrained(loading.resolve_folder(pretrained_model_name_or_path, hub))
+            config = loading.read_config(loading.resolve_folder(pretrained_model_name_or_path, hub))
         native = cls._model_class(config)
         if native is None:
             torch_class = cls._torch_class(config)

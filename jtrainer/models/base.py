@@ -255,7 +255,7 @@ class PretrainedMixin:
         output_loading_info = kwargs.pop("output_loading_info", False)
         directory = loading.resolve_folder(pretrained_model_name_or_path, hub)
         if config is None:
-            config = cls.config_class.from_pretrained(directory)
+            config = loading.read_config(directory, cls.config_class)
         loading.refuse_inapplicable(asked, config)
         config, model_kwargs = loading.config_and_model_kwargs(config, kwargs)
         build = lambda: cls(config, rngs=nnx.Rngs(seed), **model_kwargs)  # noqa: E731

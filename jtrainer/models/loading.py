@@ -127,6 +127,26 @@ def config_and_model_kwargs(config, kwargs: dict[str, Any]):
     return config, model_kwargs
 
 
+def read_config(directory: str, config_class: Any = None) -> Any:
+    """`config_class.from_pretrained(directory)` (None: AutoConfig's class for the folder's `model_type`) without
+    importing torch: transformers turns config.json's `dtype` name into a torch dtype, importing torch (seconds,
+    and a few hundred MB) whenever it is installed. The name is kept as written; `weight_dtype` reads names."""
+    from transformers import AutoConfig, PretrainedConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    config_dict, _ = PretrainedConfig.get_config_dict(directory)
+    if config_class is None:
+        model_type = config_dict.get("model_type", "")
+        if model_type not in CONFIG_MAPPING:  # remote code or an unknown type: AutoConfig's own rules and errors
+            return AutoConfig.from_pretrained(directory)
+        config_class = CONFIG_MAPPING[model_type]
+    names = {key: config_dict.pop(key) for key in ("dtype", "torch_dtype") if isinstance(config_dict.get(key), str)}
+    config = config_class.from_dict(config_dict)
+    if names:
+        config.dtype = names.get("dtype") or names["torch_dtype"]
+    return config
+
+
 def weight_dtype(dtype, config) -> np.dtype | None:
     """The dtype to load weights in: None keeps jtrainer's float32 master weights; "auto" the config's dtype
     (`dtype` / `torch_dtype` in config.json), a name ("bfloat16"), a torch, jax or numpy dtype as given."""

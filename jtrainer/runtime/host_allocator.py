@@ -13,15 +13,24 @@ worker threads start when the backend first runs something. $JTRAINER_TUNE_MALLO
 =1 applies it on any backend. The cost: memory freed by the process is kept for reuse rather than returned
 to the system (up to 2 GiB at the top of the heap), and all threads share one malloc arena, whose lock
 makes very short steps slower (~3 ms on the benchmark's ~16 ms tiny step).
+
+A kept heap holds as many working buffers as were ever alive at once, and XLA frees a step's buffer on its
+worker thread just after the step's outputs are ready: a step dispatched while the one before runs, or in that
+instant after it, takes a second (and, once small allocations have split the freed one, a third) buffer for
+good. So with the tuned heap the training loop runs one step at a time and, before the next, waits the moment
+until the heap's in-use bytes are back where the last step left them (`ReleaseWatch`): the small Llama's peak
+memory is one working buffer, not three.
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import importlib.util
 import os
 import pkgutil
 import platform
+import time
 
 import jax
 
@@ -72,6 +81,77 @@ def tune_malloc() -> bool:
     return all([mallopt(param, value) == 1 for param, value in SETTINGS])  # a list: apply every setting
 
 
+_tuned = False  # a fact about the process: set once by apply_default
+
+
 def apply_default() -> bool:
     """Tune malloc when `should_tune()` (called by `jtrainer.initialize()`); returns whether it was applied."""
-    return should_tune() and tune_malloc()
+    global _tuned
+    _tuned = _tuned or (should_tune() and tune_malloc())
+    return _tuned
+
+
+def heap_is_kept() -> bool:
+    """Whether this process's malloc keeps freed memory (`apply_default` tuned it): steps then run one at a time."""
+    return _tuned
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks")
+        + ("keepcost",)
+    ]
+
+
+def _mallinfo2():
+    """glibc's mallinfo2 (2.33 and later), or None."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return None
+    function = getattr(ctypes.CDLL(None), "mallinfo2", None)
+    if function is not None:
+        function.restype = _MallInfo2
+    return function
+
+
+_MALLINFO2 = _mallinfo2()
+
+
+def heap_in_use() -> int | None:
+    """Bytes malloc has handed out and not taken back (its arenas and its own mmaps), or None where unknown."""
+    if _MALLINFO2 is None:
+        return None
+    info = _MALLINFO2()
+    return int(info.uordblks + info.hblkhd)
+
+
+@dataclasses.dataclass
+class ReleaseWatch:
+    """After a step's outputs are ready, waits (at most `timeout_s`) until the heap's in-use bytes are within
+    `slack_bytes` of where the steps before left them, so the step's working buffer is back in the heap before
+    the next step takes one. A timeout means memory in use really grew (what the loop keeps): the new level is
+    the one to come back to."""
+
+    slack_bytes: int = 16 << 20
+    timeout_s: float = 0.005
+    settled: int | None = None
+
+    def wait(self) -> None:
+        used = heap_in_use()
+        if used is None:
+            return
+        deadline = time.perf_counter() + self.timeout_s
+        if self.settled is None:  # the first step: its level is the lowest seen while its buffer goes back
+            lowest = used
+            while time.perf_counter() < deadline:
+                time.sleep(50e-6)
+                lowest = min(lowest, heap_in_use() or lowest)
+            self.settled = lowest
+            return
+        while used > self.settled + self.slack_bytes:
+            if time.perf_counter() > deadline:
+                self.settled = used  # not a buffer on its way back: what the loop now holds
+                return
+            time.sleep(50e-6)
+            used = heap_in_use() or used
+        self.settled = min(self.settled, used)

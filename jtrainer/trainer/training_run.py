@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jtrainer.runtime import host_allocator
 from jtrainer.sizing import throughput
 from jtrainer.state import LoopState
 from jtrainer.trainer import data
@@ -172,6 +173,7 @@ class TrainingRun:
     read_ahead: bool = False  # whether the last step's epoch had a next batch (read ahead, as HF's loader)
     last_step_batch: Any = None  # the last step's StepBatch (the memory report compiles against its shapes)
     dispatched: Any = None  # the last dispatched step's losses (device arrays, maybe not computed yet)
+    release_watch: host_allocator.ReleaseWatch = dataclasses.field(default_factory=host_allocator.ReleaseWatch)
 
     def saved_loop_state(self) -> LoopState | None:
         """What a checkpoint of this step keeps: the step's loop state; for a collator that draws nothing, with the
@@ -188,7 +190,13 @@ class TrainingRun:
     def follow_device(self, step_losses: Any) -> None:
         """After dispatching a step: wait until the step before it has finished, so the host's step count (the
         callbacks, the progress bar and its ETA) runs at most one step ahead of the device, while the step just
-        dispatched keeps the device busy."""
+        dispatched keeps the device busy. Where malloc keeps the CPU backend's freed memory
+        (`host_allocator.heap_is_kept`), waits for the step just dispatched and for its working buffer to be
+        back in the heap: two steps' buffers alive at once would stay in the heap for the rest of the run."""
+        if host_allocator.heap_is_kept():
+            jax.block_until_ready(step_losses)
+            self.release_watch.wait()
+            return
         previous, self.dispatched = self.dispatched, step_losses
         if previous is not None:
             jax.block_until_ready(previous)
