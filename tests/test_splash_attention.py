@@ -263,3 +263,43 @@ def test_queries_are_put_in_a_load_balanced_order_over_sequence_shards():
     assert chunks.tolist() == [0, 7, 1, 6, 2, 5, 3, 4]
     assert sorted(order.tolist()) == list(range(1024))
     assert splash_attention._balanced_order(1024, 8) is None and splash_attention._balanced_order(1024, 1) is None
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral", "gemma2"])
+def test_bridged_models_on_the_cpu_take_the_native_kernel_where_they_chose_sdpa(name, monkeypatch):
+    """On the CPU backend a bridged model whose config chose SDPA (Llama; Mistral, windowed) runs its causal
+    layers through the native models' blocked CPU formulation; one that chose eager attention (Gemma 2:
+    soft-capping) keeps it. Loss and gradients equal torch's own (float64) on padded rows either way."""
+    pytest.importorskip("torch")
+    import torch
+    import transformers
+    from conftest import bridged_loss_and_grads
+
+    monkeypatch.delenv("JTRAINER_ATTENTION", raising=False)
+    torch.manual_seed(0)
+    if name == "gemma2":
+        config = transformers.Gemma2Config(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, sliding_window=24, max_position_embeddings=512,
+        )  # fmt: skip
+        model, expected_route, chosen_before = transformers.Gemma2ForCausalLM(config), set(), "eager"
+    else:
+        model, expected_route, chosen_before = _bridge_case(name), {"cpu"}, "sdpa"
+        if name == "mistral":
+            model.config.sliding_window = 24  # shorter than the rows
+    length = 48
+    ids = torch.randint(0, 64, (2, length))
+    mask = torch.ones(2, length, dtype=torch.long)
+    mask[1, -7:] = 0
+    labels = torch.where(mask.bool(), ids, -100)
+    with attention.chosen_implementations() as chosen:
+        loss, grads = bridged_loss_and_grads(model, input_ids=ids, attention_mask=mask, labels=labels)
+    assert chosen == expected_route
+    reference = model.double()
+    reference.zero_grad()
+    reference(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    expected = reference(input_ids=ids, attention_mask=mask, labels=labels).loss.item()
+    np.testing.assert_allclose(loss, expected, rtol=1e-5)
+    for torch_name, parameter in reference.named_parameters():
+        np.testing.assert_allclose(grads[torch_name], parameter.grad.numpy(), atol=2e-6, err_msg=torch_name)
+    assert model.config._attn_implementation == chosen_before  # put back after the step

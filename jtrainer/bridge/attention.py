@@ -11,6 +11,10 @@ logits, sinks) goes to transformers' own SDPA path unchanged.
 
 The bridge switches a model to "jtrainer" only while it traces a step that attention runs blockwise in: on TPUs
 (the mesh's devices), or anywhere under `JTRAINER_ATTENTION=splash` (Pallas' interpret mode off TPUs: tests).
+On the CPU backend it switches only configs that chose transformers' SDPA attention: their plain causal layers
+run the native models' blocked CPU formulation (no [length, length] probabilities kept for the backward pass),
+and any other call runs the same SDPA function with the same mask as unswitched, silently. Eager attention
+(soft-capping, sinks, T5's position bias) is left as the model chose it.
 """
 
 from __future__ import annotations
@@ -96,8 +100,10 @@ def _not_blockwise(module, attention_mask, dropout: float, kwargs) -> str | None
         return (
             "its mask is not plain causal self-attention (a KV cache, packed rows, a bidirectional or image-token mask)"
         )
-    if not getattr(module, "is_causal", True):
+    if not getattr(module, "is_causal", True) or kwargs.get("is_causal") is False:
         return "it is not causal"
+    if kwargs.get("position_bias") is not None:
+        return "an additive position bias"
     if dropout and module.training:
         return f"attention dropout ({dropout}) in training"
     if kwargs.get("softcap") is not None:
@@ -115,6 +121,8 @@ _TOLD: set[tuple[str, str]] = set()
 def _fall_back(module, reason: str) -> None:
     """An explicit JTRAINER_ATTENTION=splash that this call cannot take is an error; otherwise one warning per
     layer class and reason that it runs transformers' SDPA with a dense [length, length] mask."""
+    if not native_attention.blockwise_requested():
+        return  # the CPU route: such a call runs the SDPA the model chose
     layer = f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')})"
     if native_attention.splash_forced():
         raise ValueError(
@@ -132,8 +140,12 @@ def _fall_back(module, reason: str) -> None:
 @contextlib.contextmanager
 def routed(model: torch.nn.Module) -> Iterator[None]:
     """The model's attention (every config in it) switched to "jtrainer" for one call where attention runs
-    blockwise; its own implementation is put back after."""
-    if not native_attention.blockwise_requested():
+    blockwise, or on the CPU backend where it chose SDPA; its own implementation is put back after."""
+    if native_attention.blockwise_requested():
+        switched: tuple[str | None, ...] = (None, "sdpa", "eager")
+    elif native_attention.cpu_kernel_requested():
+        switched = ("sdpa",)
+    else:
         yield
         return
     _register()
@@ -142,7 +154,7 @@ def routed(model: torch.nn.Module) -> Iterator[None]:
     }
     before = {key: config._attn_implementation for key, config in configs.items()}
     for config in configs.values():
-        if config._attn_implementation in (None, "sdpa", "eager"):
+        if config._attn_implementation in switched:
             config._attn_implementation = NAME
     try:
         yield

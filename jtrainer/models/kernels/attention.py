@@ -132,6 +132,12 @@ def blockwise_requested() -> bool:
     return requested == "splash" or (requested == "auto" and on_tpu())
 
 
+def cpu_kernel_requested() -> bool:
+    """Whether self-attention is to run jtrainer's blocked CPU formulation (JAX's default backend is the CPU,
+    JTRAINER_ATTENTION unset)."""
+    return not blockwise_requested() and cpu_backend() and requested_implementation() == "auto"
+
+
 def splash_forced() -> bool:
     """Whether JTRAINER_ATTENTION=splash asks for the splash kernel explicitly (a fallback is then an error)."""
     return requested_implementation() == "splash"
