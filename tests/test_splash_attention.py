@@ -234,25 +234,32 @@ def test_bridged_transformers_models_reach_the_kernel(name, monkeypatch):
     tokens with right padding; the kernel is what ran; a row with no padding takes it too."""
     pytest.importorskip("torch")
     import torch
-    from conftest import bridged_loss_and_grads
 
     torch.manual_seed(0)
     model = _bridge_case(name)
-    ids = torch.randint(0, 64, (2, LENGTH))
-    mask = torch.ones(2, LENGTH, dtype=torch.long)
-    mask[1, -40:] = 0
-    labels = torch.where(mask.bool(), ids, -100)
+    assert _bridged_beside_torch(model, LENGTH, padded=40) == {"splash"}
+    assert model.config._attn_implementation == "sdpa"  # put back after the step
+
+
+def _bridged_beside_torch(model, length: int, padded: int) -> set[str]:
+    """The bridged loss and gradients on two random rows of `length` tokens (the second's last `padded` are
+    padding) equal the torch model's own in float64; returns the attention implementations that ran."""
+    import torch
+    from conftest import bridged_loss_and_grads
+
+    ids = torch.randint(0, 64, (2, length))
+    mask = torch.ones(2, length, dtype=torch.long)
+    mask[1, -padded:] = 0
+    inputs = dict(input_ids=ids, attention_mask=mask, labels=torch.where(mask.bool(), ids, -100))
     with attention.chosen_implementations() as chosen:
-        loss, grads = bridged_loss_and_grads(model, input_ids=ids, attention_mask=mask, labels=labels)
-    assert chosen == {"splash"}
+        loss, grads = bridged_loss_and_grads(model, **inputs)
     reference = model.double()
     reference.zero_grad()
-    reference(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
-    expected = reference(input_ids=ids, attention_mask=mask, labels=labels).loss.item()
-    np.testing.assert_allclose(loss, expected, rtol=1e-5)
+    reference(**inputs).loss.backward()
+    np.testing.assert_allclose(loss, reference(**inputs).loss.item(), rtol=1e-5)
     for torch_name, parameter in reference.named_parameters():
         np.testing.assert_allclose(grads[torch_name], parameter.grad.numpy(), atol=2e-6, err_msg=torch_name)
-    assert model.config._attn_implementation == "sdpa"  # put back after the step
+    return chosen
 
 
 def test_queries_are_put_in_a_load_balanced_order_over_sequence_shards():
@@ -273,7 +280,6 @@ def test_bridged_models_on_the_cpu_take_the_native_kernel_where_they_chose_sdpa(
     pytest.importorskip("torch")
     import torch
     import transformers
-    from conftest import bridged_loss_and_grads
 
     monkeypatch.delenv("JTRAINER_ATTENTION", raising=False)
     torch.manual_seed(0)
@@ -287,19 +293,5 @@ def test_bridged_models_on_the_cpu_take_the_native_kernel_where_they_chose_sdpa(
         model, expected_route, chosen_before = _bridge_case(name), {"cpu"}, "sdpa"
         if name == "mistral":
             model.config.sliding_window = 24  # shorter than the rows
-    length = 48
-    ids = torch.randint(0, 64, (2, length))
-    mask = torch.ones(2, length, dtype=torch.long)
-    mask[1, -7:] = 0
-    labels = torch.where(mask.bool(), ids, -100)
-    with attention.chosen_implementations() as chosen:
-        loss, grads = bridged_loss_and_grads(model, input_ids=ids, attention_mask=mask, labels=labels)
-    assert chosen == expected_route
-    reference = model.double()
-    reference.zero_grad()
-    reference(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
-    expected = reference(input_ids=ids, attention_mask=mask, labels=labels).loss.item()
-    np.testing.assert_allclose(loss, expected, rtol=1e-5)
-    for torch_name, parameter in reference.named_parameters():
-        np.testing.assert_allclose(grads[torch_name], parameter.grad.numpy(), atol=2e-6, err_msg=torch_name)
+    assert _bridged_beside_torch(model, 48, padded=7) == expected_route
     assert model.config._attn_implementation == chosen_before  # put back after the step
