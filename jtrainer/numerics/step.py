@@ -451,10 +451,7 @@ class MicroBatching:
 
 def _loss_in_micro_batches(graphdef, params, model_state, inputs, spec: LossSpec, micro: MicroBatching, parts: int):
     """The batch's loss as the sum over its micro-batches of each one's label sum / the batch's label count."""
-    labels = inputs[spec.label_names[0]]
-    num_items = count_label_tokens(labels, spec.count_shifted) if spec.pass_num_items else None
-    if num_items is None:  # a per-batch mean would not add up over parts
-        raise ValueError("micro-batched evaluation needs the loss normalised by the batch's label count")
+    num_items = count_label_tokens(inputs[spec.label_names[0]], spec.count_shifted)
     stacked = {k: micro.split(v, parts) for k, v in inputs.items()}
 
     def add(total, part):
@@ -489,8 +486,10 @@ def make_eval_step(
         labels = inputs.get(spec.label_names[0]) if spec.label_names else None
         all_labels = batch_label_values(inputs, spec.label_names)
         recorded: dict[str, jax.Array] = {}
-        parts = None if micro_batch is None else micro_batch.parts(inputs)
-        if micro_batch and parts and labels is not None and not want_logits and spec.chunked_model_loss:
+        # Only a loss the parts add up to (the chunked model loss over the batch's label count) is split.
+        splits = labels is not None and not want_logits and spec.chunked_model_loss and spec.pass_num_items
+        parts = micro_batch.parts(inputs) if micro_batch is not None and splits else None
+        if micro_batch is not None and parts:
             loss = _loss_in_micro_batches(graphdef, params, model_state, inputs, spec, micro_batch, parts)
             return EvalOutputs(loss, None, {})
         with bound_model(graphdef, params, model_state, spec.compute_dtype) as model:

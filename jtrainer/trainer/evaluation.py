@@ -177,13 +177,11 @@ class EvaluationMixin(TrainerParts):
         )
         return output
 
-    def _eval_micro_batching(self, spec: LossSpec, want_logits: bool) -> MicroBatching | None:
-        """A loss-only evaluation of the model's own causal-LM loss (computed in chunks, normalised by the batch's
-        label count) runs its batch in micro-batches of per_device_train_batch_size rows a data shard, the rows
-        training holds activations for: the same loss, the memory of a training micro-batch's forward pass."""
+    def _eval_micro_batching(self) -> MicroBatching | None:
+        """Eval batches larger than training's: micro-batches of per_device_train_batch_size rows a data shard, the
+        rows training holds activations for (the eval step splits only a loss-only evaluation of the model's own
+        chunked loss, which the parts add up to: `make_eval_step`)."""
         args = self.args
-        if want_logits or not spec.chunked_model_loss or not spec.pass_num_items:
-            return None
         if args.per_device_eval_batch_size <= args.per_device_train_batch_size:
             return None
         return MicroBatching(args.per_device_train_batch_size, sharding.data_parallel_size(self.mesh))
@@ -191,7 +189,7 @@ class EvaluationMixin(TrainerParts):
     def _eval_step(self, spec: LossSpec, want_logits: bool, ignore_keys: tuple[str, ...]):
         """The jitted eval step, shared by structure like the train step (trials of a search reuse it)."""
         graphdef = graphdef_in_mode(self.nnx_model, training=False)
-        micro = self._eval_micro_batching(spec, want_logits)
+        micro = self._eval_micro_batching()
         key = (graphdef, spec, want_logits, self.preprocess_logits_for_metrics, ignore_keys, micro)
         if key not in compiled_steps.EVAL_STEPS:
             placement = PreprocessPlacement()
