@@ -119,8 +119,9 @@ _TOLD: set[tuple[str, str]] = set()
 
 
 def _fall_back(module, reason: str) -> None:
-    """An explicit JTRAINER_ATTENTION=splash that this call cannot take is an error; otherwise one warning per
-    layer class and reason that it runs transformers' SDPA with a dense [length, length] mask."""
+    """An explicit JTRAINER_ATTENTION=splash that this call cannot take is an error; otherwise, where the splash
+    kernel was asked for, one warning per layer class and reason that it runs transformers' SDPA with a dense
+    [length, length] mask (on the CPU route nothing: the call runs the SDPA the model chose)."""
     if not native_attention.blockwise_requested():
         return  # the CPU route: such a call runs the SDPA the model chose
     layer = f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')})"

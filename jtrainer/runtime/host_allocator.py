@@ -70,11 +70,16 @@ def should_tune() -> bool:
     return setting in ("1", "true", "on", "yes") or cpu_is_the_backend()
 
 
+def _glibc_function(name: str):
+    """A function of this process's C library where it is glibc on Linux (None elsewhere or where missing)."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return None
+    return getattr(ctypes.CDLL(None), name, None)
+
+
 def tune_malloc() -> bool:
     """Apply `SETTINGS` with glibc's mallopt; False where the C library is not glibc or refuses one."""
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return False
-    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    mallopt = _glibc_function("mallopt")
     if mallopt is None:
         return False
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
@@ -99,16 +104,13 @@ def heap_is_kept() -> bool:
 class _MallInfo2(ctypes.Structure):
     _fields_ = [
         (name, ctypes.c_size_t)
-        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks")
-        + ("keepcost",)
+        for name in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()
     ]
 
 
 def _mallinfo2():
     """glibc's mallinfo2 (2.33 and later), or None."""
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return None
-    function = getattr(ctypes.CDLL(None), "mallinfo2", None)
+    function = _glibc_function("mallinfo2")
     if function is not None:
         function.restype = _MallInfo2
     return function

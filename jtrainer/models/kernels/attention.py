@@ -155,7 +155,7 @@ def implementation(q: jax.Array, k: jax.Array) -> str:
             raise ValueError(f"{env.ATTENTION.name}=splash: the splash attention kernel cannot run here: {refusal}.")
         _warn_once(f"Splash attention cannot run {tuple(q.shape)} ({refusal}): using XLA's attention.")
         return fused_implementation(q)
-    if cpu_backend() and requested == "auto":
+    if cpu_kernel_requested():
         return "cpu"
     return fused_implementation(q)
 
