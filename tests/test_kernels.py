@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jtrainer.models.kernels.dense import _weight_grad_transposing, dense
+from jtrainer.models.kernels.dense import _weight_grad_transposing, dense, dense_transposed
 from jtrainer.numerics.losses import IGNORE_INDEX, token_cross_entropy_sum
 
 
@@ -22,14 +22,20 @@ def test_dense_gradients_equal_autodiff(shape, d_in, d_out):
     plain = jax.value_and_grad(objective(jnp.dot), argnums=(0, 1))(x, kernel)
     for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(plain)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    # torch's [out, in] layout: the same gradients, the weight's transposed.
+    ours_t = jax.jit(jax.value_and_grad(objective(dense_transposed), argnums=(0, 1)))(x, kernel.T)
+    np.testing.assert_allclose(ours_t[0], plain[0], rtol=1e-5)
+    np.testing.assert_allclose(ours_t[1][0], plain[1][0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ours_t[1][1], plain[1][1].T, rtol=1e-5, atol=1e-5)
 
 
-def test_dense_transposes_explicitly_on_cpu_only_and_keeps_dtypes(monkeypatch):
+@pytest.mark.parametrize("matmul", [dense, lambda x, k: dense_transposed(x, k.T)])
+def test_dense_transposes_explicitly_on_cpu_only_and_keeps_dtypes(monkeypatch, matmul):
     x = jnp.ones((2, 3, 4), jnp.bfloat16)
     kernel = jnp.ones((4, 5), jnp.bfloat16)
 
     def grad():
-        return jax.jit(jax.grad(lambda x, k: jnp.sum(dense(x, k).astype(jnp.float32)), argnums=(0, 1)))
+        return jax.jit(jax.grad(lambda x, k: jnp.sum(matmul(x, k).astype(jnp.float32)), argnums=(0, 1)))
 
     assert [g.dtype for g in grad()(x, kernel)] == [jnp.bfloat16, jnp.bfloat16]
     assert "optimization_barrier" in grad().lower(x, kernel).as_text()

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from jtrainer.bridge import aliasing
+from jtrainer.bridge import aliasing, linear
 
 DEVICE = torch.device("privateuseone", 0)  # what `tensor.device` says of a torchax tensor (see point 2)
 
@@ -275,6 +275,7 @@ def environment():
     for op in (torch.nn.functional.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention):
         env.override_op_definition(op, _sdpa_on_tensors)
     env.override_op_definition(torch.ops.aten._grouped_mm.default, _grouped_mm_on_tensors)
+    linear.register(env)  # not a fix: the native models' dense kernel for torch's Linear (bridge/linear.py)
     # Basic indexing is a view like any other (aliasing), not torchax's own View: torch's __getitem__ again.
     env._ops.pop(torch.Tensor.__getitem__, None)
     TORCHAX_OWN.update(type_as=torchax.tensor.Tensor.type_as, flatten=torchax.tensor.Tensor.flatten)

@@ -7,7 +7,7 @@ is chosen here from the mesh's devices and $JTRAINER_ATTENTION: Pallas' splash a
 """
 
 from jtrainer.models.kernels.attention import TokenMask, causal_attention, causal_mask, implementation
-from jtrainer.models.kernels.dense import cpu_backend, dense, dense_dot_general, project
+from jtrainer.models.kernels.dense import cpu_backend, dense, dense_dot_general, dense_transposed, project
 
 __all__ = [
     "TokenMask",
@@ -16,6 +16,7 @@ __all__ = [
     "cpu_backend",
     "dense",
     "dense_dot_general",
+    "dense_transposed",
     "implementation",
     "project",
 ]

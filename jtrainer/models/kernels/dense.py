@@ -35,7 +35,8 @@ def cpu_backend() -> bool:
 
 
 def _weight_grad_transposing(x_NxI: jax.Array, dy_NxO: jax.Array, precision) -> jax.Array:
-    """x^T @ dy with the narrower operand transposed explicitly (the barrier keeps XLA from folding it back)."""
+    """x^T @ dy (any two operands sharing the token dimension N) with the narrower operand transposed explicitly
+    (the barrier keeps XLA from folding it back)."""
     if x_NxI.shape[1] <= dy_NxO.shape[1]:
         return jnp.dot(jax.lax.optimization_barrier(x_NxI.T), dy_NxO, precision=precision)
     return jnp.dot(jax.lax.optimization_barrier(dy_NxO.T), x_NxI, precision=precision).T
@@ -65,6 +66,33 @@ def dense(x: jax.Array, kernel: jax.Array, precision=None) -> jax.Array:
     if not cpu_backend():
         return jnp.dot(x, kernel, precision=precision)
     return _dense(x, kernel, precision)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _dense_transposed(x: jax.Array, weight_OxI: jax.Array, precision=None) -> jax.Array:
+    return jax.lax.dot_general(x, weight_OxI, (((x.ndim - 1,), (1,)), ((), ())), precision=precision)
+
+
+def _dense_transposed_fwd(x, weight_OxI, precision=None):
+    return _dense_transposed(x, weight_OxI, precision), (x, weight_OxI)
+
+
+def _dense_transposed_bwd(precision, residuals, dy):
+    x, weight_OxI = residuals
+    dx = jnp.dot(dy, weight_OxI, precision=precision).astype(x.dtype)
+    dweight = _weight_grad_transposing(dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1]), precision)
+    return dx, dweight.astype(weight_OxI.dtype)
+
+
+_dense_transposed.defvjp(_dense_transposed_fwd, _dense_transposed_bwd)
+
+
+def dense_transposed(x: jax.Array, weight_OxI: jax.Array, precision=None) -> jax.Array:
+    """x[..., in] @ weight[out, in]^T, a torch `Linear`'s layout, with `dense`'s backward pass on CPU (the weight
+    gradient dy^T @ x is the same token contraction)."""
+    if not cpu_backend():
+        return jnp.einsum("...i,oi->...o", x, weight_OxI, precision=precision)
+    return _dense_transposed(x, weight_OxI, precision)
 
 
 def dense_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, out_sharding=None):
