@@ -74,6 +74,7 @@ TORCH_MODULES = {
     "jtrainer.bridge.attention",
     "jtrainer.bridge.chunked_loss",
     "jtrainer.bridge.custom_autograd",
+    "jtrainer.bridge.linear",
     "jtrainer.bridge.module",
     "jtrainer.bridge.torch_code",
     "jtrainer.bridge.torch_models",
