@@ -223,6 +223,9 @@ def test_decay_groups_equal_hf_on_every_family(family):
     config = getattr(transformers, config_name)(**kwargs)
     torch_model = getattr(transformers, auto_name).from_config(config)
     hf_decayed = set(transformers.Trainer.get_decay_parameter_names(None, torch_model))
+    # A torch model (the bridge): transformers' own list, in its order.
+    ours_torch = Trainer.get_decay_parameter_names(Trainer.__new__(Trainer), torch_model)
+    assert ours_torch == transformers.Trainer.get_decay_parameter_names(None, torch_model)
     model = getattr(models, auto_name).from_config(config)
     ours = Trainer.get_decay_parameter_names(Trainer.__new__(Trainer), model)
     ours_hf = {hf_io.hf_names(model, tuple(p.split(".")))[0][0] for p in ours}

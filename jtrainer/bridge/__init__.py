@@ -26,6 +26,19 @@ def is_bridged(model: Any) -> bool:
     return module is not None and isinstance(model, module.TorchModel)
 
 
+def decay_parameter_names(model: Any) -> list[str]:
+    """transformers.Trainer.get_decay_parameter_names of a torch model: transformers' `get_parameter_names`
+    with torch's LayerNorm and HF's name patterns (`optim.NO_DECAY`, the method's five as one alternation;
+    tests/test_optim.py holds them equal), without importing transformers.trainer for it (~1.4 s and ~140 MB:
+    accelerate, peft and bitsandbytes with it)."""
+    import torch
+    from transformers.trainer_pt_utils import get_parameter_names
+
+    from jtrainer.numerics import optim
+
+    return get_parameter_names(model, [torch.nn.LayerNorm], [optim.NO_DECAY.pattern])
+
+
 def as_torch_tensors(tree: Any) -> Any:
     """numpy arrays (in dicts, tuples, lists) as CPU torch tensors sharing their memory: what HF hands a torch
     model's metric functions."""

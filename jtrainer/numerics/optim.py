@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 # HF's name patterns (Trainer.get_decay_parameter_names): no decay for parameters whose lower-cased dotted name
 # matches one, nor for parameters of torch.nn.LayerNorm modules (`layer_norm_paths`, found by type by the caller).
-_NO_DECAY = re.compile(r"bias|layernorm|rmsnorm|(?:^|\.)norm(?:$|\.)|_norm(?:$|\.)")
+NO_DECAY = re.compile(r"bias|layernorm|rmsnorm|(?:^|\.)norm(?:$|\.)|_norm(?:$|\.)")
 
 
 def decay_mask(param_paths: dict[str, Any], layer_norm_paths: set[str]) -> dict[str, bool]:
@@ -41,7 +41,7 @@ def decay_mask(param_paths: dict[str, Any], layer_norm_paths: set[str]) -> dict[
         parts = path.split(".")
         return any(".".join(parts[:i]) in layer_norm_paths for i in range(1, len(parts)))
 
-    return {path: not (_NO_DECAY.search(path.lower()) or in_layer_norm(path)) for path in param_paths}
+    return {path: not (NO_DECAY.search(path.lower()) or in_layer_norm(path)) for path in param_paths}
 
 
 def parse_optim_args(optim_args: str | None) -> dict[str, str]:

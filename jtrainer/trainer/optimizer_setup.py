@@ -70,10 +70,8 @@ class OptimizerMixin(TrainerParts):
         """HF's rule: every parameter but those of LayerNorm modules (torch.nn.LayerNorm's counterparts, by type)
         and those whose names match HF's bias/norm patterns."""
         model = model or self.model
-        if bridge.is_torch_module(model):  # transformers.Trainer's own function, on the torch model
-            from transformers import Trainer as TorchTrainer
-
-            return TorchTrainer.get_decay_parameter_names(None, model)  # type: ignore[arg-type]  # reads no self
+        if bridge.is_torch_module(model):  # transformers' own rule, on the torch model
+            return bridge.decay_parameter_names(model)
         layer_norms = {
             ".".join(map(str, path)) for path, node in nnx.iter_graph(model) if isinstance(node, LAYER_NORM_TYPES)
         }
