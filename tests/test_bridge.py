@@ -283,9 +283,10 @@ def test_gradient_checkpointing_rematerialises_each_layer_with_the_same_numbers(
 
 
 @pytest.mark.parametrize("name", ["t5", "whisper"])
-def test_seq2seq_predict_with_generate_gives_transformers_ids(tmp_path, name):
+def test_seq2seq_predict_with_generate_gives_transformers_ids(tmp_path, name, caplog):
     """Seq2SeqTrainer.predict with predict_with_generate, greedy and with beams, after training: the generated
-    ids (and the loss) of transformers' Seq2SeqTrainer on the same model and rows."""
+    ids (and the loss) of transformers' Seq2SeqTrainer on the same model and rows; one line says where the
+    decoding runs (torch, on the host)."""
     from jtrainer import Seq2SeqTrainer, Seq2SeqTrainingArguments
 
     torch.manual_seed(0)
@@ -304,9 +305,12 @@ def test_seq2seq_predict_with_generate_gives_transformers_ids(tmp_path, name):
     ours.train()
     for beams in (1, 2):
         expected = hf.predict(torch_rows(rows[:6]), num_beams=beams)
-        got = ours.predict(rows[:6], num_beams=beams)
+        with caplog.at_level("WARNING", logger="jtrainer.trainer.seq2seq"):
+            got = ours.predict(rows[:6], num_beams=beams)
         np.testing.assert_array_equal(got.predictions, expected.predictions)
         np.testing.assert_allclose(got.metrics["test_loss"], expected.metrics["test_loss"], rtol=1e-5)
+    told = [r.getMessage() for r in caplog.records if "decodes it in torch on this host" in r.getMessage()]
+    assert len(told) == 1 and type(ours_model).__name__ in told[0]  # once a model
 
 
 def test_neftune_adds_transformers_noise_in_training_steps_only():

@@ -8,6 +8,8 @@ the labels. Works with encoder-decoder models (T5: the decoder's start token + g
 
 from __future__ import annotations
 
+import logging
+import weakref
 from typing import Any
 
 import jax
@@ -19,6 +21,9 @@ from jtrainer.generation import generate
 from jtrainer.parallel import distributed, sharding
 from jtrainer.trainer.args import Seq2SeqTrainingArguments, TrainingArguments  # noqa: F401  (public here too)
 from jtrainer.trainer.trainer import Trainer
+
+logger = logging.getLogger(__name__)
+_TOLD_WHERE_GENERATION_RUNS: weakref.WeakSet = weakref.WeakSet()  # torch models whose user was told, once each
 
 
 def left_align(input_ids: np.ndarray, attention_mask: np.ndarray, pad_token_id: int) -> tuple[np.ndarray, np.ndarray]:
@@ -146,6 +151,13 @@ class Seq2SeqTrainer(Trainer):
             raise NotImplementedError(
                 "predict_with_generate on a torch model runs transformers' generate on one host; with "
                 f"{jax.process_count()} processes, evaluate without it or save the model and generate afterwards."
+            )
+        if self.model not in _TOLD_WHERE_GENERATION_RUNS:
+            _TOLD_WHERE_GENERATION_RUNS.add(self.model)
+            logger.warning(
+                f"predict_with_generate: {type(self.model).__name__} is a torch model, so transformers' generate "
+                "decodes it in torch on this host's CPU, one process (jtrainer.models' families decode in a "
+                "compiled step on the mesh)."
             )
         self._sync_model()
         self.model.eval()  # HF's evaluation_loop calls model.eval(): no dropout while generating
