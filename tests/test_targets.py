@@ -387,3 +387,24 @@ def test_check_needs_no_reporting_integration_and_shows_its_phases(tmp_path, cap
     assert any(
         line.startswith("jtrainer check: XLA compiling the train step for this machine: done (") for line in phases
     )
+
+
+def test_check_compares_the_native_and_bridged_steps_of_one_config(capsys):
+    """`--compare_bridge`: the config's native Llama and transformers' LlamaForCausalLM of the same shape through
+    the bridge, both cross-compiled for the target, then one table with both step estimates; `train` refuses it."""
+    pytest.importorskip("torch")
+    import importlib.util
+
+    if importlib.util.find_spec("torchax") is None:
+        pytest.skip("torchax is not installed")
+    argv = [CONFIG, *TINY, "--eval_strategy", "no", "--target", "v5litepod-8", "--compare_bridge", "true"]
+    assert main(["check", *argv]) == 0
+    printed = capsys.readouterr().out
+    table = printed[printed.index("native and bridged, the same shape") :].splitlines()
+    rows = {line[:32].strip(): line[32:].split() for line in table[2:]}
+    assert len(rows["step time (estimate)"]) == 4 and rows["fits"] == ["yes", "yes"]  # "0.001 s" twice
+    counts = [line.split()[1] for line in printed.splitlines() if line.startswith("  parameters ")]
+    assert len(counts) == 2 and counts[0] == counts[1]  # the same model, native and bridged
+    assert main(["train", CONFIG, *TINY, "--compare_bridge", "true"]) == 1
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("jtrainer train: ")]
+    assert len(said) == 1 and "--compare_bridge is an option of `jtrainer check`" in said[0]

@@ -82,14 +82,17 @@ def main(argv: list[str] | None = None) -> int:
         with quiet.filtered_stderr():  # the backend comes up: its plugins' lines
             jax.devices()
         if command == "check":
-            from jtrainer.cli.check import run_check
+            from jtrainer.cli.check import run_check, run_check_native_and_bridged
 
-            result = run_check(
+            check = run_check_native_and_bridged if run_args.compare_bridge else run_check
+            result = check(
                 model_args, data_args, training_args, run_args.target, run_args.num_slices, run_args.num_nodes
             )
             return 0 if result["fits"] else 1
         if run_args.target is not None:
             raise BadInput("--target is an option of `jtrainer check` (sizing a run for another machine).")
+        if run_args.compare_bridge:
+            raise BadInput("--compare_bridge is an option of `jtrainer check` (the native and bridged steps' sizes).")
         run_train(model_args, data_args, training_args, run_args)
     except Stopped as e:  # SIGTERM outside train(): the lock released, the checkpoints kept
         print(f"jtrainer {command}: {e}", file=sys.stderr)

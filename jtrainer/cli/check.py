@@ -443,6 +443,36 @@ def run_check(
     return {"fields": report, **numbers, **found, "fits": fits, "estimate": estimate}
 
 
+def run_check_native_and_bridged(
+    model_args, data_args, training_args, target_name: str | None = None, num_slices: int = 1, num_nodes: int = 1
+) -> dict[str, Any]:
+    """`run_check` for the config's native family, then for transformers' own model of the same config through
+    the torch bridge, then one table of the two (memory, FLOPs, the step estimate); "fits" when both fit."""
+    results = {}
+    for bridged in (False, True):
+        say(f"jtrainer check: {'through the torch bridge' if bridged else 'the native family'}")
+        config = dataclasses.replace(model_args, bridge=bridged)
+        results[bridged] = run_check(
+            config, data_args, copy.deepcopy(training_args), target_name, num_slices, num_nodes
+        )
+    native, bridged_result = results[False], results[True]
+    say("jtrainer check: native and bridged, the same shape")
+    say(f"  {'':<30}{'native':>14}{'bridge':>14}")
+    for label, key, shown in (
+        ("memory per device (train)", "step_bytes_per_device", size),
+        ("memory per device (eval)", "eval_bytes_per_device", size),
+        ("XLA FLOPs per device/step", "flops_per_step_per_device", lambda v: f"{v:.3e}"),
+    ):
+        values = [result.get(key) for result in (native, bridged_result)]
+        if any(value is not None for value in values):
+            say(f"  {label:<30}" + "".join(f"{shown(v) if v is not None else '-':>14}" for v in values))
+    estimates = [(result.get("estimate") or {}).get("step_s") for result in (native, bridged_result)]
+    if any(estimate is not None for estimate in estimates):
+        say(f"  {'step time (estimate)':<30}" + "".join(f"{f'{e:.3f} s' if e else '-':>14}" for e in estimates))
+    say(f"  {'fits':<30}" + "".join(f"{'yes' if r['fits'] else 'NO':>14}" for r in (native, bridged_result)))
+    return {"native": native, "bridge": bridged_result, "fits": native["fits"] and bridged_result["fits"]}
+
+
 class _Oversize(Exception):
     """A compiled train step over the target's memory, with its numbers and arguments (what check reports if
     nothing fits)."""

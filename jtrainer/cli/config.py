@@ -41,6 +41,13 @@ class RunArguments:
     )
     num_slices: int = field(default=1, metadata={"help": "jtrainer check --target: TPU slices joined over DCN."})
     num_nodes: int = field(default=1, metadata={"help": "jtrainer check --target h100x8: GPU nodes."})
+    compare_bridge: bool = field(
+        default=False,
+        metadata={
+            "help": "jtrainer check: compile the step for the native family and for transformers' own model of the "
+            "same config through the torch bridge (needs jtrainer[torch]); print both and their comparison."
+        },
+    )
 
 
 # The shipped configs are package data (jtrainer/configs; the repository's configs/ links there), so a wheel

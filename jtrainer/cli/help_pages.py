@@ -20,7 +20,7 @@ COMMANDS = {
     "(jtrainer launch --num_processes 2 CONFIG.yaml).",
 }
 
-CHECK_ONLY = ("target", "num_slices", "num_nodes")
+CHECK_ONLY = ("target", "num_slices", "num_nodes", "compare_bridge")
 
 # The fields people set, by group; a text here replaces the field's own (long) help on the short page.
 SHORT_FIELDS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
@@ -93,6 +93,7 @@ CHECK_FIELDS = (
         ("target", "a TPU slice (v5litepod-16, v6e-8, ...) or GPU nodes (h100x8)"),
         ("num_slices", "TPU slices joined over DCN (with --target)"),
         ("num_nodes", "GPU nodes (with --target h100x8)"),
+        ("compare_bridge", "the native step and the bridged transformers model, side by side"),
     ),
 )
 WIDTH = 110
