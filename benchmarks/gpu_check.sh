@@ -2,8 +2,10 @@
 # The GPU check, as one command on a machine with an NVIDIA GPU (e.g. an H200) and JAX with CUDA installed:
 #   1. the machine and the versions of the stack;
 #   2. cuDNN's fused attention against XLA's (values, gradients, time) at Llama 3.2 1B's attention shape;
-#   3. the 1B Llama benchmark in bf16: jtrainer, then transformers.Trainer on CUDA, then the bare jit loop,
-#      with tokens/s, step time, peak device memory and MFU (benchmarks/bench_train.py --accelerator).
+#   3. the 1B Llama benchmark in bf16: jtrainer's native Llama, then transformers.Trainer on CUDA, then
+#      transformers' own Llama through the torch bridge (needs torchax; a system that fails is left out with its
+#      error), with tokens/s, step time, peak device memory and MFU (benchmarks/bench_train.py --accelerator);
+#      SYSTEMS="jtrainer hf bare" measures the bare jit loop instead of the bridge.
 # Everything printed also goes to $OUT/gpu_check.log (OUT defaults to /tmp/gpu-check).
 #
 #   bash benchmarks/gpu_check.sh                 # ~6-8 minutes on an H200, most of it compiling and loading
@@ -13,7 +15,7 @@
 # A machine without internet whose Python lacks jtrainer's pinned versions can take them as wheels in .whl/
 # (installed to /tmp/site first when present); fetch them where pip works, from the repository root:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl \
-#       flax==0.12.8 optax==0.2.8 orbax-checkpoint==0.12.8 transformers==5.24.0
+#       flax==0.12.8 optax==0.2.8 orbax-checkpoint==0.12.8 transformers==5.24.0 torchax==0.0.13
 # (16 MB; checked 2026-12-03). Their own needs (huggingface_hub>=1.31,<3, tokenizers 0.23, tensorstore>=0.1.84,
 # treescope, ...) are expected on the machine; the versions printed first say what it has.
 set -uo pipefail
@@ -21,7 +23,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-check}
 mkdir -p "$OUT"
 STEPS=${STEPS:-20}
-SYSTEMS=${SYSTEMS:-jtrainer hf bare}
+SYSTEMS=${SYSTEMS:-jtrainer hf bridge}
 CONFIG=${CONFIG:-1b}
 ATTENTION_ARGS=${ATTENTION_ARGS:-}
 PYTHON=${PYTHON:-python3}
