@@ -68,13 +68,17 @@ def dense(x: jax.Array, kernel: jax.Array, precision=None) -> jax.Array:
     return _dense(x, kernel, precision)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _dense_transposed(x: jax.Array, weight_OxI: jax.Array, precision=None) -> jax.Array:
+def _times_transposed(x: jax.Array, weight_OxI: jax.Array, precision) -> jax.Array:
     return jax.lax.dot_general(x, weight_OxI, (((x.ndim - 1,), (1,)), ((), ())), precision=precision)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _dense_transposed(x: jax.Array, weight_OxI: jax.Array, precision=None) -> jax.Array:
+    return _times_transposed(x, weight_OxI, precision)
+
+
 def _dense_transposed_fwd(x, weight_OxI, precision=None):
-    return _dense_transposed(x, weight_OxI, precision), (x, weight_OxI)
+    return _times_transposed(x, weight_OxI, precision), (x, weight_OxI)
 
 
 def _dense_transposed_bwd(precision, residuals, dy):
