@@ -305,7 +305,7 @@ def test_seq2seq_predict_with_generate_gives_transformers_ids(tmp_path, name, ca
     ours.train()
     for beams in (1, 2):
         expected = hf.predict(torch_rows(rows[:6]), num_beams=beams)
-        with caplog.at_level("WARNING", logger="jtrainer.trainer.seq2seq"):
+        with caplog.at_level("WARNING", logger="jtrainer.bridge.trained"):
             got = ours.predict(rows[:6], num_beams=beams)
         np.testing.assert_array_equal(got.predictions, expected.predictions)
         np.testing.assert_allclose(got.metrics["test_loss"], expected.metrics["test_loss"], rtol=1e-5)

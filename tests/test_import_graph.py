@@ -90,6 +90,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("utilities", ("generation", "packing")),  # user-facing functions over models and data
     ("bridge", ("bridge",)),  # transformers' torch models under the step
     ("checkpointing", ("checkpointing",)),
+    ("kinds", ("kinds",)),  # what the Trainer asks of a model, one room per kind (native, bridged)
     ("sizing", ("sizing",)),
     ("trainer", ("trainer",)),  # HF's front end and the loop
     ("trl", ("trl",)),  # TRL's trainers on the Trainer
@@ -167,3 +168,29 @@ def test_model_families_share_layers_not_each_other():
     graph = _graph()
     assert {name: sorted(graph[name] & families) for name in families} == {name: [] for name in families}
     assert all("jtrainer.models.layers" in graph[name] for name in families)
+
+
+def _third_party_imports(path: str) -> set[str]:
+    """The top-level packages outside jtrainer a file imports anywhere (inside functions too)."""
+    found = set()
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add(node.module.split(".")[0])
+    return found
+
+
+def test_the_trainer_imports_neither_torch_nor_the_bridge():
+    """The Trainer holds a model through `jtrainer.kinds` (one protocol, a room per kind), so trainer/ never asks
+    which kind it holds: no module of it imports the bridge, torch, torchax or peft."""
+    modules = _modules()
+    graph = _graph()
+    trainer = [name for name in modules if name.startswith("jtrainer.trainer")]
+    assert len(trainer) > 10
+    bridged = {name: sorted(d for d in graph[name] if d.startswith("jtrainer.bridge")) for name in trainer}
+    assert {name: deps for name, deps in bridged.items() if deps} == {}
+    torch_side = {"torch", "torchax", "peft"}
+    found = {name: sorted(_third_party_imports(modules[name]) & torch_side) for name in trainer}
+    assert {name: deps for name, deps in found.items() if deps} == {}
+    assert "jtrainer.kinds" in graph["jtrainer.trainer.trainer"]  # the one way in

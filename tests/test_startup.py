@@ -82,6 +82,7 @@ TORCH_MODULES = {
     "jtrainer.bridge.torch_code",
     "jtrainer.bridge.torch_models",
     "jtrainer.bridge.torchax_compat",
+    "jtrainer.bridge.trained",
 }
 
 

@@ -23,7 +23,7 @@ from transformers.trainer_utils import (
     speed_metrics,
 )
 
-from jtrainer import bridge
+from jtrainer.kinds import user_code
 from jtrainer.numerics.losses import IGNORE_INDEX
 from jtrainer.numerics.step import (
     EvalOutputs,
@@ -194,10 +194,8 @@ class EvaluationMixin(TrainerParts):
         if key not in compiled_steps.EVAL_STEPS:
             placement = PreprocessPlacement()
             preprocess, in_torch = self.preprocess_logits_for_metrics, None
-            if preprocess is not None and bridge.runs_torch_code():
-                from jtrainer.bridge.torch_code import function_in_torch
-
-                in_torch = function_in_torch(preprocess)  # torch code (HF's contract) inside the step, via torchax
+            if preprocess is not None and user_code.runs_in_torch():
+                in_torch = user_code.function_in_torch(preprocess)  # torch code (HF's contract) inside the step
             step = jax.jit(
                 make_eval_step(graphdef, spec, want_logits, preprocess, ignore_keys, placement, in_torch, micro)
             )
@@ -208,15 +206,6 @@ class EvaluationMixin(TrainerParts):
     def _preprocess_on_host(self, predictions, labels):
         """HF's call of preprocess_logits_for_metrics, for a function JAX could not trace: torch tensors of the
         batch's logits and labels in, its result back as numpy."""
-        try:
-            import torch
-        except ImportError:
-            raise TypeError(
-                "preprocess_logits_for_metrics could not be traced by JAX "
-                f"({self._preprocess_placement.reason!r}) and torch is not installed to call it with torch "
-                "tensors as HF does: write it with jax.numpy (e.g. logits.argmax(axis=-1)) or install torch."
-            ) from self._preprocess_placement.reason
-
         placement = self._preprocess_placement
         if not placement.warned:
             placement.warned = True
@@ -231,11 +220,7 @@ class EvaluationMixin(TrainerParts):
                 "values) to keep it in the step."
             )
 
-        def to_torch(tree):
-            return jax.tree.map(lambda x: torch.from_numpy(np.array(x)), tree)  # a writable copy, as torch wants
-
-        result = self.preprocess_logits_for_metrics(to_torch(predictions), None if labels is None else to_torch(labels))
-        return jax.tree.map(lambda t: t.detach().cpu().numpy() if hasattr(t, "detach") else np.asarray(t), result)
+        return user_code.call_on_host(self.preprocess_logits_for_metrics, predictions, labels, placement.reason)
 
     def _gathers_completing_rows(self) -> bool:
         """HF's gather_function of this evaluation: the Trainer's gather_for_metrics (False) leaves out the rows
@@ -375,9 +360,7 @@ class EvaluationMixin(TrainerParts):
                         batch_losses if "loss" in include else None,
                         host(padded) if "inputs" in include else None,
                     )
-                    if bridge.is_bridged(self.nnx_model):
-                        batch = bridge.as_torch_tensors(batch)
-                    predictions, label_ids, batch_loss_values, batch_input_values = batch
+                    predictions, label_ids, batch_loss_values, batch_input_values = self._held.metric_arrays(batch)
                     metrics = self.compute_metrics(
                         EvalPrediction(
                             predictions=predictions,

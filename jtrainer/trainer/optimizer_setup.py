@@ -12,22 +12,13 @@ import optax
 from flax import nnx
 from transformers.trainer_utils import SchedulerType
 
-from jtrainer import bridge
-from jtrainer.bridge import user_optimizer
+from jtrainer import kinds
+from jtrainer.kinds import user_code
+from jtrainer.kinds.native import dotted
 from jtrainer.models.base import count_parameters
-from jtrainer.models.layers import LayerNorm
 from jtrainer.numerics import opt_state as opt_states
 from jtrainer.numerics import optim, schedules
 from jtrainer.trainer.trainer_parts import TrainerParts
-
-# The modules HF excludes from weight decay by type (its ALL_LAYERNORM_LAYERS is [torch.nn.LayerNorm]): flax's
-# LayerNorm and jtrainer's port of torch's. RMSNorms are matched by name only, as in HF.
-LAYER_NORM_TYPES = (nnx.LayerNorm, LayerNorm)
-
-
-def dotted(path: tuple) -> str:
-    """A pytree path as HF's dotted parameter name."""
-    return jax.tree_util.keystr(path, simple=True, separator=".")
 
 
 class OptimizerMixin(TrainerParts):
@@ -69,26 +60,16 @@ class OptimizerMixin(TrainerParts):
     def get_decay_parameter_names(self, model=None) -> list[str]:
         """HF's rule: every parameter but those of LayerNorm modules (torch.nn.LayerNorm's counterparts, by type)
         and those whose names match HF's bias/norm patterns."""
-        model = model or self.model
-        if bridge.is_torch_module(model):  # transformers' own rule, on the torch model
-            return bridge.decay_parameter_names(model)
-        layer_norms = {
-            ".".join(map(str, path)) for path, node in nnx.iter_graph(model) if isinstance(node, LAYER_NORM_TYPES)
-        }
-        params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-        paths = {dotted(p): None for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]}
-        return [p for p, decays in optim.decay_mask(paths, layer_norms).items() if decays]
+        return kinds.decay_parameter_names(model or self.model)
 
     def _decay_mask_tree(self, params):
-        decayed = set(self.get_decay_parameter_names())
-        if bridge.is_bridged(self.nnx_model):  # HF's names, under the bridge's "params" root
-            decayed = {f"params.{name}" for name in decayed}
+        decayed = {self._held.decay_path(name) for name in self.get_decay_parameter_names()}
         return jax.tree_util.tree_map_with_path(lambda p, _: dotted(p) in decayed, params)
 
     def _torch_optimizer_given(self) -> bool:
         """A torch optimizer from the user (optimizers=(torch optimizer, ...) or a torch optimizer_cls)."""
         cls = None if self.optimizer_cls_and_kwargs is None else self.optimizer_cls_and_kwargs[0]
-        return user_optimizer.is_torch_optimizer(self.optimizer) or user_optimizer.is_torch_optimizer_class(cls)
+        return user_code.is_optimizer(self.optimizer) or user_code.is_optimizer_class(cls)
 
     def create_scheduler(self, num_training_steps: int, optimizer=None) -> Any:
         """HF's scheduler, as a step -> rate function (or the user's schedule from `optimizers`); for a user's
@@ -115,15 +96,11 @@ class OptimizerMixin(TrainerParts):
     def _create_torch_optimizer(self, params) -> Any:
         """A user's torch optimizer (built from optimizer_cls_and_kwargs over HF's decay groups, as HF builds
         it), translated for the step."""
-        if not bridge.is_bridged(self.nnx_model):
-            raise TypeError(
-                f"A torch optimizer updates a torch model's parameters, and {type(self.model).__name__} is a native "
-                "jtrainer model: pass an optax GradientTransformation (optimizers=(tx, None)) or use --optim."
-            )
+        self._held.check_takes_torch_optimizer()
         if self.optimizer is None:
             cls, kwargs = self.optimizer_cls_and_kwargs
             self.optimizer = cls(self._decay_groups(), **kwargs)
-        self._torch_optimizer = user_optimizer.UserTorchOptimizer(self.optimizer, self.lr_scheduler, self.model)
+        self._torch_optimizer = user_code.optimizer_for_step(self.optimizer, self.lr_scheduler, self.model)
         self._torch_optimizer.tx = self._torch_optimizer.transformation(params)
         return self.optimizer
 
@@ -220,7 +197,7 @@ class OptimizerMixin(TrainerParts):
         decay. HF's error before an optimizer exists."""
         if self.optimizer is None:
             raise ValueError("Trainer optimizer is None, please make sure you have setup the optimizer before.")
-        if user_optimizer.is_torch_optimizer(self.optimizer):  # the user's torch groups, as HF reads them
+        if user_code.is_optimizer(self.optimizer):  # the user's torch groups, as HF reads them
             return self.optimizer.param_groups
         rate = self._current_learning_rate()
         return [{**group, "lr": rate} for group in self._decay_groups()]
@@ -235,9 +212,7 @@ class OptimizerMixin(TrainerParts):
         ]
 
     def _trainable_named_parameters(self) -> list[tuple[str, Any]]:
-        if bridge.is_torch_module(self.model):
-            return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
-        return [(dotted(path), node) for path, node in nnx.iter_graph(self.model) if type(node) is nnx.Param]
+        return self._held.trainable_named_parameters()
 
     def _host_learning_rate(self, device_lr, count) -> float:
         """The rate of the last update as HF logs it (LearningRate.host_rate); a user's own schedule is read from
@@ -281,12 +256,7 @@ class OptimizerMixin(TrainerParts):
         """Counted once per model: `floating_point_ops` asks for it every micro-batch."""
         cached = self._non_embedding_count
         if cached is None or cached[0] is not self.nnx_model:
-            if bridge.is_bridged(self.nnx_model):  # transformers' own count; HF's 0 for a model without one
-                count = (
-                    self.model.num_parameters(exclude_embeddings=True) if hasattr(self.model, "num_parameters") else 0
-                )
-            else:
-                count = count_parameters(self.nnx_model, exclude_embeddings=True)
+            count = self._held.num_non_embedding_parameters()
             cached = self._non_embedding_count = (self.nnx_model, count)
         return cached[1]
 

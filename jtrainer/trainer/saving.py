@@ -19,8 +19,7 @@ from flax import nnx
 from transformers.trainer_callback import ExportableState, TrainerControl, TrainerState
 from transformers.trainer_utils import SaveStrategy
 
-from jtrainer import bridge, host_rng, storage
-from jtrainer.bridge import adapters
+from jtrainer import host_rng, storage
 from jtrainer.checkpointing import checkpoint, torch_checkpoint
 from jtrainer.numerics import optim
 from jtrainer.parallel import sharding
@@ -228,8 +227,7 @@ class SavingMixin(TrainerParts):
         return (
             self._train_state is not None
             and not self.args.save_only_model
-            and hasattr(self.model, "config")
-            and not bridge.is_bridged(self.nnx_model)
+            and self._held.exports_from_train_state()
             and not self._optimizer_eval_mode
         )
 
@@ -278,7 +276,7 @@ class SavingMixin(TrainerParts):
     def _saved_part(self, state: TrainState | None) -> TrainState | None:
         """What a checkpoint keeps of a train state: all of it, but a peft model's frozen base model, which the
         model given holds (transformers.Trainer's peft checkpoints hold the adapters only, too)."""
-        if state is None or not adapters.is_peft_model(self.model):
+        if state is None or not self._held.saves_trainable_part_only:
             return state
         _, kept = nnx.split_state(state.model_state, Frozen, ...)
         return state.replace(model_state=kept)
@@ -288,7 +286,7 @@ class SavingMixin(TrainerParts):
         (concrete) or from the model, placed on `like`'s shardings (abstract)."""
         saved_fresh = None if fresh is None else (lambda: self._saved_part(fresh()))
         restored = checkpoint.restore_train_state(folder, self._saved_part(like), saved_fresh)
-        if not adapters.is_peft_model(self.model):
+        if not self._held.saves_trainable_part_only:
             return restored
         frozen, _ = nnx.split_state(like.model_state, Frozen, ...)
         if any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(frozen)):
@@ -316,13 +314,7 @@ class SavingMixin(TrainerParts):
             )
         params = nnx.to_pure_dict(nnx.state(self.nnx_model, nnx.Param))
         saved_state = load_trainer_state(folder)
-        layout: torch_checkpoint.ModelLayout
-        if bridge.is_bridged(self.nnx_model):
-            from jtrainer.bridge.resume import TorchModelLayout
-
-            layout = TorchModelLayout(self.nnx_model)
-        else:
-            layout = torch_checkpoint.NativeLayout(self.model)
+        layout: torch_checkpoint.ModelLayout = self._held.checkpoint_layout()
         return torch_checkpoint.restore(
             folder,
             args=self.args,
@@ -414,13 +406,7 @@ class SavingMixin(TrainerParts):
         """The model's weights as HF-named host arrays (gathered from every process), if the model is ours. Only
         the process that writes keeps them (the others take part in the gathers and drop each tensor)."""
         self._sync_model()
-        if bridge.is_bridged(self.nnx_model):  # the torch model, holding them now, writes itself
-            return None
-        if getattr(self.model, "save_pretrained", None) is not None and not hasattr(self.model, "config"):
-            return None
-        from jtrainer.models import hf_io
-
-        return hf_io.to_hf_state_dict(self.model, keep=self.args.should_save)
+        return self._held.hf_tensors(keep=self.args.should_save)
 
     def _write_model(self, output_dir: str, tensors, weights: bool = True) -> None:
         """The HF folder: config and weights (`weights=False`: the config only, its weights come later),

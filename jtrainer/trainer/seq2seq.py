@@ -8,22 +8,16 @@ the labels. Works with encoder-decoder models (T5: the decoder's start token + g
 
 from __future__ import annotations
 
-import logging
-import weakref
 from typing import Any
 
 import jax
 import numpy as np
 from transformers import GenerationConfig
 
-from jtrainer import bridge
 from jtrainer.generation import generate
 from jtrainer.parallel import distributed, sharding
 from jtrainer.trainer.args import Seq2SeqTrainingArguments, TrainingArguments  # noqa: F401  (public here too)
 from jtrainer.trainer.trainer import Trainer
-
-logger = logging.getLogger(__name__)
-_TOLD_WHERE_GENERATION_RUNS: weakref.WeakSet = weakref.WeakSet()  # torch models whose user was told, once each
 
 
 def left_align(input_ids: np.ndarray, attention_mask: np.ndarray, pad_token_id: int) -> tuple[np.ndarray, np.ndarray]:
@@ -119,8 +113,8 @@ class Seq2SeqTrainer(Trainer):
         batch's shape is fixed, so decoding compiles once per length bucket), then cut. With many processes,
         each one's rows are placed on the mesh like an evaluation batch, every process runs the same decoding
         program, and the ids are gathered on every process."""
-        if bridge.is_bridged(self.nnx_model):
-            return pad_to_width(self._generate_in_torch(batch, rows), self._prediction_width(), self._pad_token_id())
+        if not self._held.decodes_in_compiled_step:
+            return pad_to_width(self._generate_on_host(batch, rows), self._prediction_width(), self._pad_token_id())
         main = getattr(self.model, "main_input_name", "input_ids")
         input_ids = np.asarray(batch[main])
         mask = np.asarray(batch["attention_mask"]) if "attention_mask" in batch else np.ones_like(input_ids)
@@ -141,37 +135,15 @@ class Seq2SeqTrainer(Trainer):
             ids = distributed.gather_rows(ids)
         return pad_to_width(ids[:rows], self._prediction_width(), pad)
 
-    def _generate_in_torch(self, batch: dict[str, np.ndarray], rows: int) -> np.ndarray:
-        """A torch model's generated ids: transformers' own `generate` (HF's Seq2SeqTrainer.prediction_step call)
-        on the torch model holding the trained weights, on the host's CPU (see the README's torch bridge section
-        for its speed)."""
-        import torch
-
-        if jax.process_count() > 1:
-            raise NotImplementedError(
-                "predict_with_generate on a torch model runs transformers' generate on one host; with "
-                f"{jax.process_count()} processes, evaluate without it or save the model and generate afterwards."
-            )
-        if self.model not in _TOLD_WHERE_GENERATION_RUNS:
-            _TOLD_WHERE_GENERATION_RUNS.add(self.model)
-            logger.warning(
-                f"predict_with_generate: {type(self.model).__name__} is a torch model, so transformers' generate "
-                "decodes it in torch on this host's CPU, one process (jtrainer.models' families decode in a "
-                "compiled step on the mesh)."
-            )
+    def _generate_on_host(self, batch: dict[str, np.ndarray], rows: int) -> np.ndarray:
+        """Generated ids of a model that decodes outside the compiled step (a torch model: transformers' own
+        `generate`, HF's Seq2SeqTrainer.prediction_step call), from the trained weights, without the labels."""
         self._sync_model()
-        self.model.eval()  # HF's evaluation_loop calls model.eval(): no dropout while generating
         inputs = {k: v[:rows] for k, v in batch.items() if k not in self.label_names}
         labels = batch.get("labels")
         if labels is not None and "decoder_input_ids" in inputs and labels.shape == inputs["decoder_input_ids"].shape:
             inputs = {k: v for k, v in inputs.items() if k not in ("decoder_input_ids", "decoder_attention_mask")}
-        with torch.no_grad():
-            ids = self.model.generate(
-                **{k: torch.from_numpy(np.asarray(v)) for k, v in inputs.items()},
-                generation_config=self.generation_config,
-                **self._gen_kwargs,
-            )
-        return ids.numpy()
+        return self._held.generate_on_host(inputs, self.generation_config, **self._gen_kwargs)
 
     def _prediction_labels(self, labels: np.ndarray) -> np.ndarray:
         return pad_to_width(labels, self._prediction_width(), self._pad_token_id())

@@ -39,12 +39,11 @@ from transformers.trainer_callback import (
 )
 from transformers.trainer_utils import IntervalStrategy, SaveStrategy, TrainOutput, speed_metrics
 
-from jtrainer import bridge, host_rng, storage
-from jtrainer.bridge import adapters
+from jtrainer import host_rng, kinds, storage
 from jtrainer.callbacks import JITCheckpointCallback
 from jtrainer.checkpointing import checkpoint, run_lock
+from jtrainer.kinds import user_code
 from jtrainer.models.base import PretrainedMixin
-from jtrainer.models.base import set_neftune as set_native_neftune
 from jtrainer.numerics import dependence, mixed_precision, optim
 from jtrainer.numerics.losses import LabelSmoother, check_class_labels, count_label_tokens
 from jtrainer.numerics.step import (
@@ -350,31 +349,31 @@ class Trainer(
         if args.push_to_hub:
             self.init_hf_repo()
         self.control = self.callback_handler.on_init_end(self.args, self.state, self.control)
-        if bridge.is_bridged(self.nnx_model) and getattr(model, "config", None) is not None:
-            self.model.config.use_cache = args.use_cache  # as transformers.Trainer does last in its constructor
+        self._held.finish_trainer_init(args)
 
     @property
     def model(self) -> Any:
         """The model given (HF's `trainer.model`): after `train()` it holds the trained weights."""
-        return self._model
+        return self._held.given
 
     @model.setter
     def model(self, model: Any) -> None:
-        self._model = model
-        self.nnx_model = bridge.as_nnx(model)
+        self._held = kinds.adopt(model)
+
+    @property
+    def nnx_model(self) -> Any:
+        """The nnx module the steps run: the model given, or the bridge's module of a torch model."""
+        return self._held.module
 
     @property
     def _inspected_model(self) -> Any:
         """The model whose class and call HF inspects (labels, columns, loss kwargs): a peft model's base model."""
-        return adapters.inspected(self.model)
+        return self._held.inspected
 
     def _set_neftune(self, alpha: float | None) -> None:
         """NEFTune noise on the input embeddings in training steps (None: off): transformers' own forward hook on
         a torch model (its noise drawn from the step's JAX key), jtrainer's Embed on a native one."""
-        if bridge.is_bridged(self.nnx_model):
-            self.nnx_model.set_neftune(alpha)
-        else:
-            set_native_neftune(self.nnx_model, alpha)
+        self._held.set_neftune(alpha)
 
     def _check_layout(self) -> None:
         """Every sharding error (mesh vs heads, dimensions vs axis sizes) is raised here, before compiling."""
@@ -532,11 +531,9 @@ class Trainer(
         model, after jax.numpy for a native one); code that runs neither way (numpy conversions, float()) fails
         here with its name, as does a non-scalar loss."""
         candidates = [spec]
-        if bridge.runs_torch_code() and not getattr(self.compute_loss, "written_in_jax", False):
-            from jtrainer.bridge.torch_code import compute_loss_in_torch
-
-            in_torch = dataclasses.replace(spec, compute_loss=compute_loss_in_torch(self.compute_loss))
-            candidates = [in_torch, spec] if bridge.is_bridged(self.nnx_model) else [spec, in_torch]
+        if user_code.runs_in_torch() and not getattr(self.compute_loss, "written_in_jax", False):
+            in_torch = dataclasses.replace(spec, compute_loss=user_code.compute_loss_in_torch(self.compute_loss))
+            candidates = [in_torch, spec] if self._held.user_code_in_torch_first else [spec, in_torch]
         errors = []
         for candidate in candidates:
             try:
@@ -577,7 +574,7 @@ class Trainer(
 
     def _raise_untraceable(self, error: Exception):
         name = f"{type(self).__name__}.compute_loss"
-        op = bridge.unlowered_op(error)
+        op = user_code.unlowered_op(error)
         if op is not None:
             raise NotImplementedError(
                 f"{name} calls torch's {op}, which torchax cannot lower to JAX: the compiled step cannot run it. "
@@ -663,14 +660,13 @@ class Trainer(
             return LossSpec(LossMode.TRAINER, padding_neutral=True, **common)
         outputs = self._abstract_outputs(sample)
         loss, _ = split_outputs(outputs)
-        if loss is None and has_labels and bridge.is_bridged(self.nnx_model):
+        if loss is None and has_labels and self._held.must_return_loss:
             raise _no_loss_error(outputs, sample)  # HF computes no loss of its own for a torch model
         if loss is not None:
             # The model's own causal-LM loss with labels: computed without whole logits (nothing else reads them).
             chunked = has_labels and getattr(self.nnx_model, "chunks_causal_lm_loss", False)
             if has_labels and self.model_accepts_loss_kwargs and "labels" in sample:  # HF counts "labels" only
-                # jtrainer's models and transformers' (through the bridge) leave -100 labels out of their sums.
-                neutral = isinstance(self.model, PretrainedMixin) or bridge.is_bridged(self.nnx_model)
+                neutral = self._held.loss_ignores_padding
                 return LossSpec(LossMode.MODEL_SUM, padding_neutral=neutral, chunked_model_loss=chunked, **common)
             return LossSpec(
                 LossMode.MODEL_MEAN, pass_num_items=False, scaled_for_ga=False, chunked_model_loss=chunked, **common
@@ -872,11 +868,7 @@ class Trainer(
             # Frozen weights (peft's base) never change, and the model keeps its own (full-precision) ones.
             _, changing = nnx.split_state(self._train_state.model_state, Frozen, ...)
             nnx.update(self.nnx_model, params, jax.tree.map(jnp.copy, changing))
-            held = self._torch_holds
-            fresh = held is not None and held[0] is self._train_state and held[1] == self._optimizer_eval_mode
-            if bridge.is_bridged(self.nnx_model) and not fresh:  # the user's torch model holds them too
-                self.nnx_model.write_to_torch()
-                self._torch_holds = (self._train_state, self._optimizer_eval_mode)
+            self._held.publish((self._train_state, self._optimizer_eval_mode))
 
     # ---------------------------------------------------------------------------------------------- training
     def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None, **kwargs):
@@ -893,14 +885,7 @@ class Trainer(
             self._forget_optimizer()
             self._train_state = None
             self._check_layout()
-        if bridge.is_bridged(self.nnx_model):  # transformers' flag, set here or by the script: each layer remat
-            from jtrainer.bridge.module import checkpointing_enabled
-
-            if args.activation_checkpointing:
-                self.nnx_model.gradient_checkpointing_enable(args.activation_checkpointing_kwargs)
-            self.nnx_model.gradient_checkpointing = checkpointing_enabled(self.nnx_model.torch_model)
-        elif args.activation_checkpointing and hasattr(self.model, "gradient_checkpointing_enable"):
-            self.model.gradient_checkpointing_enable(args.activation_checkpointing_kwargs)
+        self._held.prepare_checkpointing(args)
         if resume_from_checkpoint is True:
             resume_from_checkpoint = checkpoint.get_last_checkpoint(args.output_dir)
             if resume_from_checkpoint is None:

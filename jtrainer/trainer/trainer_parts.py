@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import numpy as np
 
+    from jtrainer.kinds.protocol import TrainedModel
     from jtrainer.numerics import schedules
     from jtrainer.numerics.step import LossSpec
     from jtrainer.state import TrainState
@@ -29,7 +30,7 @@ OWNER: dict[str, str] = {
         (
             "args",
             "model",
-            "_model",
+            "_held",
             "nnx_model",
             "model_init",
             "data_collator",
@@ -52,7 +53,6 @@ OWNER: dict[str, str] = {
             "current_flos",
             "_param_specs",
             "_train_state",
-            "_torch_holds",
             "_run",
         ),
         "trainer",
@@ -155,7 +155,7 @@ class TrainerParts:
     # trainer: the constructor's arguments, as HF names them, and what it derives from them
     args: Any  # TrainingArguments
     model: Any  # the user's model: a flax.nnx module or a torch one (HF's `trainer.model`)
-    _model: Any  # what `model` (a property of the Trainer) holds
+    _held: TrainedModel  # the model, held once: `model` and `nnx_model` (properties of the Trainer) read it
     nnx_model: Any  # the nnx module the steps run: `model`, or the bridge's TorchModel of a torch model
     model_init: Any
     data_collator: Any
@@ -179,7 +179,6 @@ class TrainerParts:
     # trainer: what outlives one train() loop, and the loop itself
     _param_specs: Any
     _train_state: Any = None  # jtrainer.state.TrainState
-    _torch_holds: Any = None  # a torch model's weights came from this (train state, optimizer eval mode)
     _run: Any = (
         None  # jtrainer.trainer.training_run.TrainingRun: the last loop's state (log accumulators, last step, ...)
     )
