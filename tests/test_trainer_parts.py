@@ -7,17 +7,22 @@ import os
 from jtrainer.trainer import trainer_parts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PARTS = ("trainer", "optimizer_setup", "evaluation", "saving", "hpsearch", "hub", "metrics_io")
-CALLERS = (*PARTS, "seq2seq")  # Seq2SeqTrainer extends the Trainer; evaluation calls its generation hooks
+PARTS = ("trainer", "optimizer_setup", "evaluation", "saving", "hpsearch", "hub", "metrics_io", "seq2seq")
+CALLERS = PARTS  # Seq2SeqTrainer extends the Trainer; evaluation calls its generation hooks
+# The names a part's code calls a Trainer by: `self` in its methods, `trainer` in a module-level function.
+TRAINER_NAMES = ("self", "trainer")
+
+
+def _module(part: str) -> ast.Module:
+    return ast.parse(open(os.path.join(ROOT, "jtrainer", "trainer", f"{part}.py")).read())
 
 
 def _classes(part: str):
-    tree = ast.parse(open(os.path.join(ROOT, "jtrainer", "trainer", f"{part}.py")).read())
-    return [n for n in tree.body if isinstance(n, ast.ClassDef)]
+    return [n for n in _module(part).body if isinstance(n, ast.ClassDef)]
 
 
 def _targets(node):
-    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in TRAINER_NAMES:
         return [node.attr]
     if isinstance(node, (ast.Tuple, ast.List)):
         return [name for element in node.elts for name in _targets(element)]
@@ -25,21 +30,27 @@ def _targets(node):
 
 
 def _writes() -> dict[str, set[str]]:
-    """Attribute -> the parts whose classes assign `self.<attribute>`."""
+    """Attribute -> the parts whose code (methods and module-level functions alike) assigns `self.<attribute>`
+    or `trainer.<attribute>`."""
     found: dict[str, set[str]] = {}
     for part in PARTS:
-        for cls in _classes(part):
-            for node in ast.walk(cls):
-                if isinstance(node, ast.Assign):
-                    targets = node.targets
-                elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
-                    targets = [node.target]
-                else:
-                    continue
-                for target in targets:
-                    for name in _targets(target):
-                        found.setdefault(name, set()).add(part)
+        for node in ast.walk(_module(part)):
+            if isinstance(node, ast.Assign):
+                targets = node.targets
+            elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+                targets = [node.target]
+            else:
+                continue
+            for target in targets:
+                for name in _targets(target):
+                    found.setdefault(name, set()).add(part)
     return found
+
+
+def test_the_writer_finder_sees_module_level_functions():
+    tree = ast.parse("def f(trainer):\n    trainer._train_state = None\n")
+    assign = next(n for n in ast.walk(tree) if isinstance(n, ast.Assign))
+    assert _targets(assign.targets[0]) == ["_train_state"]
 
 
 def test_every_assigned_attribute_is_declared_with_its_owner():

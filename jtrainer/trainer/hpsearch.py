@@ -109,14 +109,14 @@ class HyperparameterSearchMixin(TrainerParts):
                 self.callback_handler.on_train_end(self.args, self.state, self.control)
                 raise optuna.TrialPruned()
 
-
-def _train_trial(trainer, trial) -> Any:
-    trainer.objective = None
-    trainer.train(trial=trial)
-    if getattr(trainer, "objective", None) is None:  # no evaluation during training
-        trainer.objective = trainer.compute_objective(trainer.evaluate())
-    trainer._train_state = None  # free the trial's device memory before the next one
-    return trainer.objective
+    def _train_trial(self, trial) -> Any:
+        """One trial: train, its objective (from the last evaluation, or one evaluation after training)."""
+        self.objective = None
+        self.train(trial=trial)
+        if self.objective is None:  # no evaluation during training
+            self.objective = self.compute_objective(self.evaluate())
+        self._release_train_state()  # the trial's device memory, before the next one
+        return self.objective
 
 
 def _run_optuna(trainer, n_trials: int, direction: str | list[str], **kwargs) -> BestRun | list[BestRun] | None:
@@ -125,14 +125,14 @@ def _run_optuna(trainer, n_trials: int, direction: str | list[str], **kwargs) ->
     many = jax.process_count() > 1
     if jax.process_index() != 0:
         while (message := _broadcast_json(None)) is not None:
-            _train_trial(trainer, optuna.trial.FixedTrial(message["params"], message["number"]))
+            trainer._train_trial(optuna.trial.FixedTrial(message["params"], message["number"]))
         return None
 
     def objective(trial):
         if many:
             trainer.hp_space(trial)  # samples the trial's parameters, then sends them
             _broadcast_json({"params": trial.params, "number": trial.number})
-        return _train_trial(trainer, trial)
+        return trainer._train_trial(trial)
 
     timeout = kwargs.pop("timeout", None)
     n_jobs = kwargs.pop("n_jobs", 1)

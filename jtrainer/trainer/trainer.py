@@ -870,6 +870,10 @@ class Trainer(
             nnx.update(self.nnx_model, params, jax.tree.map(jnp.copy, changing))
             self._held.publish((self._train_state, self._optimizer_eval_mode))
 
+    def _release_train_state(self) -> None:
+        """Let the train state's device memory go (a finished trial of a search); the model keeps its weights."""
+        self._train_state = None
+
     # ---------------------------------------------------------------------------------------------- training
     def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None, **kwargs):
         if kwargs:

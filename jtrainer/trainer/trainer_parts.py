@@ -2,13 +2,14 @@
 
 `jtrainer.Trainer` is one class assembled from parts, each a module: the constructor and the loop
 (`trainer`), the optimizer and its schedule (`optimizer_setup`), evaluation and prediction (`evaluation`),
-checkpoints, resume and export (`saving`), hyperparameter search (`hpsearch`), the Hub (`hub`) and the metrics
-files (`metrics_io`). Every part derives from `TrainerParts`, which declares each attribute an instance holds,
-with its default where it has one. `OWNER` names the one part that assigns each attribute; the others only read
-it, except the few in `SHARED` (HF's own pattern: every part hands `control` to the callbacks and takes it back).
-Every method one part calls on another is declared here too (for type checkers, with its signature), and `CALLS`
-names the part that defines it. `tests/test_trainer_parts.py` checks all three against the code; the type checker
-checks the declarations against the definitions.
+checkpoints, resume and export (`saving`), hyperparameter search (`hpsearch`), the Hub (`hub`), the metrics
+files (`metrics_io`) and Seq2SeqTrainer's generation (`seq2seq`). Every part derives from `TrainerParts`, which
+declares each attribute an instance holds, with its default where it has one. `OWNER` names the one part that
+assigns each attribute (in a method or a module-level function); the others only read it, except the few in
+`SHARED` (HF's own pattern: every part hands `control` to the callbacks and takes it back). Every method one
+part calls on another is declared here too (for type checkers, with its signature), and `CALLS` names the part
+that defines it. `tests/test_trainer_parts.py` checks all three against the code; the type checker checks the
+declarations against the definitions.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import numpy as np
+    from transformers import GenerationConfig
 
     from jtrainer.kinds.protocol import TrainedModel
     from jtrainer.numerics import schedules
@@ -75,6 +77,7 @@ OWNER: dict[str, str] = {
         ("hp_search_backend", "hp_name", "hp_space", "compute_objective", "objective", "_trial"), "hpsearch"
     ),
     **dict.fromkeys(("hub_model_id", "_push_jobs"), "hub"),
+    **dict.fromkeys(("generation_config", "_gen_kwargs"), "seq2seq"),
 }
 
 # Attributes more than one part assigns, and why.
@@ -102,6 +105,9 @@ CALLS: dict[str, str] = {
     "_evaluation_inputs": "trainer",
     "_model_params": "trainer",
     "_sync_model": "trainer",
+    "_release_train_state": "trainer",
+    "train": "trainer",
+    "evaluate": "evaluation",
     "get_eval_dataloader": "trainer",
     "get_test_dataloader": "trainer",
     "get_train_dataloader": "trainer",
@@ -208,6 +214,9 @@ class TrainerParts:
     # hub
     hub_model_id: str | None = None  # set by init_hf_repo()
     _push_jobs: tuple | list = ()  # uploads in flight (hub_strategy checkpoints)
+    # seq2seq (Seq2SeqTrainer only)
+    generation_config: GenerationConfig  # the model's, or Seq2SeqTrainingArguments.generation_config
+    _gen_kwargs: dict[str, Any]  # this evaluate/predict call's generation keywords, over HF's defaults
 
     # The methods one part calls on another, declared for type checkers (the code is the owner's; `CALLS` names it
     # and tests/test_trainer_parts.py checks both). Bodies are `...`: they exist only while type checking.
@@ -228,6 +237,12 @@ class TrainerParts:
         def _model_params(self): ...
 
         def _sync_model(self) -> None: ...
+
+        def _release_train_state(self) -> None: ...
+
+        def train(
+            self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None, **kwargs
+        ): ...
         def num_examples(self, dataloader: Any) -> int: ...
 
         def get_eval_dataloader(self, eval_dataset: Any = None) -> data.BatchLoader: ...
@@ -271,6 +286,10 @@ class TrainerParts:
         def floating_point_ops(self, inputs: dict[str, Any]) -> int: ...
 
         # evaluation
+        def evaluate(
+            self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"
+        ) -> dict[str, float]: ...
+
         def _eval_step(self, spec: LossSpec, want_logits: bool, ignore_keys: tuple[str, ...]): ...
 
         def _evaluate(self, trial, ignore_keys_for_eval, skip_scheduler: bool = False) -> dict[str, float]: ...
