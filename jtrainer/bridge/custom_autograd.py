@@ -127,7 +127,7 @@ def apply(function, *args, **kwargs):
         ]
         grads = function.backward(ctx, *grads_in)
         grads = grads if isinstance(grads, tuple) else (grads,)
-        result = []
+        result: list[Any] = []  # numpy float0 zeros beside JAX arrays
         for i in positions:  # the inputs' shapes and dtypes are static: the arguments' own
             grad = grads[i] if i < len(grads) else None
             array = args[i]._elem

@@ -28,7 +28,7 @@ class TorchModelLayout:
 
     def parameter_order(self, torch, folder):
         torch_model = self.model.torch_model
-        decayed = set(transformers.Trainer.get_decay_parameter_names(None, torch_model))
+        decayed = set(transformers.Trainer.get_decay_parameter_names(None, torch_model))  # type: ignore[arg-type]  # no self read
         named = [(n, tuple(p.shape)) for n, p in torch_model.named_parameters() if p.requires_grad]
         order = [n for n, _ in named if n in decayed] + [n for n, _ in named if n not in decayed]
         return order, dict(named), frozenset(n for n, _ in named if n in decayed)

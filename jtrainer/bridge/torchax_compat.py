@@ -32,6 +32,7 @@ import contextlib
 import functools
 import math
 import os
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -70,11 +71,11 @@ def _removed_overloads_tolerated():
             REMOVED_OVERLOADS.append(placeholder)
             return placeholder
 
-    packet_type.__getattr__ = getattr_or_placeholder
+    packet_type.__getattr__ = getattr_or_placeholder  # type: ignore[method-assign]  # for torchax's import only
     try:
         yield
     finally:
-        packet_type.__getattr__ = original
+        packet_type.__getattr__ = original  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager
@@ -84,7 +85,7 @@ def _torch_globals_kept():
     fast_path = torch.backends.mha.get_fastpath_enabled()
     telemetry = os.environ.get("ENABLE_RUNTIME_UPTIME_TELEMETRY")
     client_options = getattr(jax.config, "jax_pjrt_client_create_options", None)
-    torch.utils.rename_privateuse1_backend = lambda name: None
+    torch.utils.rename_privateuse1_backend = lambda backend_name: None
     torch._register_device_module = lambda name, module: None
     try:
         yield
@@ -133,8 +134,10 @@ def _sdpa_on_tensors(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
     import torchax.tensor
 
     env = query._env
-    arrays = env.t2j_iso((query, key, value, attn_mask))
-    out = _sdpa(*arrays, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+    query, key, value, attn_mask = env.t2j_iso((query, key, value, attn_mask))
+    out = _sdpa(
+        query, key, value, attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
+    )
     return torchax.tensor.Tensor(out, env)
 
 
@@ -163,9 +166,9 @@ def _grouped_mm_on_tensors(lhs, rhs, offs=None, bias=None, out_dtype=None):
     from torchax.ops import mappings
 
     env = lhs._env
-    arrays = env.t2j_iso((lhs, rhs, offs, bias))
+    lhs, rhs, offs, bias = env.t2j_iso((lhs, rhs, offs, bias))
     dtype = None if out_dtype is None else mappings.t2j_dtype(out_dtype)
-    return torchax.tensor.Tensor(_grouped_mm(*arrays, out_dtype=dtype), env)
+    return torchax.tensor.Tensor(_grouped_mm(lhs, rhs, offs, bias, out_dtype=dtype), env)
 
 
 def _update_running_statistics(env, input, running_mean, running_var, training, momentum) -> None:
@@ -272,7 +275,11 @@ def environment():
     torch._register_device_module(DEVICE.type, torchax.device_module)
     torchax.tensor.Tensor.device = property(lambda self: DEVICE)
     torchax.view.View.device = property(lambda self: DEVICE)
-    for op in (torch.nn.functional.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention):
+    sdpa: tuple[Any, ...] = (
+        torch.nn.functional.scaled_dot_product_attention,
+        torch.ops.aten.scaled_dot_product_attention,
+    )
+    for op in sdpa:
         env.override_op_definition(op, _sdpa_on_tensors)
     env.override_op_definition(torch.ops.aten._grouped_mm.default, _grouped_mm_on_tensors)
     linear.register(env)  # not a fix: the native models' dense kernel for torch's Linear (bridge/linear.py)

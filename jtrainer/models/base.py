@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jtrainer.models import remat
-from jtrainer.models.kernels import dense
+from jtrainer.models.kernels.dense import dense
 from jtrainer.runtime import startup
 
 
@@ -49,8 +49,8 @@ class Embed(nnx.Embed):
         self.dtype = dtype
         self.neftune_noise_alpha: float | None = None
 
-    def __call__(self, inputs):
-        out = super().__call__(inputs)
+    def __call__(self, inputs, out_sharding=None):
+        out = super().__call__(inputs, out_sharding=out_sharding)
         key = getattr(self, "_neftune_key", None)
         if self.neftune_noise_alpha is None or key is None:
             return out

@@ -216,7 +216,7 @@ class LlamaModel(nnx.Module):
         offsets_LxS = None  # no [L, L] array without a cache: at 128k tokens it would not fit
         if cache is None:  # causality is the attention's own (a blockwise kernel skips what it hides)
             padding = None if attention_mask_BxS is None else attention_mask_BxS.astype(bool)
-            mask = TokenMask(padding, segment_ids_BxL)
+            mask: Any = TokenMask(padding, segment_ids_BxL)  # a TokenMask, or booleans [B, 1, L, S] with a cache
         else:  # causal in cache slots, and padding
             offsets_LxS = (start + jnp.arange(length))[:, None] - jnp.arange(cache.keys[0].shape[1])[None, :]
             mask = (offsets_LxS >= 0)[None, None]

@@ -92,7 +92,8 @@ def _ademamix(ctx, *, learning_rate, weight_decay, b1, b2, eps, **_):
     eps = float(opts["eps"]) if "eps" in opts else eps
     b3 = float(opts.get("beta3", 0.9999))
     alpha = float(opts.get("alpha", 5.0))
-    alpha_schedule, b3_schedule = alpha, b3
+    alpha_schedule: Any = alpha  # a number, or a function of the update count
+    b3_schedule: Any = b3
     if int(opts.get("t_alpha", 0) or 0):
         t_alpha = int(opts["t_alpha"])
         # optax passes the count before this update (0-based); bitsandbytes uses the 1-based step.
@@ -101,9 +102,11 @@ def _ademamix(ctx, *, learning_rate, weight_decay, b1, b2, eps, **_):
         t_beta3 = int(opts["t_beta3"])
         ln_b1, ln_b3 = jnp.log(b1), math.log(b3)
 
-        def b3_schedule(c):
+        def b3_rising(c):
             scale = (c + 1) / t_beta3
             return jnp.minimum(jnp.exp(ln_b1 * ln_b3 / ((1 - scale) * ln_b3 + scale * ln_b1)), b3)
+
+        b3_schedule = b3_rising
 
     return optax.contrib.ademamix(
         learning_rate,

@@ -468,7 +468,9 @@ class LearningRate:
         if not self.switch_pending:
             return opt_state
         self.switch_pending = False
-        for name, value in (("warmup_steps", self.resumed.warmup_steps), ("total_steps", self.resumed.total_steps)):
+        resumed = self.resumed
+        assert resumed is not None  # switch_pending is set with it
+        for name, value in (("warmup_steps", resumed.warmup_steps), ("total_steps", resumed.total_steps)):
             opt_state = opt_states.set_hyperparam(opt_state, name, value)
         return opt_state
 

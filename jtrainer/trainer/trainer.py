@@ -854,9 +854,11 @@ class Trainer(
     def _model_params(self):
         """The parameters HF's model holds now: the trained ones, or, for a schedule-free optimizer after an
         evaluation (HF's `optimizer.eval()`), its x parameters."""
-        params = self._train_state.params
+        train_state = self._train_state
+        assert train_state is not None, "no train state yet: nothing trained to read"
+        params = train_state.params
         if self._optimizer_eval_mode:
-            evaluated = optim.schedule_free_eval_params(self._train_state.opt_state, params)
+            evaluated = optim.schedule_free_eval_params(train_state.opt_state, params)
             params = params if evaluated is None else evaluated
         return params
 

@@ -292,7 +292,7 @@ class DPOTrainer(StatisticsLogging, DPOLoss, Trainer):
         step_batch = super()._step_batch(run, batches)
         if self._reference is None:
             return step_batch
-        inputs = {**step_batch.inputs, **self._reference.columns(step_batch.inputs, stacked=True)}
+        inputs: dict[str, Any] = {**step_batch.inputs, **self._reference.columns(step_batch.inputs, stacked=True)}
         tail = step_batch.tail
         if tail is not None:
             tail = {**tail, **self._reference.columns(tail)}
@@ -305,7 +305,8 @@ class DPOTrainer(StatisticsLogging, DPOLoss, Trainer):
 
     # ------------------------------------------------------------------------------------- TRL's preparation
     def _prepare_trl_dataset(self, dataset, processing_class, args, dataset_name):
-        return trl_dpo.DPOTrainer._prepare_dataset(self, dataset, processing_class, args, dataset_name)
+        prepare = trl_dpo.DPOTrainer._prepare_dataset
+        return prepare(self, dataset, processing_class, args, dataset_name)  # type: ignore[arg-type]  # as SFT's
 
     def _prepare_eval(self, eval_dataset, processing_class, args):
         if isinstance(eval_dataset, dict):

@@ -231,7 +231,13 @@ class SFTTrainer(StatisticsLogging, SFTLoss, Trainer):
     def _prepare_trl_dataset(self, dataset, processing_class, args, packing, formatting_func, dataset_name):
         """TRL's own preparation (tokenizing, chat templates, loss masks, truncation, packing)."""
         return trl_sft.SFTTrainer._prepare_dataset(
-            self, dataset, processing_class, args, packing, formatting_func, dataset_name
+            self,  # type: ignore[arg-type]  # TRL's method on jtrainer's trainer: it reads what both define
+            dataset,
+            processing_class,
+            args,
+            packing,
+            formatting_func,
+            dataset_name,
         )
 
     def _prepare_eval(self, eval_dataset, processing_class, args):
