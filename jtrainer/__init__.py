@@ -14,8 +14,8 @@ import os as _os
 if _importlib_util.find_spec("torch") is None:
     _os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
-from jtrainer import hf_host as _hf_host  # noqa: E402
-from jtrainer import versions as _versions  # noqa: E402
+from jtrainer.core import hf_host as _hf_host  # noqa: E402
+from jtrainer.core import versions as _versions  # noqa: E402
 
 _versions.check_transformers()
 _hf_host.import_host_modules()  # torch, accelerate and peft load when torch code first needs them
@@ -24,15 +24,15 @@ __version__ = "0.1.0"
 
 # public name -> the module defining it
 _EXPORTS = {
-    "CallbackHandler": "jtrainer.callbacks",
-    "DefaultFlowCallback": "jtrainer.callbacks",
-    "EarlyStoppingCallback": "jtrainer.callbacks",
-    "JITCheckpointCallback": "jtrainer.callbacks",
-    "PrinterCallback": "jtrainer.callbacks",
-    "ProgressCallback": "jtrainer.callbacks",
-    "TrainerCallback": "jtrainer.callbacks",
-    "TrainerControl": "jtrainer.callbacks",
-    "TrainerState": "jtrainer.callbacks",
+    "CallbackHandler": "jtrainer.core.callbacks",
+    "DefaultFlowCallback": "jtrainer.core.callbacks",
+    "EarlyStoppingCallback": "jtrainer.core.callbacks",
+    "JITCheckpointCallback": "jtrainer.core.callbacks",
+    "PrinterCallback": "jtrainer.core.callbacks",
+    "ProgressCallback": "jtrainer.core.callbacks",
+    "TrainerCallback": "jtrainer.core.callbacks",
+    "TrainerControl": "jtrainer.core.callbacks",
+    "TrainerState": "jtrainer.core.callbacks",
     "EvalPrediction": "transformers.trainer_utils",
     "PredictionOutput": "transformers.trainer_utils",
     "TrainOutput": "transformers.trainer_utils",

@@ -4,7 +4,8 @@ import jax
 import pytest
 from conftest import short_run_args, tiny_llama_config, token_rows
 
-from jtrainer import Trainer, env
+from jtrainer import Trainer
+from jtrainer.core import env
 from jtrainer.models.llama import LlamaForCausalLM
 from jtrainer.sizing import batch_size
 

@@ -18,7 +18,7 @@ from conftest import tiny_llama_config  # noqa: E402
 
 from jtrainer import Trainer, TrainingArguments  # noqa: E402
 from jtrainer.bridge.module import TorchModel  # noqa: E402
-from jtrainer.errors import BadInput  # noqa: E402
+from jtrainer.core.errors import BadInput  # noqa: E402
 
 
 def _llama_call(model):

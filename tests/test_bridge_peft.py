@@ -215,7 +215,7 @@ def test_bf16_holds_the_frozen_base_in_bfloat16_and_leaves_the_torch_base_alone(
     from flax import nnx
 
     from jtrainer import Trainer, TrainingArguments
-    from jtrainer.state import Frozen
+    from jtrainer.core.state import Frozen
 
     torch.manual_seed(0)
     model = _lora(_causal("llama"))

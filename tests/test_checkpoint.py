@@ -357,7 +357,7 @@ def test_save_only_model_and_callback_states(tmp_path):
         make_trainer(str(tmp_path / "only"), 4, 0, False).train(resume_from_checkpoint=str(folder))
 
     from jtrainer import TrainerCallback
-    from jtrainer.state import ExportableState
+    from jtrainer.core.state import ExportableState
 
     class StepCounter(TrainerCallback, ExportableState):
         def __init__(self):

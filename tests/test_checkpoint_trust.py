@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from jobs.ckpt_job import make_trainer
 
-from jtrainer import storage
 from jtrainer.checkpointing import checkpoint
+from jtrainer.core import storage
 
 
 @pytest.fixture(scope="module")

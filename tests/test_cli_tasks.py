@@ -13,7 +13,7 @@ def test_a_target_gets_one_eos_whether_or_not_the_tokenizer_appends_it():
 
 def test_head_width_is_set_or_must_divide():
     from jtrainer.cli.tasks import ModelArguments, fresh_config
-    from jtrainer.errors import BadInput
+    from jtrainer.core.errors import BadInput
 
     # The shipped T5 v1.1-small shape: 6 heads of 64 over a width of 512 (512 // 6 would build 85-wide heads).
     t5 = fresh_config(ModelArguments(model_type="t5", hidden_size=512, num_attention_heads=6, head_dim=64), 128)

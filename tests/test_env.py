@@ -1,4 +1,4 @@
-"""Environment variables: every one jtrainer reads is declared and documented in jtrainer/env.py, and only env.py
+"""Environment variables: every one jtrainer reads is declared and documented in jtrainer/core/env.py, and only env.py
 reads jtrainer's own from os.environ."""
 
 import ast
@@ -17,7 +17,7 @@ def _sources():
 
 
 def test_every_variable_named_in_the_package_is_declared_and_documented():
-    from jtrainer import env
+    from jtrainer.core import env
 
     declared = {setting.name for setting in env.ALL}
     named = {name for _, text in _sources() for name in re.findall(r"JTRAINER_[A-Z_]+", text)}
@@ -38,7 +38,7 @@ def test_only_env_reads_jtrainers_variables():
 
 
 def test_settings_read_at_call_time(monkeypatch):
-    from jtrainer import env
+    from jtrainer.core import env
 
     monkeypatch.setenv(env.DEVICE_MEMORY_BYTES.name, "1024")
     assert env.DEVICE_MEMORY_BYTES.get_int() == 1024

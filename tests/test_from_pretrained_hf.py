@@ -14,7 +14,7 @@ import torch
 import transformers
 from conftest import tiny_llama_config
 
-from jtrainer.errors import BadInput
+from jtrainer.core.errors import BadInput
 from jtrainer.models import AutoModelForCausalLM, AutoModelForSequenceClassification, hf_io
 from jtrainer.models.llama import LlamaForCausalLM
 

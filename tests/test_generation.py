@@ -6,8 +6,8 @@ from conftest import tiny_llama_config
 
 torch = pytest.importorskip("torch")
 
-from jtrainer.generation import _decode, generate  # noqa: E402
 from jtrainer.models import AutoModelForCausalLM  # noqa: E402
+from jtrainer.models.generation import _decode, generate  # noqa: E402
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])

@@ -6,7 +6,8 @@ import random
 import numpy as np
 import pytest
 
-from jtrainer import Trainer, TrainingArguments, host_rng
+from jtrainer import Trainer, TrainingArguments
+from jtrainer.core import host_rng
 
 
 def _tokenizer():
@@ -189,7 +190,7 @@ def test_torch_imported_during_a_call_is_no_draw():
     its generator appearing is not a random collator; a moved one is."""
     import dataclasses
 
-    from jtrainer import host_rng
+    from jtrainer.core import host_rng
 
     now = host_rng.capture()
     without_torch = dataclasses.replace(now, torch=None)

@@ -81,13 +81,11 @@ def test_the_cycle_finder_finds_cycles():
 
 # The layers, bottom first. A module may import its own layer and the layers below it, never one above.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    # core: settings, errors, HF's host-side classes and storage paths; no jtrainer imports above these
-    ("core", ("env", "errors", "versions", "hf_host", "host_rng", "state", "storage", "callbacks")),
+    ("core", ("core",)),  # settings, errors, HF's host-side classes, storage paths: no jtrainer imports above
     ("parallel", ("parallel",)),  # the mesh, many processes
     ("runtime", ("runtime",)),  # process start-up, malloc tuning, the compiled-step cache
     ("numerics", ("numerics",)),  # the step, losses, optimizers, schedules: pure functions
-    ("models", ("models",)),  # the native families and their kernels
-    ("utilities", ("generation", "packing")),  # user-facing functions over models and data
+    ("models", ("models",)),  # the native families, their kernels, generation and sequence packing
     ("bridge", ("bridge",)),  # transformers' torch models under the step
     ("checkpointing", ("checkpointing",)),
     ("kinds", ("kinds",)),  # what the Trainer asks of a model, one room per kind (native, bridged)
@@ -104,6 +102,15 @@ def _layer(module: str) -> int:
         return len(LAYERS) - 1
     first = module.split(".")[1]
     return next(i for i, (_, members) in enumerate(LAYERS) if first in members)
+
+
+def test_every_module_lives_in_a_named_package():
+    """No loose modules beside the packages: the tree shows the layers (the package's __init__ is the public API)."""
+    top = sorted(f for f in os.listdir(os.path.join(ROOT, "jtrainer")) if f.endswith(".py"))
+    assert top == ["__init__.py"]
+    folder = os.path.join(ROOT, "jtrainer")
+    packages = {f for f in os.listdir(folder) if os.path.isfile(os.path.join(folder, f, "__init__.py"))}
+    assert packages == {member for _, members in LAYERS for member in members}
 
 
 def test_every_module_belongs_to_a_layer():
@@ -127,7 +134,7 @@ def test_no_module_imports_a_layer_above_its_own():
 
 def test_the_layer_rule_finds_an_upward_import():
     assert _layer("jtrainer.numerics.step") < _layer("jtrainer.trainer.trainer") < _layer("jtrainer.cli.check")
-    assert _layer("jtrainer.state") < _layer("jtrainer.parallel.sharding")
+    assert _layer("jtrainer.core.state") < _layer("jtrainer.parallel.sharding")
 
 
 def test_the_cli_is_the_application_layer():

@@ -14,8 +14,8 @@ from conftest import count_compiles, scratch_dir, tiny_llama_config, token_rows
 from flax import nnx
 
 from jtrainer import Trainer, TrainingArguments
-from jtrainer.generation import generate
 from jtrainer.models import AutoModelForCausalLM, hf_io
+from jtrainer.models.generation import generate
 
 
 def _reference(tmp_path, kind="llama", **overrides):
@@ -174,7 +174,7 @@ def test_layers_that_differ_cannot_be_scanned_and_a_checkpoint_says_how_it_was_b
 
 def test_the_cli_refuses_scan_layers_for_other_families():
     from jtrainer.cli import tasks as jobs
-    from jtrainer.errors import BadInput
+    from jtrainer.core.errors import BadInput
 
     with pytest.raises(BadInput, match="scan_layers: only the causal-LM Llama family"):
         jobs.build_model(jobs.ModelArguments(model_type="gpt2", scan_layers=True), 64, None, 0, abstract=True)

@@ -159,7 +159,7 @@ def test_causal_lm_predict_with_generate_returns_prompt_and_new_tokens(tmp_path)
     rows[1]["attention_mask"][4:] = 0  # a shorter (right-padded) prompt in the batch
     out = Seq2SeqTrainer(model=model, args=_args(tmp_path)).predict(rows, max_new_tokens=3)
     assert out.predictions.shape[0] == 5 and out.predictions.shape[1] >= 20
-    from jtrainer.generation import generate
+    from jtrainer.models.generation import generate
 
     # Each row: its prompt left-aligned in the batch's prompt width (6), then what generate gives for that
     # prompt alone, then pad tokens up to HF's width.

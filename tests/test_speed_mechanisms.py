@@ -16,8 +16,8 @@ from flax import nnx
 import jtrainer.trainer.trainer
 from jtrainer import Trainer, TrainingArguments
 from jtrainer.models.llama import LlamaForCausalLM
+from jtrainer.models.packing import pack_sequences, packing_efficiency
 from jtrainer.numerics.losses import shift_labels, token_cross_entropy_sum
-from jtrainer.packing import pack_sequences, packing_efficiency
 from jtrainer.sizing import throughput
 
 

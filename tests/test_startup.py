@@ -182,7 +182,7 @@ def test_transformers_modules_imported_without_torch_bind_what_they_would_with_i
     jtrainer` too (a stand-in where torch would be needed), and a field's type is the same class."""
     dump = """
         import json, sys, types
-        from jtrainer import hf_host
+        from jtrainer.core import hf_host
         {first}
         for name in hf_host.HOST_MODULES:
             __import__(name)

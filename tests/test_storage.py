@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 from jobs.ckpt_job import make_trainer
 
-from jtrainer import TrainingArguments, storage
+from jtrainer import TrainingArguments
 from jtrainer.checkpointing import checkpoint
-from jtrainer.errors import BadInput
+from jtrainer.core import storage
+from jtrainer.core.errors import BadInput
 from jtrainer.models.llama import LlamaForCausalLM
 
 HERE = os.path.dirname(__file__)

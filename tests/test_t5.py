@@ -86,7 +86,7 @@ def test_t5_trains(tmp_path):
 def test_t5_greedy_matches_pytorch_generate(tmp_path):
     import transformers
 
-    from jtrainer.generation import generate
+    from jtrainer.models.generation import generate
 
     torch.manual_seed(0)
     reference = transformers.T5ForConditionalGeneration(_config()).eval()
@@ -106,7 +106,7 @@ def test_t5_greedy_matches_pytorch_generate(tmp_path):
 def test_t5_beam_search_matches_pytorch_generate(tmp_path):
     import transformers
 
-    from jtrainer.generation import generate
+    from jtrainer.models.generation import generate
 
     torch.manual_seed(0)
     reference = transformers.T5ForConditionalGeneration(_config()).eval()
@@ -123,7 +123,7 @@ def test_t5_beam_search_matches_pytorch_generate(tmp_path):
 def test_t5_decoder_cache_steps_equal_the_whole_decoder():
     """decode_step, one token at a time into the cache, gives decode's logits at every position (past the
     relative-position buckets' max distance too), and generation with the cache equals generation without."""
-    from jtrainer import generation
+    from jtrainer.models import generation
     from jtrainer.models.t5 import T5ForConditionalGeneration
 
     model = T5ForConditionalGeneration.from_config(_config(), seed=3)

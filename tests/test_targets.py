@@ -9,7 +9,7 @@ import pytest
 
 from jtrainer.cli import main, parse_train_args
 from jtrainer.cli.check import run_check
-from jtrainer.errors import BadInput
+from jtrainer.core.errors import BadInput
 from jtrainer.sizing import targets
 
 CONFIG = "configs/llama_1b_fsdp_v5e_16.yaml"

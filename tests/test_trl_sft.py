@@ -124,7 +124,7 @@ def test_mixture_of_experts_load_balancing_loss_as_trl(tmp_path):
     model = cases.torch_mixtral()
     theirs, ours = run_both(tmp_path, cases.text_rows(), model=model, gradient_accumulation_steps=2, max_steps=2)
     cases.assert_logs_match(ours.state.log_history, theirs.state.log_history, [*SFT_KEYS, "aux_loss"])
-    from jtrainer.errors import BadInput
+    from jtrainer.core.errors import BadInput
 
     with pytest.raises(BadInput, match="router_aux_loss_coef: TRL's MoE load-balancing loss over padding-free"):
         jtrl.SFTTrainer(

@@ -30,7 +30,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-from jtrainer import env
+from jtrainer.core import env
 from jtrainer.models.kernels import attention as native_attention
 
 NAME = "jtrainer"

@@ -23,11 +23,11 @@ import torch
 from flax import nnx
 
 from jtrainer.bridge import adapters, attention, chunked_loss, custom_autograd, layout, torchax_compat, untraceable
+from jtrainer.core.state import Frozen  # requires_grad=False: transformers.Trainer's optimizer never sees it
 from jtrainer.models import remat
 from jtrainer.models.lm_head import ChunkedLossHead
 from jtrainer.models.outputs import Outputs
 from jtrainer.parallel import sharding
-from jtrainer.state import Frozen  # requires_grad=False: transformers.Trainer's optimizer never sees it
 
 _NEFTUNE_HOOKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # embeddings -> NEFTune's hook handle
 

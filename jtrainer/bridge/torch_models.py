@@ -6,7 +6,7 @@ import torch
 import transformers
 
 from jtrainer.bridge.module import TorchModel
-from jtrainer.errors import BadInput
+from jtrainer.core.errors import BadInput
 
 AUTO_CLASSES = {
     "causal_lm": transformers.AutoModelForCausalLM,
@@ -42,7 +42,7 @@ def build(task: str, config, folder: str | None, seed: int, abstract: bool = Fal
         with torch.device("meta"):
             return TorchModel(_adapted(auto.from_config(config), lora))
     if folder:
-        from jtrainer import storage
+        from jtrainer.core import storage
 
         return _adapted(auto.from_pretrained(storage.fetched(folder)), lora)
     torch.manual_seed(seed)

@@ -12,8 +12,8 @@ import os
 import traceback
 from collections.abc import Iterator
 
-from jtrainer import env, host_rng
 from jtrainer.bridge.unlowered import unlowered_op
+from jtrainer.core import env, host_rng
 
 # Frames inside these packages are the machinery, not the code the user wrote.
 _MACHINERY = tuple(

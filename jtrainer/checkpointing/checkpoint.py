@@ -40,9 +40,9 @@ import optax
 import orbax.checkpoint as ocp
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from jtrainer import storage
 from jtrainer.checkpointing import torch_checkpoint
-from jtrainer.errors import BadInput
+from jtrainer.core import storage
+from jtrainer.core.errors import BadInput
 from jtrainer.numerics.mixed_precision import LossScaleState
 
 logger = logging.getLogger(__name__)

@@ -24,8 +24,8 @@ import time
 import uuid
 from typing import Iterator
 
-from jtrainer import storage
-from jtrainer.errors import BadInput
+from jtrainer.core import storage
+from jtrainer.core.errors import BadInput
 
 logger = logging.getLogger(__name__)
 

@@ -21,8 +21,8 @@ import jax
 import numpy as np
 import optax
 
-from jtrainer import host_rng, storage
-from jtrainer.errors import BadInput
+from jtrainer.core import host_rng, storage
+from jtrainer.core.errors import BadInput
 
 logger = logging.getLogger(__name__)
 

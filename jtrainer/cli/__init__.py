@@ -20,7 +20,7 @@ import sys
 from jtrainer.cli import help_pages
 from jtrainer.cli.config import DEFAULT_CONFIG, RunArguments, parse_train_args, read_config
 from jtrainer.cli.console import say
-from jtrainer.errors import BadInput
+from jtrainer.core.errors import BadInput
 
 __all__ = [
     "DEFAULT_CONFIG",

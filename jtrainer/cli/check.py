@@ -25,10 +25,10 @@ from flax import nnx
 from jtrainer.cli import memory_report, tasks
 from jtrainer.cli.console import phase, say
 from jtrainer.cli.memory_report import size
+from jtrainer.core.state import Frozen
 from jtrainer.models import remat
 from jtrainer.models.kernels import attention, splash_attention
 from jtrainer.sizing import batch_size, targets
-from jtrainer.state import Frozen
 from jtrainer.trainer import args as args_module
 
 
@@ -258,8 +258,8 @@ def _reference_bytes(kind: str, model_args, trainer) -> int:
     compute dtype; 0 with peft, whose reference is the policy with its adapter disabled."""
     if kind != "dpo" or model_args.use_peft:
         return 0
+    from jtrainer.core.state import split_params
     from jtrainer.parallel import sharding
-    from jtrainer.state import split_params
 
     _, params, rest = split_params(trainer.nnx_model)
     specs = sharding.named(trainer.mesh, sharding.param_specs(trainer.nnx_model, trainer.mesh, trainer.axis_rules))

@@ -16,7 +16,7 @@ import yaml
 
 from jtrainer.cli import help_pages
 from jtrainer.cli.tasks import DataArguments, ModelArguments
-from jtrainer.errors import BadInput
+from jtrainer.core.errors import BadInput
 
 
 @dataclass

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 
-from jtrainer import env as settings
+from jtrainer.core import env as settings
 
 GRACE_S = 10.0
 

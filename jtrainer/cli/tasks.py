@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from jtrainer import storage
-from jtrainer.errors import BadInput
+from jtrainer.core import storage
+from jtrainer.core.errors import BadInput
 
 logger = logging.getLogger(__name__)
 

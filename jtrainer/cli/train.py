@@ -11,12 +11,12 @@ import signal
 from collections.abc import Iterator
 from typing import Any
 
-from jtrainer import storage
 from jtrainer.cli import tasks
 from jtrainer.cli.config import RunArguments
 from jtrainer.cli.console import say
 from jtrainer.cli.tasks import DataArguments, ModelArguments
-from jtrainer.errors import BadInput
+from jtrainer.core import storage
+from jtrainer.core.errors import BadInput
 
 
 class Stopped(BaseException):
@@ -189,7 +189,7 @@ def _train_job(model_args: ModelArguments, data_args: DataArguments, training_ar
         )
     say(f"jtrainer: model and tokenizer saved in HF format to {training_args.output_dir}")
     if task == "causal_lm" and data_args.sample_tokens > 0:  # 0: no sample
-        from jtrainer.generation import generate
+        from jtrainer.models.generation import generate
 
         prompt = tokenizer(data_args.sample_prompt)["input_ids"] or [tokenizer.eos_token_id]
         if model_args.bridge:  # transformers' own generate, on the torch model holding the trained weights

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from jtrainer import storage
 from jtrainer.cli import tasks
 from jtrainer.cli.console import say
 from jtrainer.cli.tasks import DataArguments, ModelArguments
-from jtrainer.errors import BadInput
+from jtrainer.core import storage
+from jtrainer.core.errors import BadInput
 
 # The columns each trainer reads (TRL's dataset forms).
 SFT_FORMS = (("messages",), ("prompt", "completion"), ("text",))

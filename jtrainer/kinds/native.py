@@ -98,7 +98,7 @@ class NativeModel:
         return torch_checkpoint.NativeLayout(self.given)
 
     def generate_on_host(self, inputs: dict[str, np.ndarray], generation_config: Any, **kwargs: Any) -> np.ndarray:
-        raise NotImplementedError("a native model decodes in the compiled step (jtrainer.generation.generate)")
+        raise NotImplementedError("a native model decodes in the compiled step (jtrainer.models.generation.generate)")
 
     def metric_arrays(self, tree: Any) -> Any:
         return tree

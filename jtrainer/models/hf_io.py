@@ -20,7 +20,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from jtrainer.errors import BadInput
+from jtrainer.core.errors import BadInput
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from jtrainer.errors import BadInput
+from jtrainer.core.errors import BadInput
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ _FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "tokenize
 
 def resolve_folder(name: str, hub: dict[str, Any]) -> str:
     """A local folder holding `name`'s files: itself, a gs:// / s3:// download, or a Hub snapshot."""
-    from jtrainer import storage
+    from jtrainer.core import storage
 
     subfolder = hub.get("subfolder") or ""
     if storage.is_url(name):

@@ -20,11 +20,11 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from jtrainer.core.state import Frozen, TrainState, split_params
 from jtrainer.numerics.losses import IGNORE_INDEX, count_label_tokens, shift_labels, token_cross_entropy_sum
 from jtrainer.numerics.mixed_precision import loss_scale
 from jtrainer.numerics.opt_state import current_learning_rate, schedule_count
 from jtrainer.numerics.step_metrics import recording
-from jtrainer.state import Frozen, TrainState, split_params
 
 # What JAX raises for code written for torch or the host (a torch method or function on a traced array, a numpy
 # conversion, float() or a Python branch on a traced value: jax's tracer errors are TypeErrors). Only these move a

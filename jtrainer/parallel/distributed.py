@@ -15,7 +15,7 @@ import os
 import jax
 import numpy as np
 
-from jtrainer import env
+from jtrainer.core import env
 
 
 def _cluster_detected() -> bool:

@@ -22,7 +22,7 @@ from flax import nnx
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jtrainer.state import Frozen, split_params
+from jtrainer.core.state import Frozen, split_params
 
 DATA, FSDP, EXPERT, TENSOR, SEQUENCE = "data", "fsdp", "expert", "tensor", "sequence"
 MESH_AXES = (DATA, FSDP, EXPERT, TENSOR, SEQUENCE)

@@ -34,7 +34,7 @@ import time
 
 import jax
 
-from jtrainer import env
+from jtrainer.core import env
 
 # mallopt parameters from glibc's malloc.h
 _M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import jax
 
-from jtrainer import env
+from jtrainer.core import env
 from jtrainer.parallel import distributed
 from jtrainer.runtime import host_allocator
 

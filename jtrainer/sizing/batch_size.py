@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 import jax
 
-from jtrainer import env
+from jtrainer.core import env
 
 T = TypeVar("T")
 

@@ -19,7 +19,7 @@ import dataclasses
 import os
 import re
 
-from jtrainer.errors import BadInput
+from jtrainer.core.errors import BadInput
 
 GIB = 2**30
 

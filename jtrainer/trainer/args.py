@@ -25,7 +25,7 @@ from transformers.debug_utils import DebugOption
 from transformers.trainer_utils import HubStrategy, IntervalStrategy, SaveStrategy, SchedulerType
 from transformers.training_args import OptimizerNames, _convert_str_dict
 
-from jtrainer import env, storage
+from jtrainer.core import env, storage
 from jtrainer.runtime import startup
 
 logger = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from jtrainer import host_rng
+from jtrainer.core import host_rng
 from jtrainer.numerics.losses import IGNORE_INDEX
 
 Batch = dict[str, np.ndarray]

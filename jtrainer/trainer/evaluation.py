@@ -23,6 +23,7 @@ from transformers.trainer_utils import (
     speed_metrics,
 )
 
+from jtrainer.core.state import split_params
 from jtrainer.kinds import user_code
 from jtrainer.numerics.losses import IGNORE_INDEX
 from jtrainer.numerics.step import (
@@ -37,7 +38,6 @@ from jtrainer.numerics.step import (
 )
 from jtrainer.parallel import distributed, sharding
 from jtrainer.runtime import compiled_steps
-from jtrainer.state import split_params
 from jtrainer.trainer import data
 from jtrainer.trainer.overrides import check_loader
 from jtrainer.trainer.trainer_parts import TrainerParts

@@ -6,7 +6,7 @@ import datetime
 import json
 from typing import Any
 
-from jtrainer import storage
+from jtrainer.core import storage
 from jtrainer.trainer.trainer_parts import TrainerParts
 
 

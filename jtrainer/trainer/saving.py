@@ -19,11 +19,11 @@ from flax import nnx
 from transformers.trainer_callback import ExportableState, TrainerControl, TrainerState
 from transformers.trainer_utils import SaveStrategy
 
-from jtrainer import host_rng, storage
 from jtrainer.checkpointing import checkpoint, torch_checkpoint
+from jtrainer.core import host_rng, storage
+from jtrainer.core.state import Frozen, LoopState, TrainState, split_params
 from jtrainer.numerics import optim
 from jtrainer.parallel import sharding
-from jtrainer.state import Frozen, LoopState, TrainState, split_params
 from jtrainer.trainer.trainer_parts import TrainerParts
 
 

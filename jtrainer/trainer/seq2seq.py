@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from transformers import GenerationConfig
 
-from jtrainer.generation import generate
+from jtrainer.models.generation import generate
 from jtrainer.parallel import distributed, sharding
 from jtrainer.trainer.args import Seq2SeqTrainingArguments, TrainingArguments  # noqa: F401  (public here too)
 from jtrainer.trainer.trainer import Trainer

@@ -39,9 +39,11 @@ from transformers.trainer_callback import (
 )
 from transformers.trainer_utils import IntervalStrategy, SaveStrategy, TrainOutput, speed_metrics
 
-from jtrainer import host_rng, kinds, storage
-from jtrainer.callbacks import JITCheckpointCallback
+from jtrainer import kinds
 from jtrainer.checkpointing import checkpoint, run_lock
+from jtrainer.core import host_rng, storage
+from jtrainer.core.callbacks import JITCheckpointCallback
+from jtrainer.core.state import Frozen, LoopState, TrainState, split_params
 from jtrainer.kinds import user_code
 from jtrainer.models.base import PretrainedMixin
 from jtrainer.numerics import dependence, mixed_precision, optim
@@ -64,7 +66,6 @@ from jtrainer.numerics.step_metrics import recording
 from jtrainer.parallel import distributed, sharding
 from jtrainer.runtime import compiled_steps, startup
 from jtrainer.sizing import batch_size
-from jtrainer.state import Frozen, LoopState, TrainState, split_params
 from jtrainer.trainer import data, saving
 from jtrainer.trainer.args import TrainingArguments
 from jtrainer.trainer.evaluation import EvaluationMixin

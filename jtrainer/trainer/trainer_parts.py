@@ -20,10 +20,10 @@ if TYPE_CHECKING:
     import numpy as np
     from transformers import GenerationConfig
 
+    from jtrainer.core.state import TrainState
     from jtrainer.kinds.protocol import TrainedModel
     from jtrainer.numerics import schedules
     from jtrainer.numerics.step import LossSpec
-    from jtrainer.state import TrainState
     from jtrainer.trainer import data
     from jtrainer.trainer.saving import Resumed
 
@@ -184,7 +184,7 @@ class TrainerParts:
     current_flos: float
     # trainer: what outlives one train() loop, and the loop itself
     _param_specs: Any
-    _train_state: Any = None  # jtrainer.state.TrainState
+    _train_state: Any = None  # jtrainer.core.state.TrainState
     _run: Any = (
         None  # jtrainer.trainer.training_run.TrainingRun: the last loop's state (log accumulators, last step, ...)
     )

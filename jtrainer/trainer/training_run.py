@@ -22,9 +22,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jtrainer.core.state import LoopState
 from jtrainer.runtime import host_allocator
 from jtrainer.sizing import throughput
-from jtrainer.state import LoopState
 from jtrainer.trainer import data
 
 logger = logging.getLogger(__name__)

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from jtrainer import bridge
-from jtrainer.errors import BadInput
+from jtrainer.core.errors import BadInput
 from jtrainer.parallel import distributed
 from jtrainer.trl.collators import real_tokens
 

@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 
 import trl
 
-from jtrainer.errors import BadInput
+from jtrainer.core.errors import BadInput
 from jtrainer.trainer.args import TrainingArguments
 
 # TRL's own fields -> how jtrainer treats them: ("honoured", where) or ("refused", why and what to do instead).

@@ -22,7 +22,7 @@ from trl.trainer import dpo_trainer as trl_dpo
 from trl.trainer.utils import disable_dropout_in_model, get_config_model_id
 
 from jtrainer import bridge
-from jtrainer.errors import BadInput
+from jtrainer.core.errors import BadInput
 from jtrainer.numerics import step_metrics
 from jtrainer.numerics.step import LossMode, LossSpec
 from jtrainer.parallel import sharding

@@ -16,10 +16,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jtrainer.core.state import split_params
 from jtrainer.numerics.losses import IGNORE_INDEX
 from jtrainer.numerics.step import bound_model, cast_floats, graphdef_in_mode, split_outputs
 from jtrainer.parallel import sharding
-from jtrainer.state import split_params
 from jtrainer.trl import losses
 
 SIDES = ("chosen", "rejected")

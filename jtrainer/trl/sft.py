@@ -24,7 +24,7 @@ from trl.trainer import sft_trainer as trl_sft
 from trl.trainer.utils import get_config_model_id
 
 from jtrainer import bridge
-from jtrainer.errors import BadInput
+from jtrainer.core.errors import BadInput
 from jtrainer.numerics import step_metrics
 from jtrainer.numerics.step import split_outputs, window_micro_batches
 from jtrainer.trainer.trainer import Trainer

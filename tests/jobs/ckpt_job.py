@@ -86,7 +86,7 @@ def pause_before_commit(folder: str, step: int) -> None:
     """checkpoint.before_commit for PAUSE_ENV: mark the folder `paused` while waiting, so a test can kill us there."""
     import time
 
-    from jtrainer import storage
+    from jtrainer.core import storage
 
     at, _, seconds = os.environ.get(PAUSE_ENV, "").rpartition(":")
     if seconds and (not at or int(at) == step):
@@ -148,7 +148,7 @@ if __name__ == "__main__":
     if os.environ.get("CKPT_JOB_SAVE_MODEL"):  # the export gathered at the end, beside the checkpoints' own
         trainer.save_model(os.path.join(out, "final") if "://" not in out else out + "/final")
     if jax.process_index() == 0:
-        from jtrainer import storage
+        from jtrainer.core import storage
 
         losses = {str(h["step"]): h["loss"] for h in trainer.state.log_history if "loss" in h}
         storage.write_text(storage.join(out, "losses.json"), json.dumps(losses))

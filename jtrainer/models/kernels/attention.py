@@ -39,7 +39,7 @@ from collections.abc import Iterator
 import jax
 import jax.numpy as jnp
 
-from jtrainer import env
+from jtrainer.core import env
 from jtrainer.models.kernels import splash_attention
 from jtrainer.models.kernels.dense import cpu_backend
 from jtrainer.parallel import sharding

@@ -12,7 +12,7 @@ import jax
 from flax import nnx, struct
 from transformers.trainer_callback import ExportableState, TrainerControl, TrainerState
 
-from jtrainer import host_rng
+from jtrainer.core import host_rng
 
 __all__ = ["Frozen", "LoopState", "TrainState", "TrainerState", "TrainerControl", "ExportableState"]
 

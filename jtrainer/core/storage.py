@@ -50,7 +50,7 @@ def check_output_url(path: str, argument: str = "output_dir") -> None:
     found = scheme(path)
     if found is None:
         return
-    from jtrainer.errors import BadInput
+    from jtrainer.core.errors import BadInput
 
     if found not in OUTPUT_SCHEMES:
         raise BadInput(
@@ -72,8 +72,8 @@ def check_reachable(path: str, argument: str) -> None:
     credentials) within JTRAINER_STORAGE_TIMEOUT seconds, instead of the client's own error after its retries."""
     if not is_url(path):
         return
-    from jtrainer import env
-    from jtrainer.errors import BadInput
+    from jtrainer.core import env
+    from jtrainer.core.errors import BadInput
 
     outcome: dict[str, BaseException | bool] = {}
 
