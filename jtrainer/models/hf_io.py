@@ -331,80 +331,27 @@ def load_weights(
     specs = {}
     if mesh is not None:
         specs = sharding.flatten_specs(sharding.param_specs(model, mesh, rules or sharding.merged_rules()))
-    report, expected, afresh = LoadReport(), set(), []
+    report, expected, afresh = LoadReport(), set[str](), []
     for path, var in flat.items():
         names = hf_names(model, path)
         stacked = layer_count(model, path) is not None
         label = ".".join(map(str, path))
         layer_shape = tuple(var.shape[1:]) if stacked else tuple(var.shape)
         target = np.dtype(dtype or var.dtype)
-        usable = True
-        for name, transposed in names:
-            expected.add(name)
-            if name not in files.files:
-                if strict:
-                    raise KeyError(f"Weight {name!r} (parameter {label}) is missing from {directory}.")
-                report.missing_keys.append(name)
-                usable = False
-                continue
-            stored, stored_dtype = files.header(name)  # in torch's layout
-            shape = tuple(reversed(stored)) if transposed else stored
-            if shape != layer_shape:
-                if strict:
-                    raise ValueError(
-                        f"Weight {name!r} has shape {shape} in {directory}, but the model's parameter {label} has "
-                        f"shape {layer_shape}" + (" per layer." if stacked else ".")
-                    )
-                report.mismatched_keys.append(
-                    (name, tuple(stored), tuple(reversed(layer_shape)) if transposed else layer_shape)
-                )
-                usable = False
-                continue
-            if np.issubdtype(target, np.floating) and not stored_dtype.startswith(("F", "BF")):
-                raise BadInput(
-                    f"Weight {name!r} in {directory} is stored as integers, but the model's parameter "
-                    f"{label} is floating point: the folder is not a checkpoint of this model (or is "
-                    "quantized)."
-                )
-        if not usable:
+        expected.update(name for name, _ in names)
+        checked = _StoredCheck(files, directory, label, layer_shape, stacked, target, strict)
+        if not all([checked.usable(name, transposed, report) for name, transposed in names]):  # a list: report all
             afresh.append((path, var, target))
             continue
-
-        def read(index, names=names, stacked=stacked, target=target):
-            if not stacked:
-                name, transposed = names[0]
-                return files.read(name, index, transposed).astype(target)
-            index = tuple(index) or (slice(None),)
-            picked = range(len(names))[index[0]]  # the layers this device holds
-            return np.stack([files.read(names[i][0], index[1:], names[i][1]).astype(target) for i in picked])
-
+        read = _reader(files, names, stacked, target)
         if mesh is None:
             var.set_value(jax.numpy.asarray(read(())))
         else:
             placement = jax.sharding.NamedSharding(mesh, specs[path])
             var.set_value(jax.make_array_from_callback(tuple(var.shape), placement, read))
-    tied = set(getattr(model, "tied_hf_weights", ()))
-    if getattr(model.config, "tie_word_embeddings", False):
-        tied.add("lm_head.weight")
-    unexpected = sorted(set(files.files) - expected - tied)
-    if unexpected and strict:
-        raise KeyError(f"Unexpected weights in {directory}: {unexpected}")
-    report.unexpected_keys = unexpected
+    _report_unexpected(model, files, expected, report, strict, directory)
     if not strict:
-        text = report.text(type(model).__name__, source or directory)
-        if text:  # where transformers logs its load report, so a script sees it where it would
-            logging.getLogger("transformers.modeling_utils").warning(text)
-        if report.mismatched_keys and not ignore_mismatched_sizes:
-            details = "\n\t".join(
-                f"size mismatch for {k}: copying a param with shape {a} from checkpoint, the shape "
-                f"in current model is {b}."
-                for k, a, b in report.mismatched_keys
-            )
-            raise RuntimeError(
-                f"Error(s) in loading state_dict for {type(model).__name__}:\n\t{details}\n\tYou may "
-                "consider adding `ignore_mismatched_sizes=True` to `from_pretrained(...)` if "
-                "appropriate."
-            )
+        _log_or_refuse(model, report, source or directory, ignore_mismatched_sizes)
     if afresh:
         initial = dict(nnx.to_flat_state(nnx.state(fresh(), nnx.Param)))
         for path, var, target in afresh:
@@ -414,3 +361,87 @@ def load_weights(
             var.set_value(value)
     nnx.update(model, params)
     return report
+
+
+@dataclasses.dataclass(frozen=True)
+class _StoredCheck:
+    """A stored weight against the model's parameter made of it (`label`, one layer's shape when stacked)."""
+
+    files: Any  # TensorFiles
+    directory: str
+    label: str
+    layer_shape: tuple[int, ...]
+    stacked: bool
+    target: np.dtype
+    strict: bool
+
+    def usable(self, name: str, transposed: bool, report: LoadReport) -> bool:
+        """Whether the weight can be read into the parameter; strict: an error where not, else noted in the
+        report (the parameter is then initialised afresh). Integers for a float parameter are always an error."""
+        if name not in self.files.files:
+            if self.strict:
+                raise KeyError(f"Weight {name!r} (parameter {self.label}) is missing from {self.directory}.")
+            report.missing_keys.append(name)
+            return False
+        stored, stored_dtype = self.files.header(name)  # in torch's layout
+        shape = tuple(reversed(stored)) if transposed else stored
+        if shape != self.layer_shape:
+            if self.strict:
+                raise ValueError(
+                    f"Weight {name!r} has shape {shape} in {self.directory}, but the model's parameter {self.label} "
+                    f"has shape {self.layer_shape}" + (" per layer." if self.stacked else ".")
+                )
+            layer_shape = self.layer_shape
+            report.mismatched_keys.append(
+                (name, tuple(stored), tuple(reversed(layer_shape)) if transposed else layer_shape)
+            )
+            return False
+        if np.issubdtype(self.target, np.floating) and not stored_dtype.startswith(("F", "BF")):
+            raise BadInput(
+                f"Weight {name!r} in {self.directory} is stored as integers, but the model's parameter "
+                f"{self.label} is floating point: the folder is not a checkpoint of this model (or is quantized)."
+            )
+        return True
+
+
+def _reader(files, names: list[tuple[str, bool]], stacked: bool, target: np.dtype):
+    """The parameter's values at a device's index: one weight, or the stacked layers that device holds."""
+
+    def read(index):
+        if not stacked:
+            name, transposed = names[0]
+            return files.read(name, index, transposed).astype(target)
+        index = tuple(index) or (slice(None),)
+        picked = range(len(names))[index[0]]  # the layers this device holds
+        return np.stack([files.read(names[i][0], index[1:], names[i][1]).astype(target) for i in picked])
+
+    return read
+
+
+def _report_unexpected(model, files, expected: set[str], report: LoadReport, strict: bool, directory: str) -> None:
+    """Stored weights no parameter reads (tied weights excepted): an error when strict, else reported."""
+    tied = set(getattr(model, "tied_hf_weights", ()))
+    if getattr(model.config, "tie_word_embeddings", False):
+        tied.add("lm_head.weight")
+    unexpected = sorted(set(files.files) - expected - tied)
+    if unexpected and strict:
+        raise KeyError(f"Unexpected weights in {directory}: {unexpected}")
+    report.unexpected_keys = unexpected
+
+
+def _log_or_refuse(model, report: LoadReport, source: str, ignore_mismatched_sizes: bool) -> None:
+    """HF's from_pretrained: the load report logged where transformers logs it; shape mismatches refused with
+    torch's message unless `ignore_mismatched_sizes`."""
+    text = report.text(type(model).__name__, source)
+    if text:  # where transformers logs its load report, so a script sees it where it would
+        logging.getLogger("transformers.modeling_utils").warning(text)
+    if report.mismatched_keys and not ignore_mismatched_sizes:
+        details = "\n\t".join(
+            f"size mismatch for {k}: copying a param with shape {a} from checkpoint, the shape in current model is {b}."
+            for k, a, b in report.mismatched_keys
+        )
+        raise RuntimeError(
+            f"Error(s) in loading state_dict for {type(model).__name__}:\n\t{details}\n\tYou may "
+            "consider adding `ignore_mismatched_sizes=True` to `from_pretrained(...)` if "
+            "appropriate."
+        )

@@ -7,9 +7,11 @@ padding, as HF's nested concatenation does.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -102,6 +104,54 @@ def _mean_loss(losses: np.ndarray, drop_non_finite: bool) -> float:
 
 hf_logger = logging.getLogger("transformers.trainer")  # HF's banners, as transformers.Trainer logs them
 logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class _BatchValues:
+    """One evaluation batch's values on the host (None: not computed or not asked for)."""
+
+    losses: np.ndarray | None
+    preds: Any
+    labels: Any
+    inputs: Any  # the main input's rows (include_for_metrics "inputs")
+    gather_inputs: Callable[[], Any]  # every input column, gathered (on every process alike) when asked for
+
+
+@dataclasses.dataclass
+class _EvaluationPass:
+    """One evaluation loop: its fixed choices, the eval step built for its first batch, and what it keeps."""
+
+    params: Any
+    model_state: Any
+    generating: bool
+    want_logits: bool
+    ignore: tuple[str, ...]
+    keep_all: bool
+    include: frozenset[str]
+    gathers_all: bool
+    spec: LossSpec | None = None
+    step: Any = None
+    ragged_rows: bool = False
+    num_classes: int | None = None
+    losses: list[Any] = dataclasses.field(default_factory=list)
+    preds: list[Any] = dataclasses.field(default_factory=list)
+    labels: list[Any] = dataclasses.field(default_factory=list)
+    inputs: list[Any] = dataclasses.field(default_factory=list)
+    num_samples: int = 0
+    metrics: Any = None
+
+    def keep(self, values: _BatchValues, rows: int) -> None:
+        if values.losses is not None:
+            self.losses.append(values.losses)
+        if self.keep_all:
+            for store, value in (
+                (self.preds, values.preds),
+                (self.labels, values.labels),
+                (self.inputs, values.inputs),
+            ):
+                if value is not None:
+                    store.append(value)
+        self.num_samples += rows
 
 
 class EvaluationMixin(TrainerParts):
@@ -265,130 +315,127 @@ class EvaluationMixin(TrainerParts):
         args = self.args
         loss_only = prediction_loss_only if prediction_loss_only is not None else args.prediction_loss_only
         generating = not loss_only and self._generates()  # predictions are generated ids (Seq2SeqTrainer)
-        want_logits = not loss_only and not generating
-        ignore = self._ignore_keys(ignore_keys)
         params, model_state = self._current_params()
+        run = _EvaluationPass(
+            params=params,
+            model_state=model_state,
+            generating=generating,
+            want_logits=not loss_only and not generating,
+            ignore=self._ignore_keys(ignore_keys),
+            # HF keeps every batch's values unless batch_eval_metrics computes metrics batch by batch (predict
+            # keeps them).
+            keep_all=not args.batch_eval_metrics or description == "Prediction",
+            include=frozenset(args.include_for_metrics or []),
+            gathers_all=self._gathers_completing_rows(),
+        )
         if generating:
             self._sync_model()  # generation reads the model: give it the trained parameters
         self.callback_handler.eval_dataloader = dataloader
+        self._log_evaluation_start(dataloader, description)
+        pad_id = getattr(self.processing_class, "pad_token_id", None) or 0
+        shapes = data.ShapeKeeper(dataloader.local_rows, pad_id, agree=distributed.agree_max)
+        for (batch, rows), is_last in _with_last(dataloader):
+            values = self._evaluate_batch(run, shapes, dataloader, batch, rows)
+            run.keep(values, rows)
+            self.control = self.callback_handler.on_prediction_step(args, self.state, self.control)
+            if args.batch_eval_metrics and self.compute_metrics is not None:
+                if values.preds is not None and values.labels is not None:  # HF: the last batch computes the result
+                    run.metrics = self._batch_metrics(values, run.include, is_last)
+        return self._evaluation_output(run, metric_key_prefix)
+
+    def _log_evaluation_start(self, dataloader, description: str) -> None:
         hf_logger.info(f"\n***** Running {description} *****")
         if dataloader.sized:
             hf_logger.info(f"  Num examples = {self.num_examples(dataloader)}")
         else:
             hf_logger.info("  Num examples: Unknown")
-        hf_logger.info(f"  Batch size = {args.eval_batch_size}")
-        pad_id = getattr(self.processing_class, "pad_token_id", None) or 0
-        shapes = data.ShapeKeeper(dataloader.local_rows, pad_id, agree=distributed.agree_max)
-        spec: LossSpec | None = None
-        step: Any = None  # the jitted eval step, built for the first batch's loss spec
-        # HF keeps every batch's values unless batch_eval_metrics computes metrics batch by batch (predict keeps them).
-        keep_all = not args.batch_eval_metrics or description == "Prediction"
-        losses: list[Any] = []
-        preds: list[Any] = []
-        labels: list[Any] = []
-        inputs_seen: list[Any] = []
-        num_samples = 0
-        metrics = None
-        include = set(args.include_for_metrics or [])
-        gathers_all = self._gathers_completing_rows()
-        for (batch, rows), is_last in _with_last(dataloader):
-            length = shapes.sequence_length([batch])
-            sharding.check_length_divisible(length, self.mesh)
-            if spec is None:
-                spec = self._loss_spec(shapes.pad(batch, length), training=False)
-                step = self._eval_step(spec, want_logits, ignore)
-                ragged_rows = self._eval_ragged_rows(spec, dataloader)
-                num_classes = self._label_classes(spec)
-            self._check_labels(batch, num_classes)
-            # A ragged last batch keeps its own rows where padding rows would enter the loss (one more compile).
-            padded = shapes.pad(batch, length, pad_rows=not ragged_rows)
-            global_rows = dataloader.batch_size if not ragged_rows else rows
-            inputs = self._evaluation_inputs(sharding.put_global(padded, self.mesh, row_dim=0, global_rows=global_rows))
-            out: EvalOutputs
-            if generating and not any(name in padded for name in self.label_names):
-                out = EvalOutputs(None, None)  # HF's Seq2SeqTrainer: generation alone, no forward without labels
-            else:
-                with self._mesh_context():
-                    out = step(params, model_state, inputs)
-                if out.recorded:
-                    self._on_recorded(out.recorded, 1, training=False)
-            collated_len = distributed.agree_max(max((v.shape[1] for v in batch.values() if v.ndim >= 2), default=0))
+        hf_logger.info(f"  Batch size = {self.args.eval_batch_size}")
 
-            # HF's gather_for_metrics drops the rows completing a short last batch; Seq2SeqTrainer's plain gather
-            # keeps them, and counts a short batch's loss as a full batch's.
-            kept = global_rows if gathers_all and dataloader.complete_last else rows
-            loss_rows = dataloader.batch_size if gathers_all else rows
-            if isinstance(dataloader, data.IterableBatches):
-                # A loader of the user's own (an overridden get_*_dataloader): HF repeats each batch's loss
-                # eval_batch_size times on each process and, the loader not being accelerate's, keeps them all.
-                loss_rows = args.eval_batch_size * jax.process_count()
+    def _evaluate_batch(self, run: _EvaluationPass, shapes: data.ShapeKeeper, dataloader, batch, rows: int):
+        """One batch through the eval step (built for the first batch's loss spec), its values on the host."""
+        length = shapes.sequence_length([batch])
+        sharding.check_length_divisible(length, self.mesh)
+        if run.spec is None:
+            run.spec = self._loss_spec(shapes.pad(batch, length), training=False)
+            run.step = self._eval_step(run.spec, run.want_logits, run.ignore)
+            run.ragged_rows = self._eval_ragged_rows(run.spec, dataloader)
+            run.num_classes = self._label_classes(run.spec)
+        spec = run.spec
+        self._check_labels(batch, run.num_classes)
+        # A ragged last batch keeps its own rows where padding rows would enter the loss (one more compile).
+        padded = shapes.pad(batch, length, pad_rows=not run.ragged_rows)
+        global_rows = dataloader.batch_size if not run.ragged_rows else rows
+        inputs = self._evaluation_inputs(sharding.put_global(padded, self.mesh, row_dim=0, global_rows=global_rows))
+        out: EvalOutputs
+        if run.generating and not any(name in padded for name in self.label_names):
+            out = EvalOutputs(None, None)  # HF's Seq2SeqTrainer: generation alone, no forward without labels
+        else:
+            with self._mesh_context():
+                out = run.step(run.params, run.model_state, inputs)
+            if out.recorded:
+                self._on_recorded(out.recorded, 1, training=False)
+        collated_len = distributed.agree_max(max((v.shape[1] for v in batch.values() if v.ndim >= 2), default=0))
 
-            def host(tree):
-                return _slice_tree(jax.tree.map(distributed.gather_rows, tree), kept, length, collated_len or None)
+        # HF's gather_for_metrics drops the rows completing a short last batch; Seq2SeqTrainer's plain gather
+        # keeps them, and counts a short batch's loss as a full batch's.
+        kept = global_rows if run.gathers_all and dataloader.complete_last else rows
+        loss_rows = dataloader.batch_size if run.gathers_all else rows
+        if isinstance(dataloader, data.IterableBatches):
+            # A loader of the user's own (an overridden get_*_dataloader): HF repeats each batch's loss
+            # eval_batch_size times on each process and, the loader not being accelerate's, keeps them all.
+            loss_rows = self.args.eval_batch_size * jax.process_count()
 
-            batch_losses = None if out.loss is None else np.full(loss_rows, float(out.loss), np.float64)
-            if batch_losses is not None and dataloader.complete_last and rows < global_rows:
-                batch_losses = self._shard_losses(spec, params, model_state, inputs, kept, global_rows)
-            batch_labels = batch_label_values(padded, tuple(self.label_names))
-            batch_labels = None if batch_labels is None else host(batch_labels)
-            batch_preds = None
-            if generating:
-                batch_preds = self._generate_batch(padded, kept)
-                if batch_labels is not None:  # the collated labels' own width, then HF's padding
-                    batch_labels = self._prediction_labels(batch_labels[:, : np.shape(batch[self.label_names[0]])[-1]])
-            elif want_logits and out.logits is not None:
-                batch_preds = host(out.logits)
-                if self.preprocess_logits_for_metrics is not None and self._preprocess_placement.on_host:
-                    batch_preds = self._preprocess_on_host(batch_preds, batch_labels)
-            main = padded.get(getattr(self.model, "main_input_name", "input_ids"))
-            batch_inputs = host(main) if ("inputs" in include and main is not None) else None
-            if batch_losses is not None:
-                losses.append(batch_losses)
-            if keep_all:
-                for store, value in ((preds, batch_preds), (labels, batch_labels), (inputs_seen, batch_inputs)):
-                    if value is not None:
-                        store.append(value)
-            num_samples += rows
-            self.control = self.callback_handler.on_prediction_step(args, self.state, self.control)
-            if args.batch_eval_metrics and self.compute_metrics is not None:
-                if batch_preds is not None and batch_labels is not None:  # HF: the last batch computes the result
-                    # HF hands over the batch's loss repeated over its rows and its whole input dict, as the
-                    # model's framework holds them: torch tensors for a torch model, numpy for a native one.
-                    batch = (
-                        batch_preds,
-                        batch_labels,
-                        batch_losses if "loss" in include else None,
-                        host(padded) if "inputs" in include else None,
-                    )
-                    predictions, label_ids, batch_loss_values, batch_input_values = self._held.metric_arrays(batch)
-                    metrics = self.compute_metrics(
-                        EvalPrediction(
-                            predictions=predictions,
-                            label_ids=label_ids,
-                            losses=batch_loss_values,
-                            inputs=batch_input_values,
-                        ),
-                        compute_result=is_last,
-                    )
+        def host(tree):
+            return _slice_tree(jax.tree.map(distributed.gather_rows, tree), kept, length, collated_len or None)
 
-        all_losses = np.concatenate(losses) if losses else None
-        all_preds = _gather_tree(preds) if preds else None
-        all_labels = _gather_tree(labels) if labels else None
-        if self.compute_metrics is not None and not args.batch_eval_metrics and all_preds is not None:
+        losses = None if out.loss is None else np.full(loss_rows, float(out.loss), np.float64)
+        if losses is not None and dataloader.complete_last and rows < global_rows:
+            losses = self._shard_losses(spec, run.params, run.model_state, inputs, kept, global_rows)
+        labels = batch_label_values(padded, tuple(self.label_names))
+        labels = None if labels is None else host(labels)
+        preds = None
+        if run.generating:
+            preds = self._generate_batch(padded, kept)
+            if labels is not None:  # the collated labels' own width, then HF's padding
+                labels = self._prediction_labels(labels[:, : np.shape(batch[self.label_names[0]])[-1]])
+        elif run.want_logits and out.logits is not None:
+            preds = host(out.logits)
+            if self.preprocess_logits_for_metrics is not None and self._preprocess_placement.on_host:
+                preds = self._preprocess_on_host(preds, labels)
+        main = padded.get(getattr(self.model, "main_input_name", "input_ids"))
+        inputs_kept = host(main) if ("inputs" in run.include and main is not None) else None
+        return _BatchValues(losses, preds, labels, inputs_kept, lambda: host(padded))
+
+    def _batch_metrics(self, values: _BatchValues, include: frozenset[str], is_last: bool) -> Any:
+        """batch_eval_metrics: HF hands over the batch's loss repeated over its rows and its whole input dict,
+        as the model's framework holds them (torch tensors for a torch model, numpy for a native one)."""
+        whole_inputs = values.gather_inputs() if "inputs" in include else None
+        batch = (values.preds, values.labels, values.losses if "loss" in include else None, whole_inputs)
+        predictions, label_ids, losses, inputs = self._held.metric_arrays(batch)
+        prediction = EvalPrediction(predictions=predictions, label_ids=label_ids, losses=losses, inputs=inputs)
+        return self.compute_metrics(prediction, compute_result=is_last)
+
+    def _evaluation_output(self, run: _EvaluationPass, metric_key_prefix: str) -> EvalLoopOutput:
+        """HF's EvalLoopOutput of the whole pass: the metrics on everything kept (unless batch by batch), the mean
+        loss, every key under the prefix; predictions None when only losses were asked for."""
+        all_losses = np.concatenate(run.losses) if run.losses else None
+        all_preds = _gather_tree(run.preds) if run.preds else None
+        all_labels = _gather_tree(run.labels) if run.labels else None
+        metrics = run.metrics
+        if self.compute_metrics is not None and not self.args.batch_eval_metrics and all_preds is not None:
             if all_labels is not None:
                 metrics = self.compute_metrics(
                     EvalPrediction(
                         predictions=all_preds,
                         label_ids=all_labels,
-                        losses=all_losses if "loss" in include else None,
-                        inputs=_gather_tree(inputs_seen) if "inputs" in include else None,
+                        losses=all_losses if "loss" in run.include else None,
+                        inputs=_gather_tree(run.inputs) if "inputs" in run.include else None,
                     )
                 )
         metrics = denumpify_detensorize(metrics or {})
         if all_losses is not None:
-            metrics[f"{metric_key_prefix}_loss"] = _mean_loss(all_losses, args.logging_nan_inf_filter)
+            metrics[f"{metric_key_prefix}_loss"] = _mean_loss(all_losses, self.args.logging_nan_inf_filter)
         for key in list(metrics):
             if not key.startswith(f"{metric_key_prefix}_"):
                 metrics[f"{metric_key_prefix}_{key}"] = metrics.pop(key)
-        # HF's EvalLoopOutput: predictions None when only losses were asked for
-        return EvalLoopOutput(predictions=all_preds, label_ids=all_labels, metrics=metrics, num_samples=num_samples)  # type: ignore[arg-type]
+        return EvalLoopOutput(predictions=all_preds, label_ids=all_labels, metrics=metrics, num_samples=run.num_samples)  # type: ignore[arg-type]

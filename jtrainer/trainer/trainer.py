@@ -224,6 +224,38 @@ def _stateful(callbacks: list[Any]) -> list[Any]:
     return [cb for cb in callbacks if isinstance(cb, ExportableState)]
 
 
+def _check_constructor_arguments(args, model, model_init, optimizers, optimizer_cls_and_kwargs, eval_dataset) -> None:
+    """HF's constructor checks, with HF's messages, before the model is built."""
+    if model_init is not None and optimizers[0] is not None:
+        raise RuntimeError(
+            "Passing a `model_init` is incompatible with providing the `optimizers` argument. "
+            "You should subclass `Trainer` and override the `create_optimizer_and_scheduler` method."
+        )
+    if optimizers[0] is not None and optimizer_cls_and_kwargs is not None:
+        raise RuntimeError("Passing both `optimizers` and `optimizer_cls_and_kwargs` arguments is incompatible.")
+    if optimizers[0] is None and optimizer_cls_and_kwargs is None:
+        optim.check_optimizer(args)
+    if args.eval_strategy != IntervalStrategy.NO and eval_dataset is None:
+        raise ValueError(
+            f"You have set `args.eval_strategy` to {args.eval_strategy} but you didn't pass an `eval_dataset` "
+            "to `Trainer`. Either set `args.eval_strategy` to `no` or pass an `eval_dataset`. "
+        )
+    if model is None and model_init is None:
+        raise RuntimeError("`Trainer` requires either a `model` or `model_init` argument")
+
+
+def _mesh(args) -> jax.sharding.Mesh:
+    """The run's device mesh, from the arguments' parallelism over every device."""
+    mesh = sharding.make_mesh(sharding.resolve_mesh_shape(args, len(sharding.mesh_devices())))
+    if not args.average_tokens_across_devices and sharding.data_parallel_size(mesh) > 1:
+        raise ValueError(
+            "average_tokens_across_devices=False normalises each data shard's loss by its own label count (HF's "
+            "per-process rule), which one global step does not reproduce: leave it True (HF's default) on "
+            f"{sharding.data_parallel_size(mesh)} data shards."
+        )
+    return mesh
+
+
 class Trainer(
     OptimizerMixin,
     EvaluationMixin,
@@ -276,22 +308,7 @@ class Trainer(
         self.args = args
         # HF seeds python, numpy and torch first thing (a random collator or model_init draws from them).
         host_rng.set_seed(args.seed, deterministic=args.full_determinism)
-        if model_init is not None and optimizers[0] is not None:
-            raise RuntimeError(
-                "Passing a `model_init` is incompatible with providing the `optimizers` argument. "
-                "You should subclass `Trainer` and override the `create_optimizer_and_scheduler` method."
-            )
-        if optimizers[0] is not None and optimizer_cls_and_kwargs is not None:
-            raise RuntimeError("Passing both `optimizers` and `optimizer_cls_and_kwargs` arguments is incompatible.")
-        if optimizers[0] is None and optimizer_cls_and_kwargs is None:
-            optim.check_optimizer(args)
-        if args.eval_strategy != IntervalStrategy.NO and eval_dataset is None:
-            raise ValueError(
-                f"You have set `args.eval_strategy` to {args.eval_strategy} but you didn't pass an `eval_dataset` "
-                "to `Trainer`. Either set `args.eval_strategy` to `no` or pass an `eval_dataset`. "
-            )
-        if model is None and model_init is None:
-            raise RuntimeError("`Trainer` requires either a `model` or `model_init` argument")
+        _check_constructor_arguments(args, model, model_init, optimizers, optimizer_cls_and_kwargs, eval_dataset)
         self.model_init = model_init
         if model is None:
             model = self.call_model_init()
@@ -312,13 +329,7 @@ class Trainer(
         check_overrides(self)
         if args.full_determinism:
             _check_deterministic_backend()
-        self.mesh = sharding.make_mesh(sharding.resolve_mesh_shape(args, len(sharding.mesh_devices())))
-        if not args.average_tokens_across_devices and sharding.data_parallel_size(self.mesh) > 1:
-            raise ValueError(
-                "average_tokens_across_devices=False normalises each data shard's loss by its own label count (HF's "
-                "per-process rule), which one global step does not reproduce: leave it True (HF's default) on "
-                f"{sharding.data_parallel_size(self.mesh)} data shards."
-            )
+        self.mesh = _mesh(args)
         self.axis_rules = sharding.merged_rules(args.logical_axis_rules)
         self._check_layout()
         self._apply_chunked_loss()
@@ -326,19 +337,12 @@ class Trainer(
         self._train_state: TrainState | None = None
         self._run: TrainingRun | None = None  # the last train() loop's state (training_run.py)
         self.current_flos = 0.0
-
-        # HF's own integration callbacks (tensorboard, wandb, mlflow, ...): they only read logs, args and config.
-        default_callbacks: list[Any] = [DefaultFlowCallback]
-        if args.report_to:  # imported only when used: transformers.integrations costs ~0.8 s of import time
-            from transformers.integrations import get_reporting_integration_callbacks
-
-            default_callbacks += get_reporting_integration_callbacks(args.report_to)
-        if args.enable_jit_checkpoint:  # HF's switch: SIGTERM's checkpoint, then train() returns
-            jit_callback = JITCheckpointCallback()
-            jit_callback.set_trainer(self)
-            default_callbacks.append(jit_callback)
         self.callback_handler = CallbackHandler(
-            default_callbacks + list(callbacks or []), self.model, processing_class, self.optimizer, self.lr_scheduler
+            self._default_callbacks() + list(callbacks or []),
+            self.model,
+            processing_class,
+            self.optimizer,
+            self.lr_scheduler,
         )
         self.add_callback(PrinterCallback if args.disable_tqdm else ProgressCallback)
         self.state = TrainerState(
@@ -351,6 +355,20 @@ class Trainer(
             self.init_hf_repo()
         self.control = self.callback_handler.on_init_end(self.args, self.state, self.control)
         self._held.finish_trainer_init(args)
+
+    def _default_callbacks(self) -> list[Any]:
+        """HF's flow callback, its integration callbacks (tensorboard, wandb, mlflow, ...: they only read logs, args
+        and config) and, with enable_jit_checkpoint, the one that checkpoints on SIGTERM."""
+        callbacks: list[Any] = [DefaultFlowCallback]
+        if self.args.report_to:  # imported only when used: transformers.integrations costs ~0.8 s of import time
+            from transformers.integrations import get_reporting_integration_callbacks
+
+            callbacks += get_reporting_integration_callbacks(self.args.report_to)
+        if self.args.enable_jit_checkpoint:  # HF's switch: SIGTERM's checkpoint, then train() returns
+            jit_callback = JITCheckpointCallback()
+            jit_callback.set_trainer(self)
+            callbacks.append(jit_callback)
+        return callbacks
 
     @property
     def model(self) -> Any:
