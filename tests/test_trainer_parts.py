@@ -21,6 +21,12 @@ def _classes(part: str):
     return [n for n in _module(part).body if isinstance(n, ast.ClassDef)]
 
 
+def _is_part(cls: ast.ClassDef) -> bool:
+    """A class of the Trainer's (a part, the Trainer, Seq2SeqTrainer), not a helper class whose `self` is its own."""
+    names = {base.id for base in cls.bases if isinstance(base, ast.Name)}
+    return bool(names & {"TrainerParts", "Trainer"}) or any(name.endswith("Mixin") for name in names)
+
+
 def _targets(node):
     if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in TRAINER_NAMES:
         return [node.attr]
@@ -34,7 +40,8 @@ def _writes() -> dict[str, set[str]]:
     or `trainer.<attribute>`."""
     found: dict[str, set[str]] = {}
     for part in PARTS:
-        for node in ast.walk(_module(part)):
+        code = [n for n in _module(part).body if not isinstance(n, ast.ClassDef) or _is_part(n)]
+        for node in (inner for top in code for inner in ast.walk(top)):
             if isinstance(node, ast.Assign):
                 targets = node.targets
             elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):

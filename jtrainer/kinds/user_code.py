@@ -13,6 +13,8 @@ import numpy as np
 from jtrainer import bridge
 from jtrainer.bridge import user_optimizer
 
+TorchOptimizer = user_optimizer.UserTorchOptimizer  # a user's torch optimizer and scheduler, run as optax
+
 
 def runs_in_torch() -> bool:
     """Whether a user's function written in torch can run inside the step: the script has torch (it imported
@@ -48,7 +50,7 @@ def is_optimizer_class(value: Any) -> bool:
     return user_optimizer.is_torch_optimizer_class(value)
 
 
-def optimizer_for_step(optimizer: Any, scheduler: Any, model: Any) -> user_optimizer.UserTorchOptimizer:
+def optimizer_for_step(optimizer: Any, scheduler: Any, model: Any) -> TorchOptimizer:
     """A user's torch optimizer (and scheduler) on a torch model, run as optax."""
     return user_optimizer.UserTorchOptimizer(optimizer, scheduler, model)
 

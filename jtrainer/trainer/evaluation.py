@@ -257,6 +257,7 @@ class EvaluationMixin(TrainerParts):
         """HF's call of preprocess_logits_for_metrics, for a function JAX could not trace: torch tensors of the
         batch's logits and labels in, its result back as numpy."""
         placement = self._preprocess_placement
+        assert placement is not None, "set with the eval step"
         if not placement.warned:
             placement.warned = True
             size = sum(np.asarray(x).nbytes for x in jax.tree.leaves(predictions))
@@ -400,7 +401,8 @@ class EvaluationMixin(TrainerParts):
                 labels = self._prediction_labels(labels[:, : np.shape(batch[self.label_names[0]])[-1]])
         elif run.want_logits and out.logits is not None:
             preds = host(out.logits)
-            if self.preprocess_logits_for_metrics is not None and self._preprocess_placement.on_host:
+            placement = self._preprocess_placement
+            if self.preprocess_logits_for_metrics is not None and placement is not None and placement.on_host:
                 preds = self._preprocess_on_host(preds, labels)
         main = padded.get(getattr(self.model, "main_input_name", "input_ids"))
         inputs_kept = host(main) if ("inputs" in run.include and main is not None) else None

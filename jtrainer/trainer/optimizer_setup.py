@@ -54,8 +54,9 @@ class OptimizerMixin(TrainerParts):
         if self._torch_optimizer is not None:  # the torch scheduler's rate enters at the next update
             self._torch_optimizer.after_evaluation(metric)
             return
-        opt_state = self._learning_rate.after_evaluation(metric, self._train_state.opt_state)
-        self._train_state = self._train_state.replace(opt_state=opt_state)
+        learning_rate, train_state = self._learning_rate, self._train_state
+        assert learning_rate is not None and train_state is not None, "a per-evaluation scheduler steps after training"
+        self._train_state = train_state.replace(opt_state=learning_rate.after_evaluation(metric, train_state.opt_state))
 
     def get_decay_parameter_names(self, model=None) -> list[str]:
         """HF's rule: every parameter but those of LayerNorm modules (torch.nn.LayerNorm's counterparts, by type)

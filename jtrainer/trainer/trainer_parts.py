@@ -18,14 +18,19 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import numpy as np
+    from jax.sharding import Mesh
     from transformers import GenerationConfig
 
+    from jtrainer.core.callbacks import CallbackHandler, TrainerControl, TrainerState
     from jtrainer.core.state import TrainState
+    from jtrainer.kinds import user_code
     from jtrainer.kinds.protocol import TrainedModel
     from jtrainer.numerics import schedules
-    from jtrainer.numerics.step import LossSpec
+    from jtrainer.numerics.losses import LabelSmoother
+    from jtrainer.numerics.step import LossSpec, PreprocessPlacement
     from jtrainer.trainer import data
     from jtrainer.trainer.saving import Resumed
+    from jtrainer.trainer.training_run import TrainingRun
 
 OWNER: dict[str, str] = {
     **dict.fromkeys(
@@ -159,7 +164,7 @@ class TrainerParts:
     """What every part of the Trainer may read (see the module's docstring for who writes what)."""
 
     # trainer: the constructor's arguments, as HF names them, and what it derives from them
-    args: Any  # TrainingArguments
+    args: Any  # TrainingArguments, or Seq2SeqTrainingArguments (HF types output_dir Optional; it never is here)
     model: Any  # the user's model: a flax.nnx module or a torch one (HF's `trainer.model`)
     _held: TrainedModel  # the model, held once: `model` and `nnx_model` (properties of the Trainer) read it
     nnx_model: Any  # the nnx module the steps run: `model`, or the bridge's TorchModel of a torch model
@@ -174,36 +179,32 @@ class TrainerParts:
     optimizer_cls_and_kwargs: Any
     label_names: list[str]
     model_accepts_loss_kwargs: bool
-    label_smoother: Any
+    label_smoother: LabelSmoother | None
     loss_is_scaled_for_ga: bool | None
-    mesh: Any  # jax.sharding.Mesh
+    mesh: Mesh
     axis_rules: dict[str, Any]
     neftune_noise_alpha: float | None
-    callback_handler: Any
-    control: Any  # HF's TrainerControl
+    callback_handler: CallbackHandler
+    control: TrainerControl
     current_flos: float
     # trainer: what outlives one train() loop, and the loop itself
     _param_specs: Any
-    _train_state: Any = None  # jtrainer.core.state.TrainState
-    _run: Any = (
-        None  # jtrainer.trainer.training_run.TrainingRun: the last loop's state (log accumulators, last step, ...)
-    )
+    _train_state: TrainState | None = None
+    _run: TrainingRun | None = None  # the last loop's state (log accumulators, last step, ...)
     # optimizer_setup
     optimizer: Any = None
     lr_scheduler: Any = None
-    _learning_rate: Any = (
-        None  # jtrainer.numerics.schedules.LearningRate: the schedule the Trainer built, in all its forms
-    )
+    _learning_rate: schedules.LearningRate | None = None  # the schedule the Trainer built, in all its forms
     _optimizer_recipe: tuple | None = None  # what the built optimizer depends on besides numbers
     _optimizer_eval_mode: bool = False  # HF's optimizer.eval() (schedule-free optimizers) until the next step
-    _torch_optimizer: Any = None  # bridge.user_optimizer.UserTorchOptimizer: a user's torch optimizer, run as optax
-    _non_embedding_count: Any = None
+    _torch_optimizer: user_code.TorchOptimizer | None = None  # a user's torch optimizer, run as optax
+    _non_embedding_count: tuple[Any, int] | None = None  # (the module counted, its count)
     # evaluation
-    _preprocess_placement: Any = None
+    _preprocess_placement: PreprocessPlacement | None = None
     # saving
-    state: Any  # HF's TrainerState
+    state: Any  # HF's TrainerState (HF annotates stateful_callbacks as a list; it holds a dict)
     _pending_checkpoint: Any = None  # the checkpoint being written in the background
-    _on_save_state: Any = None  # a save whose on_save waits for its commit
+    _on_save_state: TrainerState | None = None  # a save whose on_save waits for its commit
     # hpsearch
     hp_search_backend: Any = None
     hp_name: Any = None
