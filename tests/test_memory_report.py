@@ -1,10 +1,10 @@
-"""jtrainer.cli.memory_report: values named by their dimensions, sized per chip by the mesh, the largest of each
+"""jtrainer.sizing.memory_report: values named by their dimensions, sized per chip by the mesh, the largest of each
 kind first, and the advice that follows from them."""
 
 import jax
 import jax.numpy as jnp
 
-from jtrainer.cli import memory_report as report
+from jtrainer.sizing import memory_report as report
 
 SHAPES = report.StepShapes(
     rows=2, length=8192, vocab=32000, hidden=512, intermediate=1408, heads=8, mesh={"fsdp": 2, "sequence": 2}

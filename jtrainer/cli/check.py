@@ -20,15 +20,13 @@ from typing import Any
 
 import jax
 import numpy as np
-from flax import nnx
 
-from jtrainer.cli import memory_report, tasks
+from jtrainer.cli import tasks
 from jtrainer.cli.console import phase, say
-from jtrainer.cli.memory_report import size
-from jtrainer.core.state import Frozen
 from jtrainer.models import remat
 from jtrainer.models.kernels import attention, splash_attention
-from jtrainer.sizing import batch_size, targets
+from jtrainer.sizing import batch_size, ledger, memory_report, targets
+from jtrainer.sizing.memory_report import size
 from jtrainer.trainer import args as args_module
 
 
@@ -107,22 +105,10 @@ def _refusal_as(step: str, largest=lambda: [], shapes=None):
         raise StepDoesNotFit(f"the {step} step: " + lines[0][:400].rstrip("."), largest(), shapes) from None
 
 
-def _per_device_bytes(arg_info, shardings) -> int:
-    """Bytes one device holds of a pytree of arguments (shape, dtype) laid out by `shardings`."""
-    total = 0
-    # An argument the step never reads (pruned by jit) has no sharding and takes no memory.
-    for info, sh in zip(jax.tree.leaves(arg_info), jax.tree.leaves(shardings, is_leaf=lambda x: x is None)):
-        if sh is not None:
-            total += int(np.prod(sh.shard_shape(info.shape))) * np.dtype(info.dtype).itemsize
-    return total
-
-
 def compile_step(model_args, data_args, training_args, target: targets.Target | None = None) -> dict[str, Any]:
     """Compile the config's train step ahead of time, on this machine's devices or for `target`; its memory per
     device (by kind), FLOPs and whether it fits. Raises StepDoesNotFit when XLA refuses the layout."""
     from jtrainer.parallel import sharding
-    from jtrainer.trainer.seq2seq import Seq2SeqTrainer
-    from jtrainer.trainer.trainer import Trainer
 
     args = copy.copy(training_args)
     args.push_to_hub = False  # a dry run creates no repository
@@ -133,19 +119,7 @@ def compile_step(model_args, data_args, training_args, target: targets.Target | 
     if args.activation_checkpointing:
         model.gradient_checkpointing_enable(args.activation_checkpointing_kwargs)
     kind = model_args.trainer
-    trainer_class: Any = Seq2SeqTrainer if model_args.task == "seq2seq" else Trainer
-    example = sample_batch(
-        model_args.task, args.per_device_train_batch_size, data_args.block_size, data_args.max_target_length
-    )
-    eval_example = sample_batch(
-        model_args.task, args.per_device_eval_batch_size, data_args.block_size, data_args.max_target_length
-    )
-    if kind in TRL_TRAINERS:  # TRL's loss, on batches of its collators' shapes
-        from jtrainer.trl import sizing as trl_sizing
-
-        trainer_class = functools.partial(trl_sizing.step_trainer, kind, peft=model_args.use_peft)
-        example = trl_sizing.sample_batch(kind, args, args.per_device_train_batch_size)
-        eval_example = trl_sizing.sample_batch(kind, args, args.per_device_eval_batch_size)
+    trainer_class, example, eval_example = _trainer_and_batches(model_args, data_args, args)
     rows = args.per_device_train_batch_size
     where = target.name if target else "this machine"
     steps = args.max_steps if args.max_steps > 0 else 1000
@@ -161,7 +135,9 @@ def compile_step(model_args, data_args, training_args, target: targets.Target | 
             phase(f"jtrainer check: tracing the train step (per_device_train_batch_size {rows})"),
         ):
             traced = trainer.trace_train_step(example, steps)
-        shapes = _step_shapes(model, args, data_args, trainer.mesh)
+        shapes = ledger.step_shapes(
+            model, rows * sharding.data_parallel_size(trainer.mesh), data_args.block_size, trainer.mesh
+        )
 
         def largest():
             (_, batch_info), _ = traced.args_info  # the program's inputs: the train state, then the batch
@@ -173,52 +149,60 @@ def compile_step(model_args, data_args, training_args, target: targets.Target | 
         if evaluates:
             with _refusal_as("eval"), phase(f"jtrainer check: XLA compiling the eval step for {where}"):
                 eval_compiled = trainer.compile_eval_step(eval_example, steps)
-    analysis = compiled.memory_analysis()
-    (state_info, _), _ = compiled.args_info
-    (state_shardings, _), _ = compiled.input_shardings
-    # Frozen weights (a peft model's base model): model state, laid out as parameters, without optimizer state.
-    frozen_info, _ = nnx.split_state(state_info.model_state, Frozen, ...)
-    frozen_shardings, _ = nnx.split_state(state_shardings.model_state, Frozen, ...)
-    memory = None
-    if analysis is not None:
-        params = _per_device_bytes(state_info.params, state_shardings.params)
-        optimizer = _per_device_bytes(state_info.opt_state, state_shardings.opt_state)
-        frozen = _per_device_bytes(frozen_info, frozen_shardings)
-        code = int(analysis.generated_code_size_in_bytes)
-        memory = {
-            "parameters": params,
-            **({"frozen weights (no gradients)": frozen} if frozen else {}),
-            **({"reference model (DPO, frozen)": reference} if reference else {}),
-            "optimizer state": optimizer,
-            "batch and other state": int(analysis.argument_size_in_bytes) - params - frozen - optimizer,
-            "temporaries (activations, gradients)": int(analysis.temp_size_in_bytes),
-            "outputs not in place": int(analysis.output_size_in_bytes - analysis.alias_size_in_bytes),
-            "generated code": code,
-        }
-    eval_memory = None
-    if eval_compiled is not None and memory is not None:
-        eval_analysis = eval_compiled.memory_analysis()
-        if eval_analysis is not None:
-            # The eval step reads the train state's parameters; the optimizer state stays resident beside it.
-            eval_memory = {
-                "parameters and batch": int(eval_analysis.argument_size_in_bytes),
-                "optimizer state (resident)": memory["optimizer state"],
-                "temporaries": int(eval_analysis.temp_size_in_bytes),
-                "outputs (loss" + (", logits)" if trainer.compute_metrics else ")"): int(
-                    eval_analysis.output_size_in_bytes - eval_analysis.alias_size_in_bytes
-                ),
-                "generated code": int(eval_analysis.generated_code_size_in_bytes),
-            }
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    kernel_flops = _kernel_flops(sum(kernel_forward), args, trainer.mesh.devices.size)
-    trainable = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state_info.params))
-    n_params = trainable + sum(int(np.prod(x.shape)) for x in jax.tree.leaves(frozen_info))
-    tokens = args.gradient_accumulation_steps * args.per_device_train_batch_size * data_args.block_size
-    tokens *= sharding.data_parallel_size(trainer.mesh) * (2 if kind == "dpo" else 1)
+    # The splash attention kernels' FLOPs (XLA's cost analysis sees none), one micro-batch's, per device.
+    kernel = ledger.kernel_flops(sum(kernel_forward), args.gradient_checkpointing, trainer.mesh.devices.size)
     return {
         "largest_values": largest,
         "step_shapes": shapes,
+        **_ledger_numbers(compiled, eval_compiled, trainer, args, data_args.block_size, kind, reference, kernel),
+        "device_memory_bytes": target.chip.hbm_bytes if target else batch_size.device_memory_bytes(),
+        "attention": ", ".join(ATTENTION_NAMES.get(name, name) for name in sorted(attention_used)) or "none traced",
+    }
+
+
+def _trainer_and_batches(model_args, data_args, args) -> tuple[Any, dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """The Trainer class the config trains with and example train and eval batches of its shapes (TRL's trainers:
+    TRL's loss, on batches of its collators' shapes)."""
+    from jtrainer.trainer.seq2seq import Seq2SeqTrainer
+    from jtrainer.trainer.trainer import Trainer
+
+    kind = model_args.trainer
+    if kind in TRL_TRAINERS:
+        from jtrainer.trl import sizing as trl_sizing
+
+        trainer_class = functools.partial(trl_sizing.step_trainer, kind, peft=model_args.use_peft)
+        train_rows, eval_rows = args.per_device_train_batch_size, args.per_device_eval_batch_size
+        return (
+            trainer_class,
+            trl_sizing.sample_batch(kind, args, train_rows),
+            trl_sizing.sample_batch(kind, args, eval_rows),
+        )
+    task, length, target_length = model_args.task, data_args.block_size, data_args.max_target_length
+    return (
+        Seq2SeqTrainer if task == "seq2seq" else Trainer,
+        sample_batch(task, args.per_device_train_batch_size, length, target_length),
+        sample_batch(task, args.per_device_eval_batch_size, length, target_length),
+    )
+
+
+def _ledger_numbers(
+    compiled, eval_compiled, trainer, args, length: int, kind: str, reference: int, kernel_flops: float
+) -> dict[str, Any]:
+    """The compiled steps' ledger: memory a device holds (train, eval), parameters, tokens, XLA's counts with the
+    attention kernels' FLOPs for the whole step (its micro-batch scan runs its body GA times; XLA counts a loop's
+    body once) and the model FLOPs."""
+    from jtrainer.parallel import sharding
+
+    memory = ledger.train_memory(compiled, reference)
+    eval_memory = None
+    if eval_compiled is not None and memory is not None:
+        eval_memory = ledger.eval_memory(eval_compiled, memory["optimizer state"], bool(trainer.compute_metrics))
+    ga = args.gradient_accumulation_steps
+    costs = ledger.xla_costs(compiled)
+    n_params, trainable = ledger.parameter_counts(compiled)
+    tokens = ga * args.per_device_train_batch_size * length
+    tokens *= sharding.data_parallel_size(trainer.mesh) * (2 if kind == "dpo" else 1)
+    return {
         "mesh": dict(trainer.mesh.shape),
         "devices": trainer.mesh.devices.size,
         "device_kind": trainer.mesh.devices.flat[0].device_kind,
@@ -229,13 +213,9 @@ def compile_step(model_args, data_args, training_args, target: targets.Target | 
         "step_bytes_per_device": None if memory is None else sum(memory.values()),
         "eval_memory_per_device": eval_memory,
         "eval_bytes_per_device": None if eval_memory is None else sum(eval_memory.values()),
-        "device_memory_bytes": target.chip.hbm_bytes if target else batch_size.device_memory_bytes(),
-        # XLA's cost analysis counts a loop's body once; the micro-batch scan runs its body GA times.
-        "flops_per_step_per_device": (float((cost or {}).get("flops", 0.0)) + kernel_flops)
-        * args.gradient_accumulation_steps,
-        "attention_kernel_flops_per_device": kernel_flops * args.gradient_accumulation_steps,
-        "attention": ", ".join(ATTENTION_NAMES.get(name, name) for name in sorted(attention_used)) or "none traced",
-        "bytes_accessed_per_device": float((cost or {}).get("bytes accessed", 0.0)) * args.gradient_accumulation_steps,
+        "flops_per_step_per_device": (costs["flops"] + kernel_flops) * ga,
+        "attention_kernel_flops_per_device": kernel_flops * ga,
+        "bytes_accessed_per_device": costs["bytes"] * ga,
         # 6ND; frozen weights (LoRA's base) take no weight gradients: 2N forward + 2N input gradients + 2 x trainable.
         "model_flops_per_step": (4 * n_params + 2 * trainable) * tokens,
         "model_flops_name": "6ND" if trainable == n_params else "4ND+2TD",
@@ -258,41 +238,7 @@ def _reference_bytes(kind: str, model_args, trainer) -> int:
     compute dtype; 0 with peft, whose reference is the policy with its adapter disabled."""
     if kind != "dpo" or model_args.use_peft:
         return 0
-    from jtrainer.core.state import split_params
-    from jtrainer.parallel import sharding
-
-    _, params, rest = split_params(trainer.nnx_model)
-    specs = sharding.named(trainer.mesh, sharding.param_specs(trainer.nnx_model, trainer.mesh, trainer.axis_rules))
-    dtype = trainer.args.compute_dtype(True)
-    total = 0
-    for leaf, spec in zip(jax.tree.leaves(nnx.to_pure_dict(params)), jax.tree.leaves(specs), strict=True):
-        itemsize = np.dtype(dtype).itemsize if dtype is not None else np.dtype(leaf.dtype).itemsize
-        total += int(np.prod(spec.shard_shape(leaf.shape))) * itemsize
-    return total
-
-
-def _step_shapes(model, args, data_args, mesh) -> memory_report.StepShapes:
-    """The sizes that name the step's values (memory_report), from the model's config and the batch."""
-    config = getattr(model, "config", None)
-
-    def get(*names: str) -> int:
-        for name in names:
-            value = getattr(config, name, None)
-            if isinstance(value, int):
-                return value
-        return -1
-
-    from jtrainer.parallel import sharding
-
-    return memory_report.StepShapes(
-        rows=args.per_device_train_batch_size * sharding.data_parallel_size(mesh),
-        length=data_args.block_size,
-        vocab=get("vocab_size"),
-        hidden=get("hidden_size", "n_embd", "d_model"),
-        intermediate=get("intermediate_size", "n_inner", "d_ff"),
-        heads=get("num_attention_heads", "n_head", "num_heads"),
-        mesh=dict(mesh.shape),
-    )
+    return ledger.parameter_bytes(trainer.nnx_model, trainer.mesh, trainer.axis_rules, trainer.args.compute_dtype(True))
 
 
 def _say_largest(values: list, shapes, training_args) -> None:
@@ -309,44 +255,6 @@ def _say_largest(values: list, shapes, training_args) -> None:
         say(f"  {ADVICE}" + ("." if training_args.gradient_checkpointing else ", or turn on gradient_checkpointing."))
 
 
-def _kernel_flops(forward: float, args, devices: int) -> float:
-    """FLOPs per device of the splash attention kernels one micro-batch ran (XLA's cost analysis sees none):
-    forward, backward, and the forward again where blocks are rematerialised."""
-    if not forward:
-        return 0.0
-    products = splash_attention.FORWARD_PRODUCTS + splash_attention.BACKWARD_PRODUCTS
-    if args.gradient_checkpointing:
-        products += splash_attention.FORWARD_PRODUCTS
-    return forward * products / splash_attention.FORWARD_PRODUCTS / devices
-
-
-def roofline(numbers: dict[str, Any], target: targets.Target, undercounted: str | None = None) -> dict | None:
-    """An estimate, not a measurement: the step takes at least its FLOPs at the chip's peak and its memory
-    traffic at the HBM bandwidth; MFU is 6ND over that time at peak. The FLOPs are the larger of XLA's count
-    and 6ND per chip (XLA's cost analysis counts a loop's body once). Where XLA's counts are missing (GPU
-    targets) or known to be short (`undercounted` says why: the layers' scan), only the lower bound of 6ND at
-    peak is given, without an MFU (it would be 100% by construction). None for a chip of unknown peak."""
-    from jtrainer.sizing.throughput import peak_flops
-
-    peak = peak_flops(target.devices[0])
-    if not peak:
-        return None
-    six_nd = numbers["model_flops_per_step"] / numbers["devices"]
-    if not numbers["flops_per_step_per_device"] or undercounted:
-        why = undercounted or "XLA reports no FLOPs or bytes for this target"
-        basis = f"lower bound: {numbers['model_flops_name']} at peak ({why})"
-        return {"step_s": six_nd / peak, "bound": "compute", "basis": basis, "mfu": None}
-    compute_s = max(numbers["flops_per_step_per_device"], six_nd) / peak
-    memory_s = numbers["bytes_accessed_per_device"] / target.chip.hbm_bytes_per_s
-    step_s = max(compute_s, memory_s)
-    return {
-        "step_s": step_s,
-        "bound": "compute" if compute_s >= memory_s else "memory",
-        "basis": "roofline",
-        "mfu": numbers["model_flops_per_step"] / (step_s * peak * numbers["devices"]),
-    }
-
-
 def run_check(
     model_args, data_args, training_args, target_name: str | None = None, num_slices: int = 1, num_nodes: int = 1
 ) -> dict[str, Any]:
@@ -357,19 +265,8 @@ def run_check(
     target = targets.resolve(target_name, num_slices, num_nodes) if target_name else None
     tasks.check_run(model_args, data_args, training_args, len(target.devices) if target else None, sizing=True)
     report = field_report(training_args)
-    say("jtrainer check: TrainingArguments set in this config")
-    width = max((len(name) for name, *_ in report), default=10)
-    for name, value, status, why in report:
-        shown = getattr(value, "value", value)
-        say(f"  {name:<{width}}  {status:<8}  {shown!r}" + (f"  ({why})" if why else ""))
-    where = (
-        f"{target.name} ({target.chips} x {target.chip.device_kind}, topology {target.topology}"
-        + (f" x {target.num_slices} slices" if target.num_slices > 1 else "")
-        + (f" = {num_nodes} node(s) x {target.chips // num_nodes} GPUs" if isinstance(target.chip, targets.Gpu) else "")
-        + ", compiled here, not run)"
-        if target
-        else "this machine"
-    )
+    _say_fields(report)
+    where = _where(target, num_nodes)
     try:
         numbers, training_args = _compile_fitting(model_args, data_args, training_args, target, where)
     except StepDoesNotFit as error:
@@ -389,24 +286,63 @@ def run_check(
         say(f"  rematerialisation          {policy}: {remat.describe(policy)}")
     budget, needed = numbers["device_memory_bytes"], numbers["step_bytes_per_device"]
     if numbers["memory_per_device"] is not None:
-        say("  memory per device")
-        for kind, value in numbers["memory_per_device"].items():
-            say(f"    {kind:<38} {size(value):>11}")
-        say(f"    {'total':<38} {size(needed):>11}" + (f" of {size(budget)} ({needed / budget:.0%})" if budget else ""))
+        _say_memory("  memory per device", numbers["memory_per_device"], needed, budget)
     fits = budget is None or needed is None or needed <= budget
     eval_needed = numbers["eval_bytes_per_device"]
     if eval_needed is not None:
         eval_batch = training_args.per_device_eval_batch_size
-        say(f"  memory per device while evaluating (per_device_eval_batch_size {eval_batch})")
-        for kind, value in numbers["eval_memory_per_device"].items():
-            say(f"    {kind:<38} {size(value):>11}")
-        say(
-            f"    {'total':<38} {size(eval_needed):>11}"
-            + (f" of {size(budget)} ({eval_needed / budget:.0%})" if budget else "")
-        )
+        title = f"  memory per device while evaluating (per_device_eval_batch_size {eval_batch})"
+        _say_memory(title, numbers["eval_memory_per_device"], eval_needed, budget)
         fits = fits and (budget is None or eval_needed <= budget)
     if budget is not None and needed is not None:
         say(f"  fits                       {'yes' if fits else 'NO'}")
+    _say_flops(numbers, model_args, training_args)
+    undercounted = "XLA counts the scanned layers once" if model_args.scan_layers else None
+    estimate = ledger.roofline(numbers, target, undercounted) if target else None
+    _say_estimate(estimate)
+    if not fits:
+        worst = max(needed, eval_needed or 0)
+        say(
+            f"jtrainer check: the {'train' if worst == needed else 'eval'} step does not fit: {size(worst)} per "
+            f"device, {size(budget)} available."
+        )
+        values = numbers["largest_values"]() if worst == needed else []
+        _say_largest(values, numbers["step_shapes"], training_args)
+    found = {
+        name: getattr(training_args, name) for name in ("per_device_train_batch_size", "gradient_accumulation_steps")
+    }
+    return {"fields": report, **numbers, **found, "fits": fits, "estimate": estimate}
+
+
+def _say_fields(report) -> None:
+    say("jtrainer check: TrainingArguments set in this config")
+    width = max((len(name) for name, *_ in report), default=10)
+    for name, value, status, why in report:
+        shown = getattr(value, "value", value)
+        say(f"  {name:<{width}}  {status:<8}  {shown!r}" + (f"  ({why})" if why else ""))
+
+
+def _where(target, num_nodes: int) -> str:
+    """Where the step is compiled for, in words."""
+    if not target:
+        return "this machine"
+    return (
+        f"{target.name} ({target.chips} x {target.chip.device_kind}, topology {target.topology}"
+        + (f" x {target.num_slices} slices" if target.num_slices > 1 else "")
+        + (f" = {num_nodes} node(s) x {target.chips // num_nodes} GPUs" if isinstance(target.chip, targets.Gpu) else "")
+        + ", compiled here, not run)"
+    )
+
+
+def _say_memory(title: str, memory: dict[str, int], needed: int, budget: int | None) -> None:
+    say(title)
+    for kind, value in memory.items():
+        say(f"    {kind:<38} {size(value):>11}")
+    say(f"    {'total':<38} {size(needed):>11}" + (f" of {size(budget)} ({needed / budget:.0%})" if budget else ""))
+
+
+def _say_flops(numbers: dict[str, Any], model_args, training_args) -> None:
+    """XLA's FLOPs (with what its count leaves out or counts once) and the model's."""
     if numbers["flops_per_step_per_device"]:
         ga = training_args.gradient_accumulation_steps
         say(
@@ -422,25 +358,14 @@ def run_check(
             )
         )
     say(f"  model FLOPs per step ({numbers['model_flops_name']}) {numbers['model_flops_per_step']:.3e}")
-    undercounted = "XLA counts the scanned layers once" if model_args.scan_layers else None
-    estimate = roofline(numbers, target, undercounted) if target else None
+
+
+def _say_estimate(estimate: dict | None) -> None:
     if estimate is not None and estimate["mfu"] is None:
         say(f"  step time (estimate)       at least {estimate['step_s']:.3f} s, {estimate['basis']}")
     elif estimate is not None:
         say(f"  step time (estimate)       {estimate['step_s']:.3f} s, {estimate['bound']}-bound roofline")
         say(f"  MFU (estimate)             {estimate['mfu']:.1%}")
-    if not fits:
-        worst = max(needed, eval_needed or 0)
-        say(
-            f"jtrainer check: the {'train' if worst == needed else 'eval'} step does not fit: {size(worst)} per "
-            f"device, {size(budget)} available."
-        )
-        values = numbers["largest_values"]() if worst == needed else []
-        _say_largest(values, numbers["step_shapes"], training_args)
-    found = {
-        name: getattr(training_args, name) for name in ("per_device_train_batch_size", "gradient_accumulation_steps")
-    }
-    return {"fields": report, **numbers, **found, "fits": fits, "estimate": estimate}
 
 
 def run_check_native_and_bridged(
