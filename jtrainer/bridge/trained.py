@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -92,7 +93,13 @@ class BridgedModel:
 
         return TorchModelLayout(self.module)
 
-    def generate_on_host(self, inputs: dict[str, np.ndarray], generation_config: Any, **kwargs: Any) -> np.ndarray:
+    def generate_on_host(
+        self,
+        inputs: dict[str, np.ndarray],
+        generation_config: Any,
+        gen_kwargs: dict[str, Any],
+        sync: Callable[[], None],
+    ) -> np.ndarray:
         """transformers' own `generate` (HF's Seq2SeqTrainer.prediction_step call) on the torch model holding the
         trained weights, on the host's CPU, one process (see docs/bridge.md for its speed)."""
         import torch
@@ -109,12 +116,13 @@ class BridgedModel:
                 "decodes it in torch on this host's CPU, one process (jtrainer.models' families decode in a "
                 "compiled step on the mesh)."
             )
+        sync()
         self.given.eval()  # HF's evaluation_loop calls model.eval(): no dropout while generating
         with torch.no_grad():
             ids = self.given.generate(
                 **{k: torch.from_numpy(np.asarray(v)) for k, v in inputs.items()},
                 generation_config=generation_config,
-                **kwargs,
+                **gen_kwargs,
             )
         return ids.numpy()
 

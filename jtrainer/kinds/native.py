@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -97,7 +98,13 @@ class NativeModel:
     def checkpoint_layout(self) -> torch_checkpoint.NativeLayout:
         return torch_checkpoint.NativeLayout(self.given)
 
-    def generate_on_host(self, inputs: dict[str, np.ndarray], generation_config: Any, **kwargs: Any) -> np.ndarray:
+    def generate_on_host(
+        self,
+        inputs: dict[str, np.ndarray],
+        generation_config: Any,
+        gen_kwargs: dict[str, Any],
+        sync: Callable[[], None],
+    ) -> np.ndarray:
         raise NotImplementedError("a native model decodes in the compiled step (jtrainer.models.generation.generate)")
 
     def metric_arrays(self, tree: Any) -> Any:

@@ -4,6 +4,7 @@ kind of model (jtrainer's own nnx models: `jtrainer.kinds.native`; transformers'
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import numpy as np
@@ -84,8 +85,15 @@ class TrainedModel(Protocol):
     def checkpoint_layout(self) -> Any:
         """`torch_checkpoint.ModelLayout`: how a transformers.Trainer checkpoint's torch names meet this model."""
 
-    def generate_on_host(self, inputs: dict[str, np.ndarray], generation_config: Any, **kwargs: Any) -> np.ndarray:
-        """Generated ids where decoding runs outside the compiled step (`decodes_in_compiled_step` False)."""
+    def generate_on_host(
+        self,
+        inputs: dict[str, np.ndarray],
+        generation_config: Any,
+        gen_kwargs: dict[str, Any],
+        sync: Callable[[], None],
+    ) -> np.ndarray:
+        """Generated ids where decoding runs outside the compiled step (`decodes_in_compiled_step` False); `sync`
+        hands the given model the trained weights, once the decoding is known to be possible."""
 
     def metric_arrays(self, tree: Any) -> Any:
         """Host arrays as HF hands them to this model's metric functions (torch tensors for a torch model)."""

@@ -138,12 +138,11 @@ class Seq2SeqTrainer(Trainer):
     def _generate_on_host(self, batch: dict[str, np.ndarray], rows: int) -> np.ndarray:
         """Generated ids of a model that decodes outside the compiled step (a torch model: transformers' own
         `generate`, HF's Seq2SeqTrainer.prediction_step call), from the trained weights, without the labels."""
-        self._sync_model()
         inputs = {k: v[:rows] for k, v in batch.items() if k not in self.label_names}
         labels = batch.get("labels")
         if labels is not None and "decoder_input_ids" in inputs and labels.shape == inputs["decoder_input_ids"].shape:
             inputs = {k: v for k, v in inputs.items() if k not in ("decoder_input_ids", "decoder_attention_mask")}
-        return self._held.generate_on_host(inputs, self.generation_config, **self._gen_kwargs)
+        return self._held.generate_on_host(inputs, self.generation_config, self._gen_kwargs, self._sync_model)
 
     def _prediction_labels(self, labels: np.ndarray) -> np.ndarray:
         return pad_to_width(labels, self._prediction_width(), self._pad_token_id())
