@@ -16,7 +16,7 @@ import math
 import os
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -106,6 +106,9 @@ class TrainingArguments(transformers.TrainingArguments):
 
     JAX-only fields are grouped at the end; everything else is HF's field of the same name.
     """
+
+    if TYPE_CHECKING:  # for type checkers only (the dataclass keeps HF's field): HF's __post_init__ sets it
+        output_dir: str = "trainer_output"
 
     # --- JAX-only fields ---
     jax_compilation_cache_dir: str | None = field(

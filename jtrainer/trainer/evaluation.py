@@ -160,8 +160,8 @@ class EvaluationMixin(TrainerParts):
     def _evaluate(self, trial, ignore_keys_for_eval, skip_scheduler: bool = False) -> dict[str, float]:
         metrics = self.evaluate(ignore_keys=ignore_keys_for_eval)
         if self._per_evaluation_scheduler() is not None and not skip_scheduler:
-            name = self.args.metric_for_best_model
-            key = name if name.startswith("eval_") else f"eval_{name}"
+            name = self.args.metric_for_best_model  # set ("loss") for HF's plateau-like schedules
+            key = name if name.startswith("eval_") else f"eval_{name}"  # type: ignore[union-attr]  # unset: HF's crash
             if key not in metrics:
                 raise KeyError(
                     f"The lr scheduler {self.args.lr_scheduler_type} needs metric {key!r}, which evaluation did not "
@@ -216,7 +216,7 @@ class EvaluationMixin(TrainerParts):
         start_time = time.time()
         output = self.evaluation_loop(loader, description, loss_only, ignore_keys, prefix)
         total_batch = self.args.eval_batch_size * self.args.world_size
-        assert output.metrics is not None
+        assert output.metrics is not None and output.num_samples is not None
         output.metrics.update(
             speed_metrics(
                 prefix,

@@ -84,7 +84,7 @@ class OptimizerMixin(TrainerParts):
                     optimizer=optimizer if optimizer is not None else self.optimizer,
                     num_warmup_steps=self.args.get_warmup_steps(num_training_steps),
                     num_training_steps=num_training_steps,
-                    scheduler_specific_kwargs=self.args.lr_scheduler_kwargs,
+                    scheduler_specific_kwargs=self.args.lr_scheduler_kwargs,  # type: ignore[arg-type]  # JSON parsed
                 )
             if self._torch_optimizer is not None:
                 self._torch_optimizer.scheduler = self.lr_scheduler

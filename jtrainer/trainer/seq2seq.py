@@ -45,6 +45,8 @@ class Seq2SeqTrainer(Trainer):
     """HF's Seq2SeqTrainer: `evaluate(**gen_kwargs)` / `predict(**gen_kwargs)` generate when
     `args.predict_with_generate` is set."""
 
+    args: Seq2SeqTrainingArguments  # HF's Seq2SeqTrainer reads the generation fields of these
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         config = getattr(self.args, "generation_config", None)

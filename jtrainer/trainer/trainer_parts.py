@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from jtrainer.numerics.losses import LabelSmoother
     from jtrainer.numerics.step import LossSpec, PreprocessPlacement
     from jtrainer.trainer import data
+    from jtrainer.trainer.args import TrainingArguments
     from jtrainer.trainer.saving import Resumed
     from jtrainer.trainer.training_run import TrainingRun
 
@@ -164,7 +165,7 @@ class TrainerParts:
     """What every part of the Trainer may read (see the module's docstring for who writes what)."""
 
     # trainer: the constructor's arguments, as HF names them, and what it derives from them
-    args: Any  # TrainingArguments, or Seq2SeqTrainingArguments (HF types output_dir Optional; it never is here)
+    args: TrainingArguments
     model: Any  # the user's model: a flax.nnx module or a torch one (HF's `trainer.model`)
     _held: TrainedModel  # the model, held once: `model` and `nnx_model` (properties of the Trainer) read it
     nnx_model: Any  # the nnx module the steps run: `model`, or the bridge's TorchModel of a torch model
