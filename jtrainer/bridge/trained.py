@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -15,6 +15,9 @@ import numpy as np
 from jtrainer import bridge
 from jtrainer.bridge import adapters
 from jtrainer.bridge.module import TorchModel, checkpointing_enabled
+
+if TYPE_CHECKING:
+    from jtrainer.bridge.resume import TorchModelLayout
 
 logger = logging.getLogger(__name__)
 _TOLD_WHERE_GENERATION_RUNS: weakref.WeakSet = weakref.WeakSet()  # torch models whose user was told, once each
@@ -33,6 +36,7 @@ class BridgedModel:
         self.module = module
         self.saves_trainable_part_only = adapters.is_peft_model(model)
         self._published: Any = None  # the (train state, mode) whose weights the torch model holds
+        self._non_embedding_count: int | None = None
 
     @staticmethod
     def adopt(model: Any) -> BridgedModel:
@@ -78,9 +82,10 @@ class BridgedModel:
 
     def num_non_embedding_parameters(self) -> int:
         """transformers' own count; HF's 0 for a model without one."""
-        if not hasattr(self.given, "num_parameters"):
-            return 0
-        return self.given.num_parameters(exclude_embeddings=True)
+        if self._non_embedding_count is None:
+            counts = hasattr(self.given, "num_parameters")
+            self._non_embedding_count = self.given.num_parameters(exclude_embeddings=True) if counts else 0
+        return self._non_embedding_count
 
     def exports_from_train_state(self) -> bool:
         return False  # the torch model, holding the weights, writes itself
@@ -88,7 +93,7 @@ class BridgedModel:
     def hf_tensors(self, keep: bool) -> dict[str, np.ndarray] | None:
         return None
 
-    def checkpoint_layout(self) -> Any:
+    def checkpoint_layout(self) -> TorchModelLayout:
         from jtrainer.bridge.resume import TorchModelLayout
 
         return TorchModelLayout(self.module)

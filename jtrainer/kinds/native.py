@@ -37,6 +37,7 @@ class NativeModel:
         self.given = self.module = model
         # jtrainer's models leave -100 labels out of their sums; another nnx module is not known to
         self.loss_ignores_padding = isinstance(model, PretrainedMixin)
+        self._non_embedding_count: int | None = None
 
     @staticmethod
     def adopt(model: Any) -> NativeModel:
@@ -83,7 +84,9 @@ class NativeModel:
         return [(dotted(path), node) for path, node in nnx.iter_graph(self.given) if type(node) is nnx.Param]
 
     def num_non_embedding_parameters(self) -> int:
-        return count_parameters(self.module, exclude_embeddings=True)
+        if self._non_embedding_count is None:
+            self._non_embedding_count = count_parameters(self.module, exclude_embeddings=True)
+        return self._non_embedding_count
 
     def exports_from_train_state(self) -> bool:
         return hasattr(self.given, "config")  # an HF config: jtrainer's HF names and layouts (hf_io)

@@ -10,6 +10,8 @@ from typing import Any, Protocol
 import numpy as np
 from flax import nnx
 
+from jtrainer.checkpointing.torch_checkpoint import ModelLayout
+
 
 class TrainedModel(Protocol):
     """A model under the Trainer: the object the user gave and the nnx module the compiled steps run."""
@@ -73,7 +75,8 @@ class TrainedModel(Protocol):
         """HF's named trainable parameters, as the given model holds them (torch parameters, nnx variables)."""
 
     def num_non_embedding_parameters(self) -> int:
-        """The parameter count HF's floating_point_ops uses (0 where the model cannot tell)."""
+        """The parameter count HF's floating_point_ops uses (0 where the model cannot tell), counted once per model:
+        floating_point_ops asks for it every micro-batch."""
 
     def exports_from_train_state(self) -> bool:
         """Whether a checkpoint's HF weights can be read off the saved train state (jtrainer's HF layout)."""
@@ -82,8 +85,8 @@ class TrainedModel(Protocol):
         """The weights as HF-named host arrays (gathered; kept only where `keep`), or None where the given model
         writes itself (save_pretrained)."""
 
-    def checkpoint_layout(self) -> Any:
-        """`torch_checkpoint.ModelLayout`: how a transformers.Trainer checkpoint's torch names meet this model."""
+    def checkpoint_layout(self) -> ModelLayout:
+        """How a transformers.Trainer checkpoint's torch names meet this model."""
 
     def generate_on_host(
         self,

@@ -55,9 +55,10 @@ def optimizer_for_step(optimizer: Any, scheduler: Any, model: Any) -> TorchOptim
     return user_optimizer.UserTorchOptimizer(optimizer, scheduler, model)
 
 
-def call_on_host(function: Callable, predictions: Any, labels: Any, reason: Any) -> Any:
+def call_on_host(function: Callable, predictions: Any, labels: Any, reason: Any, announce: Callable[[], None]) -> Any:
     """HF's call of a function JAX could not trace: torch tensors of the host arrays in, its result back as
-    numpy (`reason`: why it could not run in the step, for the error when torch is missing)."""
+    numpy (`reason`: why it could not run in the step, for the error when torch is missing; `announce` runs once
+    torch is known to be there, before the call)."""
     try:
         import torch
     except ImportError:
@@ -66,6 +67,7 @@ def call_on_host(function: Callable, predictions: Any, labels: Any, reason: Any)
             "call it with torch tensors as HF does: write it with jax.numpy (e.g. logits.argmax(axis=-1)) or "
             "install torch."
         ) from reason
+    announce()
 
     def to_torch(tree):
         return jax.tree.map(lambda x: torch.from_numpy(np.array(x)), tree)  # a writable copy, as torch wants

@@ -258,7 +258,10 @@ class EvaluationMixin(TrainerParts):
         batch's logits and labels in, its result back as numpy."""
         placement = self._preprocess_placement
         assert placement is not None, "set with the eval step"
-        if not placement.warned:
+
+        def warn_once() -> None:
+            if placement.warned:
+                return
             placement.warned = True
             size = sum(np.asarray(x).nbytes for x in jax.tree.leaves(predictions))
             reason = placement.reason
@@ -271,7 +274,8 @@ class EvaluationMixin(TrainerParts):
                 "values) to keep it in the step."
             )
 
-        return user_code.call_on_host(self.preprocess_logits_for_metrics, predictions, labels, placement.reason)
+        preprocess = self.preprocess_logits_for_metrics
+        return user_code.call_on_host(preprocess, predictions, labels, placement.reason, announce=warn_once)
 
     def _gathers_completing_rows(self) -> bool:
         """HF's gather_function of this evaluation: the Trainer's gather_for_metrics (False) leaves out the rows

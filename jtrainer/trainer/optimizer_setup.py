@@ -253,17 +253,9 @@ class OptimizerMixin(TrainerParts):
     def get_num_trainable_parameters(self) -> int:
         return count_parameters(self.nnx_model)
 
-    def _num_non_embedding_parameters(self) -> int:
-        """Counted once per model: `floating_point_ops` asks for it every micro-batch."""
-        cached = self._non_embedding_count
-        if cached is None or cached[0] is not self.nnx_model:
-            count = self._held.num_non_embedding_parameters()
-            cached = self._non_embedding_count = (self.nnx_model, count)
-        return cached[1]
-
     def floating_point_ops(self, inputs: dict[str, Any]) -> int:
         """HF's estimate: 6 x tokens x non-embedding parameters, for models whose main input is in the batch."""
         main = getattr(self.model, "main_input_name", "input_ids")
         if main in inputs:
-            return 6 * int(np.asarray(inputs[main]).size) * self._num_non_embedding_parameters()
+            return 6 * int(np.asarray(inputs[main]).size) * self._held.num_non_embedding_parameters()
         return 0

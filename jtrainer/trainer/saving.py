@@ -314,7 +314,7 @@ class SavingMixin(TrainerParts):
             )
         params = nnx.to_pure_dict(nnx.state(self.nnx_model, nnx.Param))
         saved_state = load_trainer_state(folder)
-        layout: torch_checkpoint.ModelLayout = self._held.checkpoint_layout()
+        layout = self._held.checkpoint_layout()
         return torch_checkpoint.restore(
             folder,
             args=self.args,

@@ -73,7 +73,6 @@ OWNER: dict[str, str] = {
             "_optimizer_recipe",
             "_optimizer_eval_mode",
             "_torch_optimizer",
-            "_non_embedding_count",
         ),
         "optimizer_setup",
     ),
@@ -199,7 +198,6 @@ class TrainerParts:
     _optimizer_recipe: tuple | None = None  # what the built optimizer depends on besides numbers
     _optimizer_eval_mode: bool = False  # HF's optimizer.eval() (schedule-free optimizers) until the next step
     _torch_optimizer: user_code.TorchOptimizer | None = None  # a user's torch optimizer, run as optax
-    _non_embedding_count: tuple[Any, int] | None = None  # (the module counted, its count)
     # evaluation
     _preprocess_placement: PreprocessPlacement | None = None
     # saving
