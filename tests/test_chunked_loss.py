@@ -133,7 +133,7 @@ def test_liger_kernel_config_and_unsupported_models(caplog):
     from transformers import BertConfig
 
     config = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
-    with caplog.at_level(logging.WARNING, logger="jtrainer.trainer.trainer"):
+    with caplog.at_level(logging.WARNING, logger="jtrainer.sizing.abstract_step"):
         Trainer(BertForMaskedLM.from_config(config), _args(use_liger_kernel=True), train_dataset=token_rows(4))
     assert "BertForMaskedLM has no chunked loss" in caplog.text
 

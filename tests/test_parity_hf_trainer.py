@@ -171,7 +171,7 @@ def test_num_items_in_batch_counts_labels_as_transformers_trainer(tmp_path, name
     import transformers
 
     import jtrainer.models as models
-    from jtrainer.trainer.trainer import _counts_shifted_labels
+    from jtrainer.kinds.loss_rules import counts_shifted_labels
 
     configs = {
         "Llama": tiny_llama_config(),
@@ -189,7 +189,7 @@ def test_num_items_in_batch_counts_labels_as_transformers_trainer(tmp_path, name
         model=getattr(transformers, name)(config),
         args=transformers.TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True),
     )
-    assert _counts_shifted_labels(getattr(models, name).from_config(config)) == hf._loss_shifts_labels
+    assert counts_shifted_labels(getattr(models, name).from_config(config)) == hf._loss_shifts_labels
 
 
 @pytest.mark.parametrize("name", ["BertForMaskedLM", "BertForTokenClassification", "T5ForConditionalGeneration"])

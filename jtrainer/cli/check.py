@@ -3,7 +3,8 @@ step (and, when the config evaluates, the eval step) compiled ahead of time (`ji
 with memory per device, FLOPs and whether it fits, before any data is read or any parameter allocated.
 
 The model is built abstractly (shapes only); the batch is ones of the configured shape; the steps are the ones
-training runs (`Trainer.compile_train_step`, `Trainer.compile_eval_step`). Without `--target` it compiles for
+training runs, built by the functions the Trainer builds them with (`jtrainer.sizing.abstract_step`), with no
+Trainer constructed. Without `--target` it compiles for
 this machine's devices; with one, for a TPU slice or GPU nodes that are not here (compile-only topologies,
 `jtrainer.sizing.targets`): sizing a run
 before renting it. A step that does not fit makes `jtrainer check` exit 1.
@@ -25,7 +26,7 @@ from jtrainer.cli import tasks
 from jtrainer.cli.console import phase, say
 from jtrainer.models import remat
 from jtrainer.models.kernels import attention, splash_attention
-from jtrainer.sizing import batch_size, ledger, memory_report, targets
+from jtrainer.sizing import abstract_step, batch_size, ledger, memory_report, targets
 from jtrainer.sizing.memory_report import size
 from jtrainer.trainer import args as args_module
 
@@ -107,36 +108,34 @@ def _refusal_as(step: str, largest=lambda: [], shapes=None):
 
 def compile_step(model_args, data_args, training_args, target: targets.Target | None = None) -> dict[str, Any]:
     """Compile the config's train step ahead of time, on this machine's devices or for `target`; its memory per
-    device (by kind), FLOPs and whether it fits. Raises StepDoesNotFit when XLA refuses the layout."""
+    device (by kind), FLOPs and whether it fits. Raises StepDoesNotFit when XLA refuses the layout. Builds no
+    Trainer: the same `sizing.abstract_step` and `kinds.loss_rules` functions the Trainer builds its steps with."""
     from jtrainer.parallel import sharding
 
     args = copy.copy(training_args)
-    args.push_to_hub = False  # a dry run creates no repository
-    args.report_to = []  # and logs nothing: no reporting integration is needed (or created)
     vocab = data_args.tokenizer_vocab_size
     special = {"eos_token_id": 0, "bos_token_id": 0, "pad_token_id": 1}
     model = tasks.build_model(model_args, vocab, special, args.seed, abstract=True)
-    if args.activation_checkpointing:
-        model.gradient_checkpointing_enable(args.activation_checkpointing_kwargs)
     kind = model_args.trainer
-    trainer_class, example, eval_example = _trainer_and_batches(model_args, data_args, args)
+    example, eval_example = _sample_batches(model_args, data_args, args)
     rows = args.per_device_train_batch_size
     where = target.name if target else "this machine"
     steps = args.max_steps if args.max_steps > 0 else 1000
     evaluates = str(getattr(args.eval_strategy, "value", args.eval_strategy)) != "no"
+    # The CLI's classification computes accuracy from the logits, so its eval step returns them.
+    with_metrics = model_args.task == "sequence_classification"
     with sharding.use_devices(target.devices if target else None), _without_compilation_cache(target is not None):
-        # The CLI's trainer: classification computes accuracy from the logits, so its eval step returns them.
-        metrics = tasks.accuracy if model_args.task == "sequence_classification" else None
-        trainer = trainer_class(model=model, args=args, eval_dataset=(), compute_metrics=metrics)
-        reference = _reference_bytes(kind, model_args, trainer)
+        run = abstract_step.AbstractRun.of(model, args, _custom_loss_spec(kind, model_args.use_peft))
+        reference = _reference_bytes(kind, model_args, run)
         with (
             splash_attention.forward_flops() as kernel_forward,
             attention.chosen_implementations() as attention_used,
             phase(f"jtrainer check: tracing the train step (per_device_train_batch_size {rows})"),
         ):
-            traced = trainer.trace_train_step(example, steps)
+            traced, state = run.trace_train(example, steps)
+        mesh = run.layout.mesh
         shapes = ledger.step_shapes(
-            model, rows * sharding.data_parallel_size(trainer.mesh), data_args.block_size, trainer.mesh
+            run.held.module, rows * sharding.data_parallel_size(mesh), data_args.block_size, mesh
         )
 
         def largest():
@@ -144,82 +143,55 @@ def compile_step(model_args, data_args, training_args, target: targets.Target | 
             return memory_report.largest_values(traced.jaxpr, shapes, batch_inputs=len(jax.tree.leaves(batch_info)))
 
         with _refusal_as("train", largest, shapes), phase(f"jtrainer check: XLA compiling the train step for {where}"):
-            compiled = trainer.compile_traced(traced)
+            compiled = abstract_step.compile_traced(traced, run.layout)
         eval_compiled = None
         if evaluates:
             with _refusal_as("eval"), phase(f"jtrainer check: XLA compiling the eval step for {where}"):
-                eval_compiled = trainer.compile_eval_step(eval_example, steps)
+                eval_compiled = run.compile_eval(eval_example, state, with_metrics)
     # The splash attention kernels' FLOPs (XLA's cost analysis sees none), one micro-batch's, per device.
-    kernel = ledger.kernel_flops(sum(kernel_forward), args.gradient_checkpointing, trainer.mesh.devices.size)
+    kernel = ledger.kernel_flops(sum(kernel_forward), args.gradient_checkpointing, mesh.devices.size)
     return {
         "largest_values": largest,
         "step_shapes": shapes,
-        **_ledger_numbers(compiled, eval_compiled, trainer, args, data_args.block_size, kind, reference, kernel),
+        **ledger.step_numbers(
+            compiled,
+            eval_compiled,
+            mesh,
+            args,
+            data_args.block_size,
+            sequences_per_row=2 if kind == "dpo" else 1,
+            reference_bytes=reference,
+            kernel_flops=kernel,
+            eval_returns_logits=with_metrics,
+        ),
         "device_memory_bytes": target.chip.hbm_bytes if target else batch_size.device_memory_bytes(),
         "attention": ", ".join(ATTENTION_NAMES.get(name, name) for name in sorted(attention_used)) or "none traced",
     }
 
 
-def _trainer_and_batches(model_args, data_args, args) -> tuple[Any, dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """The Trainer class the config trains with and example train and eval batches of its shapes (TRL's trainers:
-    TRL's loss, on batches of its collators' shapes)."""
-    from jtrainer.trainer.seq2seq import Seq2SeqTrainer
-    from jtrainer.trainer.trainer import Trainer
+def _custom_loss_spec(kind: str, peft: bool):
+    """TRL's trainers' own loss rules (`trainer: sft | dpo`), else None (HF's)."""
+    if kind not in TRL_TRAINERS:
+        return None
+    from jtrainer.trl import sizing as trl_sizing
 
+    return functools.partial(trl_sizing.loss_spec, kind, peft=peft)
+
+
+def _sample_batches(model_args, data_args, args) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """Example train and eval batches (one device's rows) of the shapes the config's collators make (TRL's
+    trainers: theirs)."""
     kind = model_args.trainer
     if kind in TRL_TRAINERS:
         from jtrainer.trl import sizing as trl_sizing
 
-        trainer_class = functools.partial(trl_sizing.step_trainer, kind, peft=model_args.use_peft)
         train_rows, eval_rows = args.per_device_train_batch_size, args.per_device_eval_batch_size
-        return (
-            trainer_class,
-            trl_sizing.sample_batch(kind, args, train_rows),
-            trl_sizing.sample_batch(kind, args, eval_rows),
-        )
+        return trl_sizing.sample_batch(kind, args, train_rows), trl_sizing.sample_batch(kind, args, eval_rows)
     task, length, target_length = model_args.task, data_args.block_size, data_args.max_target_length
     return (
-        Seq2SeqTrainer if task == "seq2seq" else Trainer,
         sample_batch(task, args.per_device_train_batch_size, length, target_length),
         sample_batch(task, args.per_device_eval_batch_size, length, target_length),
     )
-
-
-def _ledger_numbers(
-    compiled, eval_compiled, trainer, args, length: int, kind: str, reference: int, kernel_flops: float
-) -> dict[str, Any]:
-    """The compiled steps' ledger: memory a device holds (train, eval), parameters, tokens, XLA's counts with the
-    attention kernels' FLOPs for the whole step (its micro-batch scan runs its body GA times; XLA counts a loop's
-    body once) and the model FLOPs."""
-    from jtrainer.parallel import sharding
-
-    memory = ledger.train_memory(compiled, reference)
-    eval_memory = None
-    if eval_compiled is not None and memory is not None:
-        eval_memory = ledger.eval_memory(eval_compiled, memory["optimizer state"], bool(trainer.compute_metrics))
-    ga = args.gradient_accumulation_steps
-    costs = ledger.xla_costs(compiled)
-    n_params, trainable = ledger.parameter_counts(compiled)
-    tokens = ga * args.per_device_train_batch_size * length
-    tokens *= sharding.data_parallel_size(trainer.mesh) * (2 if kind == "dpo" else 1)
-    return {
-        "mesh": dict(trainer.mesh.shape),
-        "devices": trainer.mesh.devices.size,
-        "device_kind": trainer.mesh.devices.flat[0].device_kind,
-        "parameters": n_params,
-        "trainable_parameters": trainable,
-        "tokens_per_step": tokens,
-        "memory_per_device": memory,
-        "step_bytes_per_device": None if memory is None else sum(memory.values()),
-        "eval_memory_per_device": eval_memory,
-        "eval_bytes_per_device": None if eval_memory is None else sum(eval_memory.values()),
-        "flops_per_step_per_device": (costs["flops"] + kernel_flops) * ga,
-        "attention_kernel_flops_per_device": kernel_flops * ga,
-        "bytes_accessed_per_device": costs["bytes"] * ga,
-        # 6ND; frozen weights (LoRA's base) take no weight gradients: 2N forward + 2N input gradients + 2 x trainable.
-        "model_flops_per_step": (4 * n_params + 2 * trainable) * tokens,
-        "model_flops_name": "6ND" if trainable == n_params else "4ND+2TD",
-    }
 
 
 # `trainer: sft | dpo` (jtrainer.trl): TRL's trainers, whose rows are max_length long.
@@ -233,12 +205,13 @@ def trl_data_arguments(model_args, data_args, training_args):
     return dataclasses.replace(data_args, block_size=training_args.max_length)
 
 
-def _reference_bytes(kind: str, model_args, trainer) -> int:
+def _reference_bytes(kind: str, model_args, run: abstract_step.AbstractRun) -> int:
     """Bytes a device holds of DPO's separate reference model: the policy's weights (the same layout) in the
     compute dtype; 0 with peft, whose reference is the policy with its adapter disabled."""
     if kind != "dpo" or model_args.use_peft:
         return 0
-    return ledger.parameter_bytes(trainer.nnx_model, trainer.mesh, trainer.axis_rules, trainer.args.compute_dtype(True))
+    layout = run.layout
+    return ledger.parameter_bytes(run.held.module, layout.mesh, layout.axis_rules, run.args.compute_dtype(True))
 
 
 def _say_largest(values: list, shapes, training_args) -> None:

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
+
 from jtrainer import bridge
-from jtrainer.kinds.native import NativeModel
+from jtrainer.kinds.native import NativeModel, dotted
 from jtrainer.kinds.protocol import ModelKind, TrainedModel
 
 
@@ -32,4 +34,11 @@ def decay_parameter_names(model: Any) -> list[str]:
     return kind_of(model).decay_parameter_names(model)
 
 
-__all__ = ["ModelKind", "NativeModel", "TrainedModel", "adopt", "decay_parameter_names", "kind_of"]
+def decay_mask(held: TrainedModel, params: Any, decayed_names: list[str]) -> Any:
+    """The optimizer's weight-decay mask over the step's parameters (a pure dict): True where HF decays (the
+    names `decay_parameter_names` gives, as the held model's kind maps them onto the step's paths)."""
+    decayed = {held.decay_path(name) for name in decayed_names}
+    return jax.tree_util.tree_map_with_path(lambda path, _: dotted(path) in decayed, params)
+
+
+__all__ = ["ModelKind", "NativeModel", "TrainedModel", "adopt", "decay_mask", "decay_parameter_names", "kind_of"]

@@ -9,6 +9,7 @@ jtrainer.numerics.opt_state's.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import re
@@ -19,10 +20,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+from transformers.trainer_utils import SchedulerType
 
 from jtrainer.numerics import torch_optimizers
 from jtrainer.numerics.opt_state import hyperparameter, nested_states
-from jtrainer.numerics.schedules import Multiplier, Schedule
+from jtrainer.numerics.schedules import PER_EVALUATION, LearningRate, Multiplier, Schedule
 
 logger = logging.getLogger(__name__)
 
@@ -380,6 +382,31 @@ def make_optimizer(
         max_grad_norm=float(args.max_grad_norm or 0.0),
     )
     return tx if multiplier is None else scheduled(tx, multiplier)
+
+
+def hf_optimizer(
+    args, mask, rate: LearningRate | None, schedule: Schedule | None
+) -> tuple[optax.GradientTransformation, tuple | None]:
+    """HF's optimizer of the arguments over the decay `mask`, with the run's schedule, and its recipe: what the
+    compiled step depends on besides numbers (equal recipes share one executable; None where the schedule itself
+    is compiled into the step). With the run's `LearningRate` (None: the user's own `schedule`) stepping once per
+    update, the schedule's numbers live in the optimizer state, so trials of a search that change them reuse the
+    compiled step; a per-evaluation schedule (reduce_lr_on_plateau, greedy) sets the rate in the state itself."""
+    per_evaluation = SchedulerType(args.lr_scheduler_type).value in PER_EVALUATION
+    if rate is not None and not per_evaluation:
+        tx = make_optimizer(
+            args, mask, multiplier=rate.multiplier(), warmup_steps=rate.warmup_steps, total_steps=rate.total_steps
+        )
+        recipe = (
+            check_optimizer_name(args.optim),
+            args.optim_args,
+            rate.kind,
+            json.dumps(rate.kwargs, sort_keys=True, default=str),
+            tuple(jax.tree.leaves(mask)),
+            jax.tree.structure(mask),
+        )
+        return tx, recipe
+    return make_optimizer(args, mask, learning_rate=None if per_evaluation else schedule), None
 
 
 def scheduled(tx: optax.GradientTransformation, multiplier: Multiplier) -> optax.GradientTransformation:

@@ -154,3 +154,46 @@ def roofline(numbers: dict[str, Any], target: targets.Target, undercounted: str 
         "basis": "roofline",
         "mfu": numbers["model_flops_per_step"] / (step_s * peak * numbers["devices"]),
     }
+
+
+def step_numbers(
+    compiled: jax.stages.Compiled,
+    eval_compiled: jax.stages.Compiled | None,
+    mesh: jax.sharding.Mesh,
+    args: Any,
+    length: int,
+    sequences_per_row: int,
+    reference_bytes: int,
+    kernel_flops: float,
+    eval_returns_logits: bool,
+) -> dict[str, Any]:
+    """The compiled steps' ledger: memory a device holds (train, eval), parameters, tokens, XLA's counts with the
+    attention kernels' FLOPs for the whole step (its micro-batch scan runs its body GA times; XLA counts a loop's
+    body once) and the model FLOPs. `sequences_per_row`: 2 for DPO's pairs; `reference_bytes`: a separate
+    reference model's weights a device holds."""
+    memory = train_memory(compiled, reference_bytes)
+    evaluation = None
+    if eval_compiled is not None and memory is not None:
+        evaluation = eval_memory(eval_compiled, memory["optimizer state"], eval_returns_logits)
+    ga = args.gradient_accumulation_steps
+    costs = xla_costs(compiled)
+    n_params, trainable = parameter_counts(compiled)
+    tokens = ga * args.per_device_train_batch_size * length * sharding.data_parallel_size(mesh) * sequences_per_row
+    return {
+        "mesh": dict(mesh.shape),
+        "devices": mesh.devices.size,
+        "device_kind": mesh.devices.flat[0].device_kind,
+        "parameters": n_params,
+        "trainable_parameters": trainable,
+        "tokens_per_step": tokens,
+        "memory_per_device": memory,
+        "step_bytes_per_device": None if memory is None else sum(memory.values()),
+        "eval_memory_per_device": evaluation,
+        "eval_bytes_per_device": None if evaluation is None else sum(evaluation.values()),
+        "flops_per_step_per_device": (costs["flops"] + kernel_flops) * ga,
+        "attention_kernel_flops_per_device": kernel_flops * ga,
+        "bytes_accessed_per_device": costs["bytes"] * ga,
+        # 6ND; frozen weights (LoRA's base) take no weight gradients: 2N forward + 2N input gradients + 2 x trainable.
+        "model_flops_per_step": (4 * n_params + 2 * trainable) * tokens,
+        "model_flops_name": "6ND" if trainable == n_params else "4ND+2TD",
+    }

@@ -6,7 +6,6 @@ sequences to a high-water mark that only grows by powers of two), so the step co
 
 from __future__ import annotations
 
-import inspect
 import logging
 import queue
 import threading
@@ -16,6 +15,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from jtrainer.core import host_rng
+from jtrainer.kinds.loss_rules import call_signature
 from jtrainer.numerics.losses import IGNORE_INDEX
 
 Batch = dict[str, np.ndarray]
@@ -32,11 +32,6 @@ def has_length(dataset: Any) -> bool:
 
 def is_hf_dataset(dataset: Any) -> bool:
     return type(dataset).__module__.startswith("datasets.")
-
-
-def call_signature(model: Any) -> inspect.Signature:
-    """The model's keyword inputs: a torch module's `forward` (HF's signature check), an nnx module's call."""
-    return inspect.signature(getattr(model, "forward", None) or model.__call__)
 
 
 def model_signature_columns(model: Any) -> list[str]:

@@ -26,20 +26,19 @@ from transformers.trainer_utils import (
 )
 
 from jtrainer.core.state import split_params
-from jtrainer.kinds import user_code
+from jtrainer.kinds import loss_rules, user_code
 from jtrainer.numerics.losses import IGNORE_INDEX
 from jtrainer.numerics.step import (
     EvalOutputs,
     LossSpec,
     MicroBatching,
-    PreprocessPlacement,
     batch_label_values,
     graphdef_in_mode,
-    make_eval_step,
     make_shard_loss_step,
 )
 from jtrainer.parallel import distributed, sharding
 from jtrainer.runtime import compiled_steps
+from jtrainer.sizing import abstract_step
 from jtrainer.trainer import data
 from jtrainer.trainer.overrides import check_loader
 from jtrainer.trainer.trainer_parts import TrainerParts
@@ -228,13 +227,7 @@ class EvaluationMixin(TrainerParts):
         return output
 
     def _eval_micro_batching(self) -> MicroBatching | None:
-        """Eval batches larger than training's: micro-batches of per_device_train_batch_size rows a data shard, the
-        rows training holds activations for (the eval step splits only a loss-only evaluation of the model's own
-        chunked loss, which the parts add up to: `make_eval_step`)."""
-        args = self.args
-        if args.per_device_eval_batch_size <= args.per_device_train_batch_size:
-            return None
-        return MicroBatching(args.per_device_train_batch_size, sharding.data_parallel_size(self.mesh))
+        return abstract_step.eval_micro_batching(self.args, self.mesh)
 
     def _eval_step(self, spec: LossSpec, want_logits: bool, ignore_keys: tuple[str, ...]):
         """The jitted eval step, shared by structure like the train step (trials of a search reuse it)."""
@@ -242,14 +235,12 @@ class EvaluationMixin(TrainerParts):
         micro = self._eval_micro_batching()
         key = (graphdef, spec, want_logits, self.preprocess_logits_for_metrics, ignore_keys, micro)
         if key not in compiled_steps.EVAL_STEPS:
-            placement = PreprocessPlacement()
             preprocess, in_torch = self.preprocess_logits_for_metrics, None
             if preprocess is not None and user_code.runs_in_torch():
                 in_torch = user_code.function_in_torch(preprocess)  # torch code (HF's contract) inside the step
-            step = jax.jit(
-                make_eval_step(graphdef, spec, want_logits, preprocess, ignore_keys, placement, in_torch, micro)
+            compiled_steps.EVAL_STEPS[key] = abstract_step.eval_step(
+                graphdef, spec, want_logits, ignore_keys, micro, preprocess, in_torch
             )
-            compiled_steps.EVAL_STEPS[key] = (step, placement)
         step, self._preprocess_placement = compiled_steps.EVAL_STEPS[key]
         return step
 
@@ -308,11 +299,8 @@ class EvaluationMixin(TrainerParts):
         return np.repeat(per_shard, global_rows // shards)[:rows]
 
     def _ignore_keys(self, ignore_keys) -> tuple[str, ...]:
-        """HF's default: the config's keys_to_ignore_at_inference (["cache"] without one), none without a config."""
-        if ignore_keys is None:
-            config = getattr(self.model, "config", None)
-            ignore_keys = [] if config is None else getattr(config, "keys_to_ignore_at_inference", ["cache"])
-        return tuple(ignore_keys)
+        """HF's default: the config's keys_to_ignore_at_inference (`loss_rules.ignore_keys_at_inference`)."""
+        return loss_rules.ignore_keys_at_inference(self.model) if ignore_keys is None else tuple(ignore_keys)
 
     def evaluation_loop(
         self, dataloader, description, prediction_loss_only=None, ignore_keys=None, metric_key_prefix="eval"

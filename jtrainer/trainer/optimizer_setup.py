@@ -3,10 +3,8 @@ optax, and the parameter/FLOP counts HF reports."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-import jax
 import numpy as np
 import optax
 from flax import nnx
@@ -14,7 +12,6 @@ from transformers.trainer_utils import SchedulerType
 
 from jtrainer import kinds
 from jtrainer.kinds import user_code
-from jtrainer.kinds.native import dotted
 from jtrainer.models.base import count_parameters
 from jtrainer.numerics import opt_state as opt_states
 from jtrainer.numerics import optim, schedules
@@ -64,8 +61,7 @@ class OptimizerMixin(TrainerParts):
         return kinds.decay_parameter_names(model or self.model)
 
     def _decay_mask_tree(self, params):
-        decayed = {self._held.decay_path(name) for name in self.get_decay_parameter_names()}
-        return jax.tree_util.tree_map_with_path(lambda p, _: dotted(p) in decayed, params)
+        return kinds.decay_mask(self._held, params, self.get_decay_parameter_names())
 
     def _torch_optimizer_given(self) -> bool:
         """A torch optimizer from the user (optimizers=(torch optimizer, ...) or a torch optimizer_cls)."""
@@ -139,26 +135,12 @@ class OptimizerMixin(TrainerParts):
                 rate.drives_optimizer = True
             return self.optimizer
         args = self.args
+        self.optimizer, self._optimizer_recipe = optim.hf_optimizer(args, mask, rate, self.lr_scheduler)
+        if self._optimizer_recipe is not None:
+            assert rate is not None
+            rate.in_optimizer_state = rate.drives_optimizer = True
         kind = SchedulerType(args.lr_scheduler_type).value
         per_evaluation = kind in schedules.PER_EVALUATION
-        if rate is not None and not per_evaluation:
-            # HF's schedule from the state's numbers: trials that change them reuse the compiled step.
-            self.optimizer = optim.make_optimizer(
-                args, mask, multiplier=rate.multiplier(), warmup_steps=rate.warmup_steps, total_steps=rate.total_steps
-            )
-            rate.in_optimizer_state = rate.drives_optimizer = True
-            self._optimizer_recipe = (
-                optim.check_optimizer_name(args.optim),
-                args.optim_args,
-                rate.kind,
-                json.dumps(rate.kwargs, sort_keys=True, default=str),
-                tuple(jax.tree.leaves(mask)),
-                jax.tree.structure(mask),
-            )
-        else:
-            self.optimizer = optim.make_optimizer(
-                args, mask, learning_rate=None if per_evaluation else self.lr_scheduler
-            )
         if per_evaluation:
             if rate is None:  # the user's lr_scheduler, with a per-evaluation lr_scheduler_type
                 rate = self._learning_rate = schedules.LearningRate(kind, float(args.learning_rate), 0, 0)

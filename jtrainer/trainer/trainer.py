@@ -9,16 +9,12 @@ The host only dispatches steps, reads metrics when it logs, and runs HF's callba
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import inspect
 import logging
 import math
 import os
-import re
 import sys
 import time
-import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -44,28 +40,19 @@ from jtrainer.checkpointing import checkpoint, run_lock
 from jtrainer.core import host_rng, storage
 from jtrainer.core.callbacks import JITCheckpointCallback
 from jtrainer.core.state import Frozen, LoopState, TrainState, split_params
-from jtrainer.kinds import user_code
-from jtrainer.models.base import PretrainedMixin
-from jtrainer.numerics import dependence, mixed_precision, optim
-from jtrainer.numerics.losses import LabelSmoother, check_class_labels, count_label_tokens
+from jtrainer.kinds import loss_rules
+from jtrainer.numerics import optim
+from jtrainer.numerics.losses import check_class_labels
 from jtrainer.numerics.step import (
-    UNTRACEABLE,
-    LossMode,
     LossSpec,
     StepBatch,
     active_base_spec,
-    apply_model,
-    bound_model,
-    cast_frozen,
     graphdef_in_mode,
-    make_train_step,
-    split_outputs,
 )
 from jtrainer.numerics.step import compute_loss as step_compute_loss
-from jtrainer.numerics.step_metrics import recording
 from jtrainer.parallel import distributed, sharding
 from jtrainer.runtime import compiled_steps, startup
-from jtrainer.sizing import batch_size
+from jtrainer.sizing import abstract_step, batch_size
 from jtrainer.trainer import data, saving
 from jtrainer.trainer.args import TrainingArguments
 from jtrainer.trainer.evaluation import EvaluationMixin
@@ -103,75 +90,6 @@ def _continue_generators_after(run: TrainingRun) -> None:
             host_rng.restore(state)
 
 
-def _label_smoother(args, model) -> LabelSmoother | None:
-    """HF's label smoother: none without label_smoothing_factor, and none (with HF's warning) for a multi-label
-    classifier, whose float targets it cannot smooth."""
-    if not args.label_smoothing_factor:
-        return None
-    if getattr(getattr(model, "config", None), "problem_type", None) == "multi_label_classification":
-        warnings.warn(
-            "Label smoothing is not compatible with multi-label classification. "
-            "Disabling label smoothing for this training run.",
-            UserWarning,
-        )
-        return None
-    return LabelSmoother(args.label_smoothing_factor)
-
-
-def _is_causal_lm(model: Any) -> bool:
-    if hasattr(model, "loss_shifts_labels"):
-        return bool(model.loss_shifts_labels)
-    name = type(model).__name__
-    return name.endswith("ForCausalLM") or name.endswith("LMHeadModel")
-
-
-# The names PreTrainedModel maps to ForCausalLMLoss through its class name (transformers' LOSS_MAPPING).
-_CAUSAL_LM_LOSS_NAME = re.compile(r"ForCausalLM|ForConditionalGeneration")
-
-
-def _counts_shifted_labels(model: Any) -> bool:
-    """HF's _loss_shifts_labels: num_items_in_batch counts labels[..., 1:] when the model's loss_type is the
-    causal-LM loss (PreTrainedModel derives it from the class name: GPT2LMHeadModel has none) and the model is
-    not an encoder-decoder."""
-    loss_type = getattr(model, "loss_type", None)
-    if loss_type is None and isinstance(model, PretrainedMixin):
-        loss_type = next(iter(_CAUSAL_LM_LOSS_NAME.findall(type(model).__name__)), None)
-    causal_loss = loss_type is not None and _CAUSAL_LM_LOSS_NAME.fullmatch(str(loss_type)) is not None
-    return causal_loss and not getattr(getattr(model, "config", None), "is_encoder_decoder", False)
-
-
-def _accepts_loss_kwargs(model: Any) -> bool:
-    """HF's model_accepts_loss_kwargs: the model's own flag, else whether its call takes **kwargs."""
-    if hasattr(model, "accepts_loss_kwargs"):
-        return bool(model.accepts_loss_kwargs)
-    params = data.call_signature(model).parameters.values()
-    return any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params)
-
-
-# torch's error when backward() starts from a loss no trainable parameter reaches (HF's Trainer raises it).
-NO_GRAD = "element 0 of tensors does not require grad and does not have a grad_fn"
-
-
-def _no_loss_error(outputs: Any, inputs: data.Batch) -> Exception:
-    """transformers.Trainer's error for a torch model given labels that returns no loss: its ValueError for a
-    dict, torch's for a tuple (HF takes `outputs[0]`, the logits, as the loss and backward() fails)."""
-    if isinstance(outputs, dict):
-        return ValueError(
-            "The model did not return a loss from the inputs, only the following keys: "
-            f"{','.join(outputs.keys())}. For reference, the inputs it received are {','.join(inputs.keys())}."
-        )
-    return RuntimeError(
-        "grad can be implicitly created only for scalar outputs: the model was given labels and returned no loss "
-        "(transformers.Trainer takes its first output as the loss). Return the loss first, or pass "
-        "compute_loss_func."
-    )
-
-
-def _takes_labels(model: Any, label_names: list[str]) -> bool:
-    params = data.call_signature(model).parameters
-    return label_names[0] in params or any(p.kind == p.VAR_KEYWORD for p in params.values())
-
-
 def _check_deterministic_backend() -> None:
     """full_determinism: XLA is deterministic on CPU and TPU; on GPU only with its deterministic-ops flag, which
     must be set before jax starts."""
@@ -182,15 +100,6 @@ def _check_deterministic_backend() -> None:
         )
 
 
-def _default_label_names(model: Any) -> list[str]:
-    """HF's find_labels: the model's arguments named like labels (QA models: also start/end positions). A model
-    taking none (its loss left to the Trainer) keeps ["labels"]."""
-    params = data.call_signature(model).parameters
-    qa = "QuestionAnswering" in type(model).__name__
-    found = [p for p in params if "label" in p or (qa and p in ("start_positions", "end_positions"))]
-    return found or ["labels"]
-
-
 class PreparedWindow(NamedTuple):
     batches: list[data.Batch]  # this process's micro-batches, as collated
     step_batch: StepBatch  # the same, padded and placed on the mesh
@@ -199,17 +108,6 @@ class PreparedWindow(NamedTuple):
     # window's first batch has drawn already (None without a training stream)
     generators_after: host_rng.HostRngState | None = None
     read_ahead: bool = False  # whether the epoch had a next batch to read ahead
-
-
-def _tile_rows(example: data.Batch, rows: int) -> dict[str, np.ndarray]:
-    """`example`'s rows repeated to `rows` (a global batch of its shapes)."""
-    return {k: np.concatenate([np.asarray(v)] * (rows // len(v))) for k, v in example.items()}
-
-
-def _abstract_batch(mesh, batch: dict[str, np.ndarray], row_dim: int) -> dict[str, jax.ShapeDtypeStruct]:
-    """The batch's shapes laid out as training places it (rows split over the data shards), with no data."""
-    shardings = sharding.batch_shardings(mesh, batch, row_dim=row_dim)
-    return {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=shardings[k]) for k, v in batch.items()}
 
 
 def _same_folder(a: str, b: str) -> bool:
@@ -244,18 +142,6 @@ def _check_constructor_arguments(args, model, model_init, optimizers, optimizer_
         raise RuntimeError("`Trainer` requires either a `model` or `model_init` argument")
 
 
-def _mesh(args) -> jax.sharding.Mesh:
-    """The run's device mesh, from the arguments' parallelism over every device."""
-    mesh = sharding.make_mesh(sharding.resolve_mesh_shape(args, len(sharding.mesh_devices())))
-    if not args.average_tokens_across_devices and sharding.data_parallel_size(mesh) > 1:
-        raise ValueError(
-            "average_tokens_across_devices=False normalises each data shard's loss by its own label count (HF's "
-            "per-process rule), which one global step does not reproduce: leave it True (HF's default) on "
-            f"{sharding.data_parallel_size(mesh)} data shards."
-        )
-    return mesh
-
-
 class Trainer(
     OptimizerMixin,
     EvaluationMixin,
@@ -283,7 +169,7 @@ class Trainer(
     @property
     def can_return_loss(self) -> bool:
         """HF's: whether the model's forward (a native model's call) takes `return_loss`, default True."""
-        parameter = data.call_signature(self._inspected_model).parameters.get("return_loss")
+        parameter = loss_rules.call_signature(self._inspected_model).parameters.get("return_loss")
         return parameter is not None and parameter.default is True
 
     def __init__(
@@ -322,14 +208,15 @@ class Trainer(
         self.optimizer, self.lr_scheduler = optimizers
         self.optimizer_cls_and_kwargs = optimizer_cls_and_kwargs
         inspected = self._inspected_model
-        self.label_names = list(args.label_names) if args.label_names is not None else _default_label_names(inspected)
-        self.model_accepts_loss_kwargs = _accepts_loss_kwargs(inspected)
-        self.label_smoother = _label_smoother(args, model)
+        names = args.label_names if args.label_names is not None else loss_rules.default_label_names(inspected)
+        self.label_names = list(names)
+        self.model_accepts_loss_kwargs = loss_rules.accepts_loss_kwargs(inspected)
+        self.label_smoother = loss_rules.label_smoother(args, model)
         self.loss_is_scaled_for_ga: bool | None = None  # HF 5.x: set by a compute_loss override that normalises
         check_overrides(self)
         if args.full_determinism:
             _check_deterministic_backend()
-        self.mesh = _mesh(args)
+        self.mesh = abstract_step.run_mesh(args)
         self.axis_rules = sharding.merged_rules(args.logical_axis_rules)
         self._check_layout()
         self._apply_chunked_loss()
@@ -396,16 +283,14 @@ class Trainer(
 
     def _check_layout(self) -> None:
         """Every sharding error (mesh vs heads, dimensions vs axis sizes) is raised here, before compiling."""
-        if hasattr(self.nnx_model, "check_mesh"):
-            self.nnx_model.check_mesh(self.mesh)
-        self._param_specs = sharding.param_specs(self.nnx_model, self.mesh, self.axis_rules)
+        self._param_specs = self._layout().param_specs
+
+    def _layout(self) -> abstract_step.Layout:
+        return abstract_step.Layout.of(self.nnx_model, self.mesh, self.axis_rules)
 
     def _mesh_context(self):
         """The mesh and logical rules under which model code traces (activation constraints read them)."""
-        stack = contextlib.ExitStack()
-        stack.enter_context(jax.set_mesh(self.mesh))
-        stack.enter_context(sharding.axis_rules(self.axis_rules))
-        return stack
+        return abstract_step.tracing(self.mesh, self.axis_rules)
 
     # ----------------------------------------------------------------------------------------------- callbacks
     def add_callback(self, callback):
@@ -424,22 +309,8 @@ class Trainer(
         return self.args.process_index == 0
 
     def _apply_chunked_loss(self) -> None:
-        """The causal-LM loss in chunks of positions where nothing but the loss reads the logits (the model's
-        `loss_chunk_positions`), and use_liger_kernel's skip_logits in every training call (HF patches in Liger's
-        fused linear cross-entropy). A model without the chunked loss trains with whole logits; with
-        use_liger_kernel it says so, as HF's Liger integration does for model types it has no kernels for."""
-        positions = self.args.chunked_loss_positions()
-        model = self.nnx_model
-        if not getattr(model, "chunks_causal_lm_loss", False):
-            if self.args.use_liger_kernel and positions is not None:
-                logger.warning(
-                    "use_liger_kernel: %s has no chunked loss (causal LMs of jtrainer's families and transformers' "
-                    "have); it trains with whole logits.",
-                    type(self.model).__name__,
-                )
-            return
-        model.loss_chunk_positions = positions
-        model.skip_logits_in_training = bool(self.args.use_liger_kernel and positions is not None)
+        """The model's chunked causal-LM loss where nothing else reads the logits (`abstract_step.use_chunked_loss`)."""
+        abstract_step.use_chunked_loss(self.nnx_model, self.args, type(self.model).__name__)
 
     def call_model_init(self, trial=None) -> nnx.Module:
         params = inspect.signature(self.model_init).parameters
@@ -515,188 +386,39 @@ class Trainer(
         return self.get_eval_dataloader(test_dataset)
 
     # ---------------------------------------------------------------------------------------------- the step
+    def _loss_context(self) -> loss_rules.LossContext:
+        """What HF's loss rules read: the held model, the arguments and HF's loss attributes as they stand now."""
+        return loss_rules.LossContext(
+            held=self._held,
+            args=self.args,
+            label_names=tuple(self.label_names),
+            accepts_loss_kwargs=self.model_accepts_loss_kwargs,
+            label_smoother=self.label_smoother,
+            compute_loss_func=self.compute_loss_func,
+            tracing=self._mesh_context,
+        )
+
     def _loss_spec(self, sample: data.Batch, training: bool = True) -> LossSpec:
-        """Decide, before compiling, how the loss is computed and normalised (HF's rules); a subclass's
-        compute_loss override runs inside the step, its super() with the Trainer's own rules."""
-        if training and not jax.tree.leaves(split_params(self.nnx_model)[1]):
-            raise RuntimeError(
-                f"{NO_GRAD}: {type(self.model).__name__} has no trainable parameters (each one has "
-                "requires_grad=False, or none exists): nothing would train."
-            )
+        """Decide, before compiling, how the loss is computed and normalised (HF's rules: `loss_rules`); a
+        subclass's compute_loss override runs inside the step, its super() with the Trainer's own rules."""
+        context = self._loss_context()
+        loss_rules.require_trainable(context, training)
         base = self._default_loss_spec(sample, training)
         if type(self).compute_loss is Trainer.compute_loss:  # (a jtrainer subclass's own loss counts too: TRL's)
             return base
-        has_labels = "labels" in sample  # HF's _get_num_items_in_batch looks for "labels" itself
-        pass_num_items = has_labels and (self.model_accepts_loss_kwargs or self.compute_loss_func is not None)
-        scaled = self.loss_is_scaled_for_ga
-        if scaled is None:
-            scaled = (self.model_accepts_loss_kwargs and pass_num_items) or self.compute_loss_func is not None
-        spec = dataclasses.replace(
-            base,
-            mode=LossMode.OVERRIDE,
-            compute_loss=self.compute_loss,
-            base=base,
-            pass_num_items=pass_num_items,
-            scaled_for_ga=bool(scaled),
-            padding_neutral=False,
-            num_classes=None,  # the override's labels may mean something else: the config's classes
-            chunked_model_loss=False,  # the override may read the outputs' logits
-        )
-        return self._probe_compute_loss(spec, sample, training)
-
-    def _probe_compute_loss(self, spec: LossSpec, sample: data.Batch, training: bool = True) -> LossSpec:
-        """Trace the override once on the batch's shapes, before compiling. An override written in torch (HF's
-        documented examples) runs in the step through torchax when the script has torch (tried first for a torch
-        model, after jax.numpy for a native one); code that runs neither way (numpy conversions, float()) fails
-        here with its name, as does a non-scalar loss."""
-        candidates = [spec]
-        if user_code.runs_in_torch() and not getattr(self.compute_loss, "written_in_jax", False):
-            in_torch = dataclasses.replace(spec, compute_loss=user_code.compute_loss_in_torch(self.compute_loss))
-            candidates = [in_torch, spec] if self._held.user_code_in_torch_first else [spec, in_torch]
-        errors = []
-        for candidate in candidates:
-            try:
-                loss, trained, recorded = self._trace_compute_loss(candidate, sample)
-                break
-            except Exception as error:  # noqa: BLE001  (the next way may run it; else the first error is raised)
-                errors.append(error)
-        else:
-            self._raise_untraceable(errors[0])
-        if getattr(loss, "shape", None) != ():
-            raise ValueError(f"{type(self).__name__}.compute_loss must return a scalar loss; it returned {loss!r}.")
-        if training and not trained:
-            raise RuntimeError(
-                f"{NO_GRAD}: no trainable parameter reaches the loss {type(self).__name__}.compute_loss returns "
-                "(a detach(), torch.no_grad() or stop_gradient cuts it off)."
-            )
-        return dataclasses.replace(candidate, recorded=recorded)
-
-    def _trace_compute_loss(self, spec: LossSpec, sample: data.Batch):
-        """The override's loss, traced on the batch's shapes (nothing runs), whether the trainable parameters
-        reach it, and the names it records (step_metrics.record)."""
-        graphdef, params, rest = split_params(self.nnx_model)
-        probe = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in sample.items()}
-
-        names: list[str] = []
-
-        def loss_of(p, s, inputs):
-            with bound_model(graphdef, p, s, spec.compute_dtype) as model, recording() as recorded:
-                num_items = count_label_tokens(inputs["labels"], spec.count_shifted) if spec.pass_num_items else None
-                loss = step_compute_loss(model, inputs, spec, num_items)
-            names.extend(recorded)
-            return loss
-
-        with self._mesh_context():
-            traced, loss = jax.make_jaxpr(loss_of, return_shape=True)(params, rest, probe)
-        trainable = [True] * len(jax.tree.leaves(params)) + [False] * len(jax.tree.leaves((rest, probe)))
-        return loss, any(dependence.outputs_reached(traced, trainable)), tuple(sorted(names))
-
-    def _raise_untraceable(self, error: Exception):
         name = f"{type(self).__name__}.compute_loss"
-        op = user_code.unlowered_op(error)
-        if op is not None:
-            raise NotImplementedError(
-                f"{name} calls torch's {op}, which torchax cannot lower to JAX: the compiled step cannot run it. "
-                "Write that part another way (or with jax.numpy)."
-            ) from None
-        if isinstance(error, UNTRACEABLE):
-            raise TypeError(
-                f"{name} cannot run inside the compiled train step: {str(error).splitlines()[0]}. Write it with "
-                "jax.numpy or torch on the arrays it receives (no numpy conversion, .item() or float()), calling "
-                "`model`, not `self.model`."
-            ) from error
-        raise error
+        return loss_rules.override_spec(
+            context, base, self.compute_loss, sample, training, self.loss_is_scaled_for_ga, name
+        )
 
     def _default_loss_spec(self, sample: data.Batch, training: bool) -> LossSpec:
-        """The Trainer's own loss (`_default_loss_rules`); where the Trainer computes the cross-entropy itself,
-        with the logits' class count, which labels must lie under (a gather would read any other label as 0)."""
-        spec = self._default_loss_rules(sample, training)
-        if spec.mode is LossMode.TRAINER and any(name in sample for name in self.label_names):
-            spec = dataclasses.replace(spec, num_classes=self._logits_width(sample))
-        return spec
-
-    def _abstract_outputs(self, inputs: data.Batch):
-        """The model's outputs on `inputs`' shapes and dtypes, traced, not run."""
-        graphdef, params, rest = split_params(self.nnx_model)
-        probe = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in inputs.items()}
-        with self._mesh_context():
-            return jax.eval_shape(lambda p, s, x: apply_model(graphdef, p, s, x)[0], params, rest, probe)
-
-    def _logits_width(self, sample: data.Batch) -> int | None:
-        _, logits = split_outputs(
-            self._abstract_outputs({k: v for k, v in sample.items() if k not in self.label_names})
-        )
-        return int(logits.shape[-1]) if getattr(logits, "ndim", 0) else None
+        """The Trainer's own loss (`loss_rules.default_spec`; TRL's trainers have their own)."""
+        return loss_rules.default_spec(self._loss_context(), sample, training)
 
     def _label_classes(self, spec: LossSpec) -> int | None:
         """The class count labels are checked against: the logits' where the Trainer computes the loss, else the
         model's config (`_num_classes`)."""
         return spec.num_classes if spec.num_classes is not None else self._num_classes()
-
-    def _default_loss_rules(self, sample: data.Batch, training: bool) -> LossSpec:
-        """HF's rules for the Trainer's own loss. Without labels, evaluation and prediction still run (no loss),
-        as in HF; training fails here, named."""
-        causal = _is_causal_lm(self._inspected_model)
-        has_labels = any(name in sample for name in self.label_names)
-        smoothing = self.label_smoother.epsilon if self.label_smoother is not None else 0.0
-        common = dict(
-            label_names=tuple(self.label_names),
-            causal=causal,
-            count_shifted=_counts_shifted_labels(self._inspected_model),
-            compute_dtype=self.args.compute_dtype(training),
-            accepts_loss_kwargs=self.model_accepts_loss_kwargs,
-            skip_logits_in_loss_only=self.args.use_liger_kernel,
-        )
-        if has_labels and self.compute_loss_func is not None:
-            counted = "labels" in sample  # HF's num_items_in_batch counts the "labels" column only (else None)
-            return LossSpec(LossMode.CUSTOM, compute_loss_func=self.compute_loss_func, pass_num_items=counted, **common)
-        if has_labels and smoothing > 0:
-            labels = sample[self.label_names[0]]
-            if not np.issubdtype(labels.dtype, np.integer):
-                raise ValueError(
-                    f"label_smoothing_factor={smoothing} smooths class labels, but the {self.label_names[0]!r} column "
-                    f"holds {labels.dtype} values (regression or multi-label targets). Set label_smoothing_factor=0."
-                )
-            # HF's label smoother gets num_items_in_batch only from a model taking loss kwargs; else it is a
-            # per-batch mean, divided by the window's micro-batches.
-            counted = self.model_accepts_loss_kwargs
-            return LossSpec(
-                LossMode.TRAINER,
-                label_smoothing=smoothing,
-                pass_num_items=counted,
-                scaled_for_ga=counted,
-                padding_neutral=counted,
-                **common,
-            )
-        if has_labels and not _takes_labels(self._inspected_model, self.label_names):
-            return LossSpec(LossMode.TRAINER, padding_neutral=True, **common)
-        if (
-            not has_labels
-            and not training
-            and getattr(getattr(self.model, "config", None), "is_encoder_decoder", False)
-        ):
-            # An encoder-decoder cannot run without labels (no decoder inputs): prediction only generates.
-            return LossSpec(LossMode.TRAINER, padding_neutral=True, **common)
-        outputs = self._abstract_outputs(sample)
-        loss, _ = split_outputs(outputs)
-        if loss is None and has_labels and self._held.must_return_loss:
-            raise _no_loss_error(outputs, sample)  # HF computes no loss of its own for a torch model
-        if loss is not None:
-            # The model's own causal-LM loss with labels: computed without whole logits (nothing else reads them).
-            chunked = has_labels and getattr(self.nnx_model, "chunks_causal_lm_loss", False)
-            if has_labels and self.model_accepts_loss_kwargs and "labels" in sample:  # HF counts "labels" only
-                neutral = self._held.loss_ignores_padding
-                return LossSpec(LossMode.MODEL_SUM, padding_neutral=neutral, chunked_model_loss=chunked, **common)
-            return LossSpec(
-                LossMode.MODEL_MEAN, pass_num_items=False, scaled_for_ga=False, chunked_model_loss=chunked, **common
-            )
-        if has_labels or not training:
-            return LossSpec(LossMode.TRAINER, padding_neutral=True, **common)
-        raise ValueError(
-            f"The model did not return a loss from the inputs, and the batch has no label column "
-            f"{self.label_names}: its columns are {sorted(sample)}. Add a 'labels' column (or set "
-            "--label_names), or pass compute_loss_func."
-        )
 
     def _evaluation_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
         """An evaluation batch as placed on the mesh, before the eval step; a Trainer whose loss reads values
@@ -718,56 +440,21 @@ class Trainer(
             spec = self._default_loss_spec({k: np.asarray(v) for k, v in inputs.items()}, training=True)
         return step_compute_loss(model, inputs, spec, num_items_in_batch, return_outputs)
 
-    def _state_shardings(self, tx: optax.GradientTransformation, params) -> TrainState:
-        """NamedShardings of the train state: parameters and their optimizer moments by the logical rules."""
-        replicated = sharding.replicated(self.mesh)
-        param_shardings = sharding.named(self.mesh, self._param_specs)
-        # Moments shaped like their parameter share its sharding; others (Adafactor's factored rows and
-        # columns, scalars) are replicated.
-        masked = lambda leaf: isinstance(leaf, optax.MaskedNode)  # noqa: E731  (multi_transform: other groups')
-        opt_shardings = optax.tree_map_params(
-            tx,
-            lambda leaf, s, param: leaf if masked(leaf) else s if leaf.shape == param.shape else replicated,
-            jax.eval_shape(tx.init, params),
-            param_shardings,
-            params,
-            transform_non_params=lambda _: replicated,
-            is_leaf=masked,
-        )
-        return TrainState(
-            step=replicated,
-            params=param_shardings,
-            opt_state=opt_shardings,
-            model_state=sharding.model_state_shardings(self.nnx_model, self.mesh, self.axis_rules),
-            rng=replicated,
-        )
+    def _state_layout(self) -> abstract_step.Layout:
+        """The layout the train state takes (the parameters' specs as `_check_layout` found them)."""
+        return abstract_step.Layout(self.mesh, self.axis_rules, self._param_specs)
 
     def _initial_train_state(self, tx: optax.GradientTransformation) -> tuple[TrainState, TrainState]:
         """The state placed on its shardings (so the second step does not recompile), built by one jit, and
         those shardings (the step's output shardings)."""
         _, param_state, rest = split_params(self.nnx_model)
         params = nnx.to_pure_dict(param_state)
-        shardings = self._state_shardings(tx, params)
+        shardings = abstract_step.state_shardings(tx, params, self.nnx_model, self._state_layout())
         # Copies: the step donates its buffers and the user's model keeps its own.
         params = sharding.place(params, shardings.params)
         rest = sharding.place(rest, shardings.model_state)
-        return jax.jit(self._train_state_init(tx), out_shardings=shardings)(params, rest), shardings
-
-    def _train_state_init(self, tx: optax.GradientTransformation) -> Callable[..., TrainState]:
-        """The pure (params, model_state) -> fresh TrainState function (also traced abstractly by `jtrainer check`)."""
-        seed = self.args.seed
-        frozen_dtype = self.args.compute_dtype(True)  # frozen weights (peft's base) held as they compute
-
-        def init(params, rest):
-            return TrainState(
-                step=jnp.zeros((), jnp.int32),
-                params=params,
-                opt_state=tx.init(params),
-                model_state=cast_frozen(rest, frozen_dtype),
-                rng=jax.random.key_data(jax.random.key(seed)),
-            )
-
-        return init
+        init = abstract_step.train_state_init(tx, self.args)
+        return jax.jit(init, out_shardings=shardings)(params, rest), shardings
 
     def _compiled_train_step(self, tx: optax.GradientTransformation, spec: LossSpec, state_shardings: TrainState):
         """The jitted train step. When the Trainer built the optimizer, the step depends only on structure (the
@@ -790,11 +477,7 @@ class Trainer(
             )
             if key in compiled_steps.TRAIN_STEPS:
                 return compiled_steps.TRAIN_STEPS[key]
-        train_step = jax.jit(
-            make_train_step(graphdef, tx, spec, grad_shardings=state_shardings.params),
-            out_shardings=(state_shardings, sharding.replicated(self.mesh)),
-            donate_argnums=(0,),
-        )
+        train_step = abstract_step.train_step(graphdef, tx, spec, state_shardings, self.mesh)
         if key is not None:
             compiled_steps.TRAIN_STEPS[key] = train_step
         return train_step
@@ -802,44 +485,37 @@ class Trainer(
     def compile_train_step(self, example: data.Batch, num_training_steps: int) -> jax.stages.Compiled:
         """The train step this trainer runs, compiled ahead of time on its mesh for global batches shaped like
         `example` (one device's `per_device_train_batch_size` collated rows, repeated over the data shards and
-        the accumulated micro-batches), without allocating parameters or reading data. What `jtrainer check`
-        measures, for the local devices or, built under `sharding.use_devices`, a compile-only target."""
+        the accumulated micro-batches), without allocating parameters or reading data: for the local devices
+        or, built under `sharding.use_devices`, a compile-only target (`jtrainer check` calls the same
+        `sizing.abstract_step` functions without a Trainer)."""
         return self.compile_traced(self.trace_train_step(example, num_training_steps))
 
     def trace_train_step(self, example: data.Batch, num_training_steps: int) -> jax.stages.Traced:
-        """`compile_train_step`'s program, traced (its jaxpr: what `jtrainer check` reads when XLA refuses it)."""
-        ga = self.args.gradient_accumulation_steps
-        sample = _tile_rows(example, self.args.per_device_train_batch_size * sharding.data_parallel_size(self.mesh))
+        """`compile_train_step`'s program, traced."""
+        sample = abstract_step.global_sample(example, self.args.per_device_train_batch_size, self.mesh)
         spec = self._loss_spec(sample)
         tx, shardings, state = self._abstract_train_state(num_training_steps)
-        stacked = {k: np.broadcast_to(v, (ga, *v.shape)) for k, v in sample.items()}
-        step_batch = StepBatch(
-            inputs=_abstract_batch(self.mesh, stacked, row_dim=1),
-            micro_weight=jax.ShapeDtypeStruct((ga,), np.float32, sharding=sharding.replicated(self.mesh)),
+        step = self._compiled_train_step(tx, spec, shardings)
+        return abstract_step.trace_train_step(
+            step, state, sample, self.args.gradient_accumulation_steps, self._state_layout()
         )
-        sharding.check_length_divisible(sample["input_ids"].shape[1] if "input_ids" in sample else None, self.mesh)
-        train_step = self._compiled_train_step(tx, spec, shardings)
-        with self._mesh_context():
-            return train_step.trace(state, step_batch)
 
     def compile_traced(self, traced: jax.stages.Traced) -> jax.stages.Compiled:
         """A traced step lowered and compiled on this trainer's mesh."""
-        with self._mesh_context():
-            return traced.lower().compile()
+        return abstract_step.compile_traced(traced, self._state_layout())
 
     def compile_eval_step(self, example: data.Batch, num_training_steps: int) -> jax.stages.Compiled:
         """The eval step `evaluate()` runs during training (on the train state's parameters; returning logits
         when there are metrics to compute from them, as HF), compiled ahead of time for batches of
         `per_device_eval_batch_size` rows shaped like `example` per data shard. Like `compile_train_step`,
         nothing is allocated."""
-        sample = _tile_rows(example, self.args.per_device_eval_batch_size * sharding.data_parallel_size(self.mesh))
+        sample = abstract_step.global_sample(example, self.args.per_device_eval_batch_size, self.mesh)
         spec = self._loss_spec(sample, training=False)
         _, _, state = self._abstract_train_state(num_training_steps)
         loss_only = self._evaluate_loss_only()
         want_logits = not (self.args.prediction_loss_only if loss_only is None else loss_only) and not self._generates()
         step = self._eval_step(spec, want_logits, self._ignore_keys(None))
-        with self._mesh_context():
-            return step.lower(state.params, state.model_state, _abstract_batch(self.mesh, sample, row_dim=0)).compile()
+        return abstract_step.compile_eval_step(step, state, sample, self._state_layout())
 
     def _abstract_train_state(self, num_training_steps: int):
         """(optimizer, state shardings, the train state as ShapeDtypeStructs laid out by them): the state training
@@ -850,25 +526,11 @@ class Trainer(
 
     def _abstract_train_state_of(self, tx: optax.GradientTransformation) -> tuple[TrainState, TrainState]:
         """(state shardings, the train state `tx` would start from as ShapeDtypeStructs on them)."""
-        _, param_state, rest = split_params(self.nnx_model)
-        params = nnx.to_pure_dict(param_state)
-        shardings = self._state_shardings(tx, params)
-        shapes = jax.eval_shape(self._train_state_init(tx), params, rest)
-        state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
-        return shardings, state
+        return abstract_step.abstract_train_state(self.nnx_model, tx, self._state_layout(), self.args)
 
     def _step_optimizer(self) -> optax.GradientTransformation:
-        """The optimizer as the step applies it: HF's gradient clipping in front (max_grad_norm > 0), under fp16's
-        dynamic loss scaling (which skips non-finite updates itself), or skipping non-finite updates when
-        nan_inf_policy='skip'."""
-        tx = self._optax_optimizer()
-        if self.args.max_grad_norm and self.args.max_grad_norm > 0:
-            tx = optim.clip_grad_norm(tx, float(self.args.max_grad_norm))
-        if self.args.fp16:
-            return mixed_precision.dynamic_loss_scaling(tx)
-        if self.args.nan_inf_policy == "skip":
-            return optim.skip_non_finite(tx)
-        return tx
+        """The optimizer as the step applies it (`abstract_step.step_optimizer`)."""
+        return abstract_step.step_optimizer(self._optax_optimizer(), self.args)
 
     def _model_params(self):
         """The parameters HF's model holds now: the trained ones, or, for a schedule-free optimizer after an
@@ -906,7 +568,7 @@ class Trainer(
             self.model = self.call_model_init(trial)
             self._apply_chunked_loss()
             self.callback_handler.model = self.model
-            self.model_accepts_loss_kwargs = _accepts_loss_kwargs(self._inspected_model)
+            self.model_accepts_loss_kwargs = loss_rules.accepts_loss_kwargs(self._inspected_model)
             self._forget_optimizer()
             self._train_state = None
             self._check_layout()

@@ -9,8 +9,9 @@ disabled inside the step; every loss type TRL 1.16 offers and its logged statist
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import datasets
 import jax
@@ -61,10 +62,65 @@ DPO_METRICS = (
 )
 
 
+def dpo_base_spec(args: Any, training: bool) -> LossSpec:
+    """The rules DPO's loss follows: no label column (the loss reads the chosen and rejected rows, computed in
+    evaluation too), a per-batch mean."""
+    return LossSpec(
+        LossMode.MODEL_MEAN,
+        label_names=(),
+        compute_dtype=args.compute_dtype(training),
+        pass_num_items=False,
+        scaled_for_ga=False,
+        loss_without_labels=True,
+    )
+
+
+def with_reference_columns(sample: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A DPO batch with the reference's log-probability columns (zeros where absent: only their shapes matter
+    to the rules)."""
+    rows = len(sample["chosen_input_ids"])
+    missing = {name: np.zeros(rows, np.float32) for name in REFERENCE_COLUMNS if name not in sample}
+    return {**sample, **missing}
+
+
+@dataclasses.dataclass(frozen=True)
+class DPOLossFunction:
+    """TRL's DPO loss as a compute_loss (HF's signature), run inside the compiled step, recording TRL's rewards,
+    log-probabilities and statistics. `adapter_reference`: the reference is the policy with its adapter disabled
+    (else the batch carries the reference's log-probabilities); `bridged`: the model is transformers' torch
+    model; `router_aux_coef`: TRL's weight of an MoE model's load-balancing loss (0: none)."""
+
+    settings: losses.DPOSettings
+    bridged: bool = False
+    adapter_reference: bool = False
+    router_aux_coef: float = 0.0
+    written_in_jax: ClassVar[bool] = True
+
+    def __call__(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
+        pair = paired(inputs)
+        outputs, logits, labels = pair_forward(model, pair, self.bridged, router_logits=bool(self.router_aux_coef))
+        stats = losses.next_token_stats(logits, labels)
+        settings = self.settings
+        logps = losses.sequence_log_probs(stats.log_probs, stats.mask, settings.ld_alpha)
+        if self.adapter_reference:  # the policy with its adapter disabled (TRL: use_adapter(model, None))
+            ref_logps = sequence_log_probs(model, pair, self.bridged, settings.ld_alpha, adapter_disabled=True)
+        else:
+            ref_logps = jnp.concatenate([inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]])
+        ref_logps = jax.lax.stop_gradient(ref_logps.astype(jnp.float32))
+        weighting = losses.log_sum_sq_probs(logits) if settings.use_weighting else None
+        loss = losses.dpo_loss(
+            settings, logps, ref_logps, stats.log_probs, stats.mask, pair["completion_mask"], weighting
+        )
+        if self.router_aux_coef:  # TRL: added to the per-batch mean as it is
+            loss = loss + self.router_aux_coef * outputs.aux_loss
+            step_metrics.record("aux_loss", outputs.aux_loss)
+        _record_statistics(settings.beta, logits, stats, logps, ref_logps)
+        return (loss, outputs) if return_outputs else loss
+
+
 class DPOLoss:
-    """TRL's DPO loss as a Trainer's compute_loss, run inside the compiled step. The Trainer sets `_settings`
-    (`dpo_settings`), `_bridged` and `_adapter_reference` (the reference is the policy with its adapter disabled;
-    else the batch carries the reference's log-probabilities)."""
+    """TRL's DPO loss as a Trainer's compute_loss (`DPOLossFunction`). The Trainer sets `_settings`
+    (`dpo_settings`), `_bridged` and `_adapter_reference`."""
 
     _settings: losses.DPOSettings
     _bridged: bool = False
@@ -73,42 +129,15 @@ class DPOLoss:
     args: Any
 
     def _default_loss_spec(self, sample, training: bool) -> LossSpec:
-        """No label column: the loss reads the chosen and rejected rows (computed in evaluation too)."""
-        return LossSpec(
-            LossMode.MODEL_MEAN,
-            label_names=(),
-            compute_dtype=self.args.compute_dtype(training),
-            pass_num_items=False,
-            scaled_for_ga=False,
-            loss_without_labels=True,
-        )
+        return dpo_base_spec(self.args, training)
 
     def _loss_spec(self, sample, training: bool = True) -> LossSpec:
-        rows = len(sample["chosen_input_ids"])
-        missing = {name: np.zeros(rows, np.float32) for name in REFERENCE_COLUMNS if name not in sample}
-        return super()._loss_spec({**sample, **missing}, training)  # type: ignore[misc]
+        return super()._loss_spec(with_reference_columns(sample), training)  # type: ignore[misc]
 
     def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
-        """TRL's DPO loss in the compiled step, recording TRL's rewards, log-probabilities and statistics."""
-        pair = paired(inputs)
-        outputs, logits, labels = pair_forward(model, pair, self._bridged, router_logits=bool(self._router_aux_coef))
-        stats = losses.next_token_stats(logits, labels)
-        settings = self._settings
-        logps = losses.sequence_log_probs(stats.log_probs, stats.mask, settings.ld_alpha)
-        if self._adapter_reference:  # the policy with its adapter disabled (TRL: use_adapter(model, None))
-            ref_logps = sequence_log_probs(model, pair, self._bridged, settings.ld_alpha, adapter_disabled=True)
-        else:
-            ref_logps = jnp.concatenate([inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]])
-        ref_logps = jax.lax.stop_gradient(ref_logps.astype(jnp.float32))
-        weighting = losses.log_sum_sq_probs(logits) if settings.use_weighting else None
-        loss = losses.dpo_loss(
-            settings, logps, ref_logps, stats.log_probs, stats.mask, pair["completion_mask"], weighting
-        )
-        if self._router_aux_coef:  # TRL: added to the per-batch mean as it is
-            loss = loss + self._router_aux_coef * outputs.aux_loss
-            step_metrics.record("aux_loss", outputs.aux_loss)
-        _record_statistics(settings.beta, logits, stats, logps, ref_logps)
-        return (loss, outputs) if return_outputs else loss
+        """TRL's DPO loss in the compiled step (`DPOLossFunction`)."""
+        loss = DPOLossFunction(self._settings, self._bridged, self._adapter_reference, self._router_aux_coef)
+        return loss(model, inputs, return_outputs, num_items_in_batch)
 
     compute_loss.written_in_jax = True  # type: ignore[attr-defined]
 

@@ -8,9 +8,10 @@ computed from the logits inside jtrainer's compiled step (`losses`), whose gradi
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import transformers
 from trl.chat_template_utils import (
@@ -47,36 +48,52 @@ from jtrainer.trl.config import SFTConfig, padding_multiple
 logger = transformers.utils.logging.get_logger(__name__)
 
 
+@dataclasses.dataclass(frozen=True)
+class SFTLossFunction:
+    """TRL's SFT loss as a compute_loss (HF's signature), run inside the compiled step: -sum(log p(label)) /
+    num_items_in_batch (DFT: each term weighted by its probability), recording TRL's entropy and
+    mean_token_accuracy. `bridged`: the model is transformers' torch model; `router_aux_coef`: TRL's weight of an
+    MoE model's load-balancing loss (0: none)."""
+
+    loss_type: str
+    bridged: bool = False
+    router_aux_coef: float = 0.0
+    written_in_jax: ClassVar[bool] = True
+
+    def __call__(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
+        inputs = dict(inputs)
+        labels = inputs.pop("labels")
+        if self.bridged:
+            inputs.pop("segment_ids", None)  # transformers' models find documents from position_ids
+            inputs["use_cache"] = False  # as TRL: with a cache, packed documents would attend to each other
+        if self.router_aux_coef:
+            inputs["output_router_logits"] = True
+        outputs = model(**inputs)
+        _, logits = split_outputs(outputs)
+        stats = losses.next_token_stats(logits, labels)
+        loss = losses.sft_loss(stats, num_items_in_batch, self.loss_type)
+        if self.router_aux_coef:
+            # TRL: a per-micro-batch mean, averaged over the window when the loss is normalised by num_items.
+            steps = window_micro_batches() if num_items_in_batch is not None else 1
+            loss = loss + self.router_aux_coef * outputs.aux_loss / steps
+            step_metrics.record("aux_loss", outputs.aux_loss)
+        step_metrics.record("entropy", losses.mean_over_tokens(stats.entropy, stats))
+        step_metrics.record("mean_token_accuracy", losses.mean_over_tokens(stats.is_top1, stats))
+        return (loss, outputs) if return_outputs else loss
+
+
 class SFTLoss:
-    """TRL's SFT loss as a Trainer's compute_loss, run inside the compiled step (`_bridged`: the model is
-    transformers' torch model, set by the Trainer)."""
+    """TRL's SFT loss as a Trainer's compute_loss (`SFTLossFunction`; `_bridged`: the model is transformers'
+    torch model, set by the Trainer)."""
 
     _bridged: bool = False
     _router_aux_coef: float = 0.0  # MoE models: TRL's weight of the load-balancing loss (0: none)
     args: Any
 
     def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
-        """TRL's SFT loss in the compiled step: -sum(log p(label)) / num_items_in_batch (DFT: each term weighted
-        by its probability), recording TRL's entropy and mean_token_accuracy."""
-        inputs = dict(inputs)
-        labels = inputs.pop("labels")
-        if self._bridged:
-            inputs.pop("segment_ids", None)  # transformers' models find documents from position_ids
-            inputs["use_cache"] = False  # as TRL: with a cache, packed documents would attend to each other
-        if self._router_aux_coef:
-            inputs["output_router_logits"] = True
-        outputs = model(**inputs)
-        _, logits = split_outputs(outputs)
-        stats = losses.next_token_stats(logits, labels)
-        loss = losses.sft_loss(stats, num_items_in_batch, self.args.loss_type)
-        if self._router_aux_coef:
-            # TRL: a per-micro-batch mean, averaged over the window when the loss is normalised by num_items.
-            steps = window_micro_batches() if num_items_in_batch is not None else 1
-            loss = loss + self._router_aux_coef * outputs.aux_loss / steps
-            step_metrics.record("aux_loss", outputs.aux_loss)
-        step_metrics.record("entropy", losses.mean_over_tokens(stats.entropy, stats))
-        step_metrics.record("mean_token_accuracy", losses.mean_over_tokens(stats.is_top1, stats))
-        return (loss, outputs) if return_outputs else loss
+        """TRL's SFT loss in the compiled step (`SFTLossFunction`)."""
+        loss = SFTLossFunction(self.args.loss_type, self._bridged, self._router_aux_coef)
+        return loss(model, inputs, return_outputs, num_items_in_batch)
 
     compute_loss.written_in_jax = True  # type: ignore[attr-defined]
 

@@ -1,5 +1,5 @@
-"""What `jtrainer check` compiles for `trainer: sft | dpo`: TRL's loss on a Trainer with no dataset (nothing of
-TRL's data preparation runs), and batches of the shapes the collators make."""
+"""What `jtrainer check` compiles for `trainer: sft | dpo`: TRL's loss spec as its trainers decide it (without a
+trainer, nothing of TRL's data preparation runs), and batches of the shapes the collators make."""
 
 from __future__ import annotations
 
@@ -8,38 +8,33 @@ from typing import Any
 import numpy as np
 
 from jtrainer import bridge
-from jtrainer.trainer.trainer import Trainer
+from jtrainer.kinds import loss_rules
+from jtrainer.numerics.step import LossSpec
 from jtrainer.trl.common import router_aux_coefficient
-from jtrainer.trl.dpo import DPOLoss, dpo_settings
+from jtrainer.trl.dpo import DPOLossFunction, dpo_base_spec, dpo_settings, with_reference_columns
 from jtrainer.trl.reference import REFERENCE_COLUMNS
-from jtrainer.trl.sft import SFTLoss
+from jtrainer.trl.sft import SFTLossFunction
 
 
-class SFTStep(SFTLoss, Trainer):
-    """The SFT train step of a model and an SFTConfig."""
-
-    def __init__(self, model: Any, args: Any, **kwargs: Any):
-        self._router_aux_coef = router_aux_coefficient(model, args)
-        super().__init__(model=model, args=args, **kwargs)
-        self._bridged = bridge.is_bridged(self.nnx_model)
-
-
-class DPOStep(DPOLoss, Trainer):
-    """The DPO train step of a model and a DPOConfig; `adapter_reference`: the reference is the (peft) policy
-    with its adapter disabled, run inside the step."""
-
-    def __init__(self, model: Any, args: Any, adapter_reference: bool = False, **kwargs: Any):
-        self._settings = dpo_settings(args)
-        self._adapter_reference = adapter_reference
-        self._router_aux_coef = router_aux_coefficient(model, args)
-        super().__init__(model=model, args=args, **kwargs)
-        self._bridged = bridge.is_bridged(self.nnx_model)
-
-
-def step_trainer(kind: str, model: Any, args: Any, peft: bool, **kwargs: Any) -> Trainer:
+def loss_spec(
+    kind: str, context: loss_rules.LossContext, sample: dict[str, np.ndarray], training: bool, peft: bool
+) -> LossSpec:
+    """The loss spec SFTTrainer or DPOTrainer (`kind`) compiles for batches shaped like `sample`: TRL's loss as
+    their compute_loss over their base rules, probed as the Trainer probes it. `peft`: DPO's reference is the
+    policy with its adapter disabled."""
+    held, args = context.held, context.args
+    bridged = bridge.is_bridged(held.module)
+    coefficient = router_aux_coefficient(held.given, args)
+    loss_rules.require_trainable(context, training)
     if kind == "sft":
-        return SFTStep(model, args, **kwargs)
-    return DPOStep(model, args, adapter_reference=peft, **kwargs)
+        base = loss_rules.default_spec(context, sample, training)
+        function: Any = SFTLossFunction(args.loss_type, bridged, coefficient)
+    else:
+        sample = with_reference_columns(sample)
+        base = dpo_base_spec(args, training)
+        function = DPOLossFunction(dpo_settings(args), bridged, peft, coefficient)
+    name = f"{'SFT' if kind == 'sft' else 'DPO'}Trainer.compute_loss"
+    return loss_rules.override_spec(context, base, function, sample, training, None, name)
 
 
 def padding_free(args: Any) -> bool:
