@@ -201,3 +201,26 @@ def test_the_trainer_imports_neither_torch_nor_the_bridge():
     found = {name: sorted(_third_party_imports(modules[name]) & torch_side) for name in trainer}
     assert {name: deps for name, deps in found.items() if deps} == {}
     assert "jtrainer.kinds" in graph["jtrainer.trainer.trainer"]  # the one way in
+
+
+def test_the_trainer_names_neither_torch_nor_the_bridge():
+    """No name in trainer/'s code (its docstrings, comments and messages aside) speaks of torch or the bridge,
+    but HF's own argument names (`torch_compile`, `torch_empty_cache_steps`, ...): a user's torch optimizer is
+    a translated optimizer, transformers.Trainer's checkpoints are HF's, torch code a user wrote is an
+    alternative way to run their function."""
+    import dataclasses
+    import io
+    import pathlib
+    import re
+    import tokenize
+
+    import transformers
+
+    hf_arguments = {field.name for field in dataclasses.fields(transformers.TrainingArguments)}
+    named = []
+    for path in sorted(pathlib.Path(ROOT, "jtrainer", "trainer").glob("*.py")):
+        for token in tokenize.generate_tokens(io.StringIO(path.read_text()).readline):
+            if token.type == tokenize.NAME and re.search("torch|bridge", token.string, re.IGNORECASE):
+                if token.string not in hf_arguments:
+                    named.append(f"{path.name}:{token.start[0]}: {token.string}")
+    assert named == []

@@ -36,7 +36,7 @@ def test_the_native_room_answers_every_question_of_the_protocol():
     assert names and all("norm" not in name and "bias" not in name for name in names)
     assert set(names) < {name for name, _ in held.trainable_named_parameters()}  # the norms' weights are not
     with pytest.raises(TypeError, match="torch optimizer updates a torch model's parameters"):
-        held.check_takes_torch_optimizer()
+        held.check_takes_translated_optimizer()
 
 
 def test_a_native_model_that_is_not_jtrainers_is_not_known_to_ignore_padding():
@@ -69,7 +69,7 @@ def test_the_bridged_room_answers_every_question_and_writes_torch_once_per_train
     assert kinds.decay_parameter_names(model) == held.decay_parameter_names(model)
     assert held.decay_path("lm_head.weight") == "params.lm_head.weight"
     assert held.num_non_embedding_parameters() == model.num_parameters(exclude_embeddings=True)
-    held.check_takes_torch_optimizer()  # a torch model takes one
+    held.check_takes_translated_optimizer()  # a torch model takes one
 
     weight = model.lm_head.weight
     params = nnx.state(held.module, nnx.Param)

@@ -198,13 +198,13 @@ def test_create_optimizer_and_dataloader_overrides(tmp_path):
     after = to_hf_state_dict(trainer.model)
     assert all(np.array_equal(before[k], after[k]) for k in before)
 
-    class TorchOptimizer(Trainer):
+    class TranslatedOptimizer(Trainer):
         def create_optimizer(self):
             self.optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
             return self.optimizer
 
-    with pytest.raises(TypeError, match=r"TorchOptimizer\.create_optimizer set self\.optimizer to a SGD"):
-        build(TorchOptimizer).train()
+    with pytest.raises(TypeError, match=r"TranslatedOptimizer\.create_optimizer set self\.optimizer to a SGD"):
+        build(TranslatedOptimizer).train()
 
     class TorchLoader(Trainer):
         def get_train_dataloader(self):

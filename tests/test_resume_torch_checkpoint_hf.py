@@ -127,21 +127,21 @@ def test_a_longer_resume_follows_transformers_new_schedule(tmp_path):
 def test_torch_checkpoints_are_found_and_what_cannot_continue_is_refused(tmp_path, monkeypatch):
     from jtrainer import get_last_checkpoint
     from jtrainer.checkpointing import checkpoint
-    from jtrainer.checkpointing.torch_checkpoint import TorchCheckpointError
+    from jtrainer.checkpointing.hf_checkpoint import HFCheckpointError
 
     hf_out = _hf_checkpoint(tmp_path, "llama")
     assert get_last_checkpoint(str(hf_out)) == str(hf_out / "checkpoint-4")  # as HF's get_last_checkpoint
     folder = hf_out / "checkpoint-2"
 
-    with pytest.raises(TorchCheckpointError, match="optim=sgd: jtrainer resumes torch's AdamW state only"):
+    with pytest.raises(HFCheckpointError, match="optim=sgd: jtrainer resumes torch's AdamW state only"):
         _jtrainer(folder, "llama", optim="sgd").train(resume_from_checkpoint=str(folder))
     # Another schedule cannot give the rate torch saved for the next update: refused, not approximated.
-    with pytest.raises(TorchCheckpointError, match="lr_scheduler_type=cosine .* resume with the schedule arguments"):
+    with pytest.raises(HFCheckpointError, match="lr_scheduler_type=cosine .* resume with the schedule arguments"):
         _jtrainer(folder, "llama", lr_scheduler_type="cosine").train(resume_from_checkpoint=str(folder))
     # Without torch the pickles cannot be read: the error says so and what to do instead.
     trainer = _jtrainer(folder, "llama")
     monkeypatch.setitem(sys.modules, "torch", None)
-    with pytest.raises(TorchCheckpointError, match="torch is not installed.*from_pretrained"):
+    with pytest.raises(HFCheckpointError, match="torch is not installed.*from_pretrained"):
         trainer.train(resume_from_checkpoint=str(folder))
     monkeypatch.undo()
 

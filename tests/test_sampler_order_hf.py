@@ -13,7 +13,7 @@ from flax import nnx
 torch = pytest.importorskip("torch")
 pytest.importorskip("accelerate")
 
-from jtrainer.core.host_rng import torch_randperm  # noqa: E402
+from jtrainer.core.host_rng import randperm  # noqa: E402
 
 
 def _rows(n):
@@ -88,15 +88,15 @@ CASES = [(0, 1), (1, 5), (10, 42), (1000, 0), (5003, 2**32 - 1), (7, 2**32 + 9)]
 def test_the_permutation_without_torch_is_torchs():
     code = (
         "import json, sys; sys.modules['torch'] = None\n"
-        "from jtrainer.core.host_rng import torch_randperm\n"
-        f"print(json.dumps([torch_randperm(n, seed).tolist() for n, seed in {CASES}]))\n"
+        "from jtrainer.core.host_rng import randperm\n"
+        f"print(json.dumps([randperm(n, seed).tolist() for n, seed in {CASES}]))\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     for (n, seed), without_torch in zip(CASES, json.loads(done.stdout.splitlines()[-1]), strict=True):
         generator = torch.Generator()
         generator.manual_seed(seed)
         np.testing.assert_array_equal(without_torch, torch.randperm(n, generator=generator).numpy())
-        np.testing.assert_array_equal(torch_randperm(n, seed), torch.randperm(n, generator=generator.manual_seed(seed)))
+        np.testing.assert_array_equal(randperm(n, seed), torch.randperm(n, generator=generator.manual_seed(seed)))
 
 
 class _TorchIdx(torch.nn.Module):

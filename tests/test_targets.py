@@ -408,3 +408,17 @@ def test_check_compares_the_native_and_bridged_steps_of_one_config(capsys):
     assert main(["train", CONFIG, *TINY, "--compare_bridge", "true"]) == 1
     said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("jtrainer train: ")]
     assert len(said) == 1 and "--compare_bridge is an option of `jtrainer check`" in said[0]
+
+
+def test_check_builds_no_trainer(monkeypatch):
+    """`jtrainer check` compiles the train and eval steps from the free functions the Trainer builds its steps
+    with (`sizing.abstract_step`, `kinds.loss_rules`): no Trainer is constructed."""
+    from jtrainer.trainer.trainer import Trainer
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("jtrainer check constructed a Trainer")
+
+    monkeypatch.setattr(Trainer, "__init__", refuse)
+    parsed = parse_train_args([CONFIG, *TINY, "--mesh_shape", '{"fsdp": -1}'], "check")
+    result = run_check(*parsed[:3])
+    assert result["fits"] and result["step_bytes_per_device"] > 0 and result["eval_bytes_per_device"] > 0

@@ -1,5 +1,5 @@
 """Resuming a transformers.Trainer `checkpoint-N` for a torch model trained through the bridge (a peft model
-included): the names and layouts `jtrainer.checkpointing.torch_checkpoint.restore` needs, read off the torch
+included): the names and layouts `jtrainer.checkpointing.hf_checkpoint.restore` needs, read off the torch
 model itself."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ def _torch_name(tree_path) -> str:
 
 
 class TorchModelLayout:
-    """`torch_checkpoint.ModelLayout` of a `bridge.module.TorchModel`: parameters are the torch model's trainable
+    """`hf_checkpoint.ModelLayout` of a `bridge.module.TorchModel`: parameters are the torch model's trainable
     ones, by name, in torch's layout; optimizer.pt's order is transformers.Trainer's (decayed first, each group in
     `named_parameters` order) on the torch model given."""
 

@@ -71,7 +71,7 @@ class BridgedModel:
         self.module.write_to_torch()
         self._published = source
 
-    def check_takes_torch_optimizer(self) -> None:
+    def check_takes_translated_optimizer(self) -> None:
         pass  # its parameters are torch's: HF's groups, translated for the step (bridge.user_optimizer)
 
     def decay_path(self, name: str) -> str:

@@ -40,7 +40,7 @@ import optax
 import orbax.checkpoint as ocp
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from jtrainer.checkpointing import torch_checkpoint
+from jtrainer.checkpointing import hf_checkpoint
 from jtrainer.core import storage
 from jtrainer.core.errors import BadInput
 from jtrainer.numerics.mixed_precision import LossScaleState
@@ -53,7 +53,7 @@ TRAINING_ARGS_NAME = "training_args.json"
 MANIFEST_NAME = "manifest.json"
 SCHEDULER_NAME = "scheduler.json"  # a per-evaluation scheduler's host state (HF: scheduler.pt)
 # A user's torch optimizer and scheduler: their groups' hyperparameters and the scheduler's state (torch.save)
-TORCH_OPTIMIZER_NAME = "torch_optimizer.pt"
+TRANSLATED_OPTIMIZER_NAME = "torch_optimizer.pt"
 COMMIT_NAME = "commit_success.json"
 LOOP_STATE_NAME = "loop_state_{}.json"  # per process: host generators, padded length (HF: rng_state_{i}.pth)
 TMP_SUFFIX = ".tmp"
@@ -260,17 +260,17 @@ def verify_checkpoint(folder: str) -> None:
     if not storage.listdir(folder):
         raise CheckpointIntegrityError(f"{folder} is an empty folder, not a checkpoint.")
     if not storage.isfile(storage.join(folder, COMMIT_NAME)):
-        if torch_checkpoint.written_by_torch_trainer(folder):
+        if hf_checkpoint.written_by_hf_trainer(folder):
             # transformers.Trainer's checkpoint-N: no manifest to check (HF takes it by name); resumable when whole.
-            missing = torch_checkpoint.missing_files(folder)
+            missing = hf_checkpoint.missing_files(folder)
             if missing:
                 raise CheckpointIntegrityError(
                     f"Checkpoint {folder} (transformers.Trainer's) lacks {', '.join(missing)}."
                 )
             _read_json(folder, TRAINER_STATE_NAME)
             try:
-                torch_checkpoint.check_pickles(folder)
-            except torch_checkpoint.TorchCheckpointError as error:
+                hf_checkpoint.check_pickles(folder)
+            except hf_checkpoint.HFCheckpointError as error:
                 raise CheckpointIntegrityError(str(error)) from None
             return
         raise CheckpointIntegrityError(f"Checkpoint {folder} is not committed: {COMMIT_NAME} is missing.")

@@ -191,7 +191,7 @@ def run_loader_draw(fn, stream: RngStream | None):
 _TORCH_RANDPERM_32BIT_LIMIT = (2**32 - 1) // 20
 
 
-def torch_randperm(n: int, seed: int) -> np.ndarray:
+def randperm(n: int, seed: int) -> np.ndarray:
     """`torch.randperm(n, generator=torch.Generator().manual_seed(seed))`, the order of HF's shuffled epochs.
 
     Without torch: torch's CPU generator is MT19937 seeded with the seed's low 32 bits (numpy's legacy seeding is

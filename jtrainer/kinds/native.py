@@ -9,7 +9,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jtrainer.checkpointing import torch_checkpoint
+from jtrainer.checkpointing import hf_checkpoint
 from jtrainer.models.base import PretrainedMixin, count_parameters
 from jtrainer.models.base import set_neftune as set_embedding_neftune
 from jtrainer.models.layers import LayerNorm
@@ -71,7 +71,7 @@ class NativeModel:
     def publish(self, source: Any) -> None:
         pass  # the module the step's weights went into is the model given
 
-    def check_takes_torch_optimizer(self) -> None:
+    def check_takes_translated_optimizer(self) -> None:
         raise TypeError(
             f"A torch optimizer updates a torch model's parameters, and {type(self.given).__name__} is a native "
             "jtrainer model: pass an optax GradientTransformation (optimizers=(tx, None)) or use --optim."
@@ -98,8 +98,8 @@ class NativeModel:
 
         return hf_io.to_hf_state_dict(self.given, keep=keep)
 
-    def checkpoint_layout(self) -> torch_checkpoint.NativeLayout:
-        return torch_checkpoint.NativeLayout(self.given)
+    def checkpoint_layout(self) -> hf_checkpoint.NativeLayout:
+        return hf_checkpoint.NativeLayout(self.given)
 
     def generate_on_host(
         self,

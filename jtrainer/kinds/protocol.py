@@ -10,7 +10,7 @@ from typing import Any, Protocol
 import numpy as np
 from flax import nnx
 
-from jtrainer.checkpointing.torch_checkpoint import ModelLayout
+from jtrainer.checkpointing.hf_checkpoint import ModelLayout
 
 
 class TrainedModel(Protocol):
@@ -65,7 +65,7 @@ class TrainedModel(Protocol):
         """After `module` took the trained weights of `source` (a train state and mode): the given model holds
         them too (nothing to do where `module` is the given model)."""
 
-    def check_takes_torch_optimizer(self) -> None:
+    def check_takes_translated_optimizer(self) -> None:
         """Raise one line where a user's torch optimizer cannot update this model's parameters."""
 
     def decay_path(self, name: str) -> str:

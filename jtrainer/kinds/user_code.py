@@ -13,7 +13,7 @@ import numpy as np
 from jtrainer import bridge
 from jtrainer.bridge import user_optimizer
 
-TorchOptimizer = user_optimizer.UserTorchOptimizer  # a user's torch optimizer and scheduler, run as optax
+TranslatedOptimizer = user_optimizer.UserTorchOptimizer  # a user's torch optimizer and scheduler, run as optax
 
 
 def runs_in_torch() -> bool:
@@ -36,6 +36,14 @@ def function_in_torch(function: Callable) -> Callable:
     return in_torch(function)
 
 
+def array_function_alternative(function: Callable | None) -> Callable | None:
+    """The other way to run a user's array function inside the step (preprocess_logits_for_metrics, which HF's
+    contract lets users write in torch): through torchax, where the script has torch; else None."""
+    if function is None or not runs_in_torch():
+        return None
+    return function_in_torch(function)
+
+
 def unlowered_op(error: Exception) -> str | None:
     """The torch op torchax could not lower that raised `error`, or None."""
     return bridge.unlowered_op(error)
@@ -50,7 +58,7 @@ def is_optimizer_class(value: Any) -> bool:
     return user_optimizer.is_torch_optimizer_class(value)
 
 
-def optimizer_for_step(optimizer: Any, scheduler: Any, model: Any) -> TorchOptimizer:
+def optimizer_for_step(optimizer: Any, scheduler: Any, model: Any) -> TranslatedOptimizer:
     """A user's torch optimizer (and scheduler) on a torch model, run as optax."""
     return user_optimizer.UserTorchOptimizer(optimizer, scheduler, model)
 

@@ -84,12 +84,12 @@ def index_order(
     permutation: np.ndarray | None = None,
 ) -> np.ndarray:
     """The order of row indices for one epoch, HF's. A shuffle is accelerate's seedable sampler: torch's randperm
-    from a generator seeded with seed + epoch (`host_rng.torch_randperm`), unless `permutation` gives the one
+    from a generator seeded with seed + epoch (`host_rng.randperm`), unless `permutation` gives the one
     drawn (HF's LengthGroupedSampler draws from torch's global generator). group_by_length groups it as HF's
     get_length_grouped_indices, in mega-batches of `batch_size` rows."""
     if strategy == "sequential":
         return np.arange(n)
-    order = permutation if permutation is not None else host_rng.torch_randperm(n, seed + epoch)
+    order = permutation if permutation is not None else host_rng.randperm(n, seed + epoch)
     if strategy == "group_by_length":
         if lengths is None:
             raise ValueError("train_sampling_strategy='group_by_length' needs a length column or input_ids rows.")
@@ -197,7 +197,7 @@ class BatchLoader:
         if self.strategy != "group_by_length":
             return None
         if self.group_seed is not None:
-            return host_rng.torch_randperm(n, self.group_seed)
+            return host_rng.randperm(n, self.group_seed)
         return host_rng.run_loader_draw(lambda: host_rng.global_randperm(n), self.rng_stream)
 
     def _lengths(self) -> list[int] | None:

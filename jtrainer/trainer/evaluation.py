@@ -235,11 +235,10 @@ class EvaluationMixin(TrainerParts):
         micro = self._eval_micro_batching()
         key = (graphdef, spec, want_logits, self.preprocess_logits_for_metrics, ignore_keys, micro)
         if key not in compiled_steps.EVAL_STEPS:
-            preprocess, in_torch = self.preprocess_logits_for_metrics, None
-            if preprocess is not None and user_code.runs_in_torch():
-                in_torch = user_code.function_in_torch(preprocess)  # torch code (HF's contract) inside the step
+            preprocess = self.preprocess_logits_for_metrics
+            alternative = user_code.array_function_alternative(preprocess)
             compiled_steps.EVAL_STEPS[key] = abstract_step.eval_step(
-                graphdef, spec, want_logits, ignore_keys, micro, preprocess, in_torch
+                graphdef, spec, want_logits, ignore_keys, micro, preprocess, alternative
             )
         step, self._preprocess_placement = compiled_steps.EVAL_STEPS[key]
         return step

@@ -23,7 +23,7 @@ class OptimizerMixin(TrainerParts):
 
     def _forget_optimizer(self) -> None:
         """A new model (model_init): the next train() builds its optimizer and schedule afresh."""
-        self.optimizer = self.lr_scheduler = self._learning_rate = self._torch_optimizer = None
+        self.optimizer = self.lr_scheduler = self._learning_rate = self._translated_optimizer = None
         self._optimizer_recipe = None
 
     def _start_schedule(self) -> None:
@@ -42,14 +42,14 @@ class OptimizerMixin(TrainerParts):
     def _per_evaluation_scheduler(self) -> Any:
         """The scheduler that steps once per evaluation (reduce_lr_on_plateau, greedy, a user's torch
         ReduceLROnPlateau), if the run has one."""
-        if self._torch_optimizer is not None:
-            return self.lr_scheduler if self._torch_optimizer.per_evaluation else None
+        if self._translated_optimizer is not None:
+            return self.lr_scheduler if self._translated_optimizer.per_evaluation else None
         return None if self._learning_rate is None else self._learning_rate.per_evaluation
 
     def _step_plateau(self, metric: float) -> None:
         """A per-evaluation scheduler's step on the evaluated metric: the new rate goes into the train state."""
-        if self._torch_optimizer is not None:  # the torch scheduler's rate enters at the next update
-            self._torch_optimizer.after_evaluation(metric)
+        if self._translated_optimizer is not None:  # the torch scheduler's rate enters at the next update
+            self._translated_optimizer.after_evaluation(metric)
             return
         learning_rate, train_state = self._learning_rate, self._train_state
         assert learning_rate is not None and train_state is not None, "a per-evaluation scheduler steps after training"
@@ -63,7 +63,7 @@ class OptimizerMixin(TrainerParts):
     def _decay_mask_tree(self, params):
         return kinds.decay_mask(self._held, params, self.get_decay_parameter_names())
 
-    def _torch_optimizer_given(self) -> bool:
+    def _translated_optimizer_given(self) -> bool:
         """A torch optimizer from the user (optimizers=(torch optimizer, ...) or a torch optimizer_cls)."""
         cls = None if self.optimizer_cls_and_kwargs is None else self.optimizer_cls_and_kwargs[0]
         return user_code.is_optimizer(self.optimizer) or user_code.is_optimizer_class(cls)
@@ -71,7 +71,7 @@ class OptimizerMixin(TrainerParts):
     def create_scheduler(self, num_training_steps: int, optimizer=None) -> Any:
         """HF's scheduler, as a step -> rate function (or the user's schedule from `optimizers`); for a user's
         torch optimizer, HF's own torch scheduler on it (transformers.get_scheduler), as HF builds it."""
-        if self._torch_optimizer_given():
+        if self._translated_optimizer_given():
             if self.lr_scheduler is None:
                 from transformers.optimization import get_scheduler
 
@@ -82,45 +82,45 @@ class OptimizerMixin(TrainerParts):
                     num_training_steps=num_training_steps,
                     scheduler_specific_kwargs=self.args.lr_scheduler_kwargs,  # type: ignore[arg-type]  # JSON parsed
                 )
-            if self._torch_optimizer is not None:
-                self._torch_optimizer.scheduler = self.lr_scheduler
+            if self._translated_optimizer is not None:
+                self._translated_optimizer.scheduler = self.lr_scheduler
             return self.lr_scheduler
         if self.lr_scheduler is None:
             self._learning_rate = schedules.LearningRate.from_args(self.args, num_training_steps)
             self.lr_scheduler = self._learning_rate.scheduler()
         return self.lr_scheduler
 
-    def _create_torch_optimizer(self, params) -> Any:
+    def _create_translated_optimizer(self, params) -> Any:
         """A user's torch optimizer (built from optimizer_cls_and_kwargs over HF's decay groups, as HF builds
         it), translated for the step."""
-        self._held.check_takes_torch_optimizer()
+        self._held.check_takes_translated_optimizer()
         if self.optimizer is None:
             cls, kwargs = self.optimizer_cls_and_kwargs
             self.optimizer = cls(self._decay_groups(), **kwargs)
-        self._torch_optimizer = user_code.optimizer_for_step(self.optimizer, self.lr_scheduler, self.model)
-        self._torch_optimizer.tx = self._torch_optimizer.transformation(params)
+        self._translated_optimizer = user_code.optimizer_for_step(self.optimizer, self.lr_scheduler, self.model)
+        self._translated_optimizer.tx = self._translated_optimizer.transformation(params)
         return self.optimizer
 
     def _optax_optimizer(self) -> optax.GradientTransformation:
         """The optimizer the step applies: the Trainer's optax one, or a user's torch optimizer translated."""
-        return self._torch_optimizer.tx if self._torch_optimizer is not None else self.optimizer
+        return self._translated_optimizer.tx if self._translated_optimizer is not None else self.optimizer
 
     def _before_update(self, train_state):
         """Before each update: a user's torch optimizer's current rates enter the optimizer state."""
-        if self._torch_optimizer is None:
+        if self._translated_optimizer is None:
             return train_state
-        return train_state.replace(opt_state=self._torch_optimizer.before_update(train_state.opt_state))
+        return train_state.replace(opt_state=self._translated_optimizer.before_update(train_state.opt_state))
 
     def _after_update(self) -> None:
         """After each update (before global_step counts it): a user's torch scheduler steps, as in HF."""
-        if self._torch_optimizer is not None:
-            self._torch_optimizer.after_update(self.state.global_step)
+        if self._translated_optimizer is not None:
+            self._translated_optimizer.after_update(self.state.global_step)
 
     def create_optimizer(self, params=None) -> Any:
-        if self._torch_optimizer_given():
-            if self._torch_optimizer is None:
+        if self._translated_optimizer_given():
+            if self._translated_optimizer is None:
                 params = params if params is not None else nnx.to_pure_dict(nnx.state(self.nnx_model, nnx.Param))
-                self._create_torch_optimizer(params)
+                self._create_translated_optimizer(params)
             return self.optimizer
         if self.optimizer is not None:
             return self.optimizer
@@ -148,7 +148,7 @@ class OptimizerMixin(TrainerParts):
         return self.optimizer
 
     def create_optimizer_and_scheduler(self, num_training_steps: int) -> None:
-        if self._torch_optimizer_given():  # HF's order: the torch scheduler is built on the torch optimizer
+        if self._translated_optimizer_given():  # HF's order: the torch scheduler is built on the torch optimizer
             self.create_optimizer()
             self.create_scheduler(num_training_steps, self.optimizer)
             return
@@ -200,8 +200,8 @@ class OptimizerMixin(TrainerParts):
     def _host_learning_rate(self, device_lr, count) -> float:
         """The rate of the last update as HF logs it (LearningRate.host_rate); a user's own schedule is read from
         the device, a user's torch scheduler's as it stood for that update."""
-        if self._torch_optimizer is not None:
-            return self._torch_optimizer.logged_rate(int(count), device_lr)
+        if self._translated_optimizer is not None:
+            return self._translated_optimizer.logged_rate(int(count), device_lr)
         if self._learning_rate is None:
             return float(device_lr)
         return self._learning_rate.host_rate(device_lr, count)

@@ -97,7 +97,7 @@ def check_optimizer_override(trainer: Any) -> None:
     """create_optimizer (perhaps overridden) must leave an optax transformation: the update runs in the step."""
     import optax
 
-    if trainer._torch_optimizer is None and not isinstance(trainer.optimizer, optax.GradientTransformation):
+    if trainer._translated_optimizer is None and not isinstance(trainer.optimizer, optax.GradientTransformation):
         raise TypeError(
             f"{type(trainer).__name__}.create_optimizer set self.optimizer to a {type(trainer.optimizer).__name__}; "
             "jtrainer needs an optax.GradientTransformation (the update runs inside the compiled step). Build it "

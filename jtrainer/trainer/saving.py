@@ -19,7 +19,7 @@ from flax import nnx
 from transformers.trainer_callback import ExportableState, TrainerControl, TrainerState
 from transformers.trainer_utils import SaveStrategy
 
-from jtrainer.checkpointing import checkpoint, torch_checkpoint
+from jtrainer.checkpointing import checkpoint, hf_checkpoint
 from jtrainer.core import host_rng, storage
 from jtrainer.core.state import Frozen, LoopState, TrainState, split_params
 from jtrainer.numerics import optim
@@ -160,9 +160,9 @@ class SavingMixin(TrainerParts):
 
         per_evaluation = self._per_evaluation_scheduler()
         scheduler_state = None if per_evaluation is None else per_evaluation.state_dict()  # as of this step
-        if self._torch_optimizer is not None:  # a user's torch objects: kept whole, below
+        if self._translated_optimizer is not None:  # a user's torch objects: kept whole, below
             scheduler_state = None
-        torch_optimizer = None if self._torch_optimizer is None else self._torch_optimizer.state_bytes()
+        optimizer_bytes = None if self._translated_optimizer is None else self._translated_optimizer.state_bytes()
         process_rng = host_rng.capture()
         loop_state = self._run.saved_loop_state() if self._run is not None else None
 
@@ -172,9 +172,9 @@ class SavingMixin(TrainerParts):
             if scheduler_state is not None:
                 with open(os.path.join(tmp, checkpoint.SCHEDULER_NAME), "w") as f:
                     json.dump(scheduler_state, f)
-            if torch_optimizer is not None:
-                with open(os.path.join(tmp, checkpoint.TORCH_OPTIMIZER_NAME), "wb") as f:
-                    f.write(torch_optimizer)
+            if optimizer_bytes is not None:
+                with open(os.path.join(tmp, checkpoint.TRANSLATED_OPTIMIZER_NAME), "wb") as f:
+                    f.write(optimizer_bytes)
 
         def write_process_files(tmp: str) -> None:  # on every process: its own host generators (HF's rng_state_{i})
             checkpoint.save_loop_state(
@@ -239,9 +239,9 @@ class SavingMixin(TrainerParts):
     def _resume(self, folder: str, like: TrainState, updates_per_epoch: int, fresh=None) -> Resumed:
         """Restore `folder` into the state laid out like `like` (abstract or concrete; `fresh()` builds a real
         fresh state where part of the state must start afresh) and the loop's bookkeeping."""
-        torch_rng_state = None
-        if torch_checkpoint.written_by_torch_trainer(folder):
-            train_state, torch_rng_state = self._restore_torch_checkpoint(folder, fresh)
+        hf_rng_state = None
+        if hf_checkpoint.written_by_hf_trainer(folder):
+            train_state, hf_rng_state = self._restore_hf_checkpoint(folder, fresh)
         elif not storage.isdir(storage.join(folder, checkpoint.TRAIN_STATE_DIR)):
             raise ValueError(
                 f"Can't find a valid checkpoint at {folder}: it has no train state (saved with save_only_model?)."
@@ -258,15 +258,15 @@ class SavingMixin(TrainerParts):
         self._warn_changed_args(folder)
         scheduler_file = storage.join(folder, checkpoint.SCHEDULER_NAME)
         per_evaluation = self._per_evaluation_scheduler()
-        torch_file = storage.join(folder, checkpoint.TORCH_OPTIMIZER_NAME)
-        if self._torch_optimizer is not None and storage.isfile(torch_file):
-            with storage.open_file(torch_file, "rb") as f:
-                self._torch_optimizer.load_state_bytes(f.read())
+        optimizer_file = storage.join(folder, checkpoint.TRANSLATED_OPTIMIZER_NAME)
+        if self._translated_optimizer is not None and storage.isfile(optimizer_file):
+            with storage.open_file(optimizer_file, "rb") as f:
+                self._translated_optimizer.load_state_bytes(f.read())
         elif per_evaluation is not None and storage.isfile(scheduler_file):
             per_evaluation.load_state_dict(json.loads(storage.read_text(scheduler_file)))
         if self.args.restore_callback_states_from_checkpoint:
             self._load_callback_state()
-        loop_state = self._restore_loop_state(folder, torch_rng_state)
+        loop_state = self._restore_loop_state(folder, hf_rng_state)
         epochs_trained = self.state.global_step // updates_per_epoch
         skip = 0
         if not self.args.ignore_data_skip:
@@ -296,18 +296,18 @@ class SavingMixin(TrainerParts):
             frozen = jax.tree.map(lambda value, leaf: value.astype(leaf.dtype), placed, frozen)
         return restored.replace(model_state=nnx.merge_state(frozen, restored.model_state))
 
-    def _restore_torch_checkpoint(self, folder: str, fresh) -> tuple[TrainState, Any]:
-        """A transformers.Trainer checkpoint: its weights, AdamW state and schedule step (torch_checkpoint), and
+    def _restore_hf_checkpoint(self, folder: str, fresh) -> tuple[TrainState, Any]:
+        """A transformers.Trainer checkpoint: its weights, AdamW state and schedule step (hf_checkpoint), and
         the host generators it saved."""
         name = optim.check_optimizer_name(self.args.optim)
-        if name not in torch_checkpoint.ADAMW_NAMES:
-            raise torch_checkpoint.TorchCheckpointError(
+        if name not in hf_checkpoint.ADAMW_NAMES:
+            raise hf_checkpoint.HFCheckpointError(
                 f"resume_from_checkpoint={folder} (a transformers.Trainer checkpoint) with optim={name}: jtrainer "
                 "resumes torch's AdamW state only; use optim='adamw_torch' (HF's default), as the checkpoint was "
                 "trained."
             )
         if self._optimizer_recipe is None:
-            raise torch_checkpoint.TorchCheckpointError(
+            raise hf_checkpoint.HFCheckpointError(
                 f"resume_from_checkpoint={folder} (a transformers.Trainer checkpoint) needs the Trainer's own "
                 "optimizer and HF's lr_scheduler_type schedule (not optimizers=, optimizer_cls_and_kwargs or a "
                 "per-evaluation scheduler): torch's saved state is theirs."
@@ -315,7 +315,7 @@ class SavingMixin(TrainerParts):
         params = nnx.to_pure_dict(nnx.state(self.nnx_model, nnx.Param))
         saved_state = load_trainer_state(folder)
         layout = self._held.checkpoint_layout()
-        return torch_checkpoint.restore(
+        return hf_checkpoint.restore(
             folder,
             args=self.args,
             layout=layout,
@@ -326,11 +326,11 @@ class SavingMixin(TrainerParts):
             max_steps_saved=saved_state.max_steps,
         )
 
-    def _restore_loop_state(self, folder: str, torch_rng_state=None) -> LoopState | None:
+    def _restore_loop_state(self, folder: str, hf_rng_state=None) -> LoopState | None:
         """HF's _load_rng_state: the host generators as at the save; returns how the loop padded and drew."""
-        if torch_rng_state is not None:  # HF's own collator draws from the restored generators
-            host_rng.restore(torch_rng_state)
-            return LoopState(torch_rng_state, None)
+        if hf_rng_state is not None:  # HF's own collator draws from the restored generators
+            host_rng.restore(hf_rng_state)
+            return LoopState(hf_rng_state, None)
         saved = checkpoint.load_loop_state(folder, self.args.process_index)
         if saved is None:
             logger.info("%s has no loop state: a random collator will not draw as the saved run did.", folder)

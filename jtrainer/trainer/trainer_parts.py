@@ -72,7 +72,7 @@ OWNER: dict[str, str] = {
             "_learning_rate",
             "_optimizer_recipe",
             "_optimizer_eval_mode",
-            "_torch_optimizer",
+            "_translated_optimizer",
         ),
         "optimizer_setup",
     ),
@@ -197,7 +197,7 @@ class TrainerParts:
     _learning_rate: schedules.LearningRate | None = None  # the schedule the Trainer built, in all its forms
     _optimizer_recipe: tuple | None = None  # what the built optimizer depends on besides numbers
     _optimizer_eval_mode: bool = False  # HF's optimizer.eval() (schedule-free optimizers) until the next step
-    _torch_optimizer: user_code.TorchOptimizer | None = None  # a user's torch optimizer, run as optax
+    _translated_optimizer: user_code.TranslatedOptimizer | None = None  # a user's torch optimizer, run as optax
     # evaluation
     _preprocess_placement: PreprocessPlacement | None = None
     # saving

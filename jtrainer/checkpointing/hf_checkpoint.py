@@ -44,11 +44,11 @@ NEEDS_TORCH = (
 )
 
 
-class TorchCheckpointError(BadInput):
+class HFCheckpointError(BadInput):
     """A transformers.Trainer checkpoint that cannot be resumed as torch would resume it."""
 
 
-def written_by_torch_trainer(folder: str) -> bool:
+def written_by_hf_trainer(folder: str) -> bool:
     """Whether `folder` is a transformers.Trainer checkpoint (torch's optimizer.pt / training_args.bin, no
     jtrainer train state)."""
     return not storage.isdir(storage.join(folder, "train_state")) and any(
@@ -85,7 +85,7 @@ def _torch(folder: str):
     try:
         import torch
     except ImportError as error:
-        raise TorchCheckpointError(NEEDS_TORCH.format(folder=folder)) from error
+        raise HFCheckpointError(NEEDS_TORCH.format(folder=folder)) from error
     return torch
 
 
@@ -101,7 +101,7 @@ def _load(torch, path: str, mmap: bool = False):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as error:
         found = re.search(r"Unsupported global: GLOBAL (\S+)", str(error))
-        raise TorchCheckpointError(
+        raise HFCheckpointError(
             f"{path} holds objects that torch's safe loading (weights_only) refuses"
             + (f" (it would call {found.group(1)})" if found else "")
             + ": transformers.Trainer does not write such files; resume from another checkpoint, or take the "
@@ -133,7 +133,7 @@ def torch_parameter_order(torch, folder: str) -> tuple[list[str], dict[str, tupl
     architecture = (getattr(config, "architectures", None) or [None])[0]
     model_class = getattr(transformers, architecture or "", None)
     if model_class is None:
-        raise TorchCheckpointError(
+        raise HFCheckpointError(
             f"{folder}/config.json names no transformers model class ({architecture!r} in 'architectures'): the "
             f"order of the parameters in {OPTIMIZER_NAME} cannot be known."
         )
@@ -152,14 +152,14 @@ def read_adamw(folder: str, layout: ModelLayout) -> TorchAdamW:
     groups, state = saved["param_groups"], saved["state"]
     first = groups[0]
     if "betas" not in first or any(g.get("amsgrad") or g.get("maximize") for g in groups):
-        raise TorchCheckpointError(
+        raise HFCheckpointError(
             f"{folder}/{OPTIMIZER_NAME} is not torch.optim.AdamW's state (amsgrad and maximize off): jtrainer resumes "
             "the moments of HF's adamw_torch optimizers only."
         )
     order, shapes, decayed = layout.parameter_order(torch, folder)
     indices = [i for g in groups for i in g["params"]]
     if len(indices) != len(order) or len(first["params"]) not in (len(decayed), len(order)):
-        raise TorchCheckpointError(
+        raise HFCheckpointError(
             f"{folder}/{OPTIMIZER_NAME} has {len(indices)} parameters in its groups, the model "
             f"{len(order)} trainable ones: the optimizer was not built by transformers.Trainer.create_optimizer "
             "for this model."
@@ -171,12 +171,12 @@ def read_adamw(folder: str, layout: ModelLayout) -> TorchAdamW:
             exp_avg[name] = exp_avg_sq[name] = np.zeros(shapes[name], np.float32)
             continue
         if set(entry) != {"step", "exp_avg", "exp_avg_sq"}:
-            raise TorchCheckpointError(
+            raise HFCheckpointError(
                 f"{folder}/{OPTIMIZER_NAME}: parameter {name} has state {sorted(entry)}, not AdamW's "
                 "(step, exp_avg, exp_avg_sq)."
             )
         if tuple(entry["exp_avg"].shape) != shapes[name]:
-            raise TorchCheckpointError(
+            raise HFCheckpointError(
                 f"{folder}/{OPTIMIZER_NAME}: the moment at index {index} has shape {tuple(entry['exp_avg'].shape)}, "
                 f"but that position is {name} of shape {shapes[name]}: the optimizer's parameter groups are not "
                 "transformers.Trainer's default ones."
@@ -185,7 +185,7 @@ def read_adamw(folder: str, layout: ModelLayout) -> TorchAdamW:
         exp_avg_sq[name] = entry["exp_avg_sq"].float().numpy()
         steps.add(int(entry["step"]))
     if len(steps) > 1:
-        raise TorchCheckpointError(
+        raise HFCheckpointError(
             f"{folder}/{OPTIMIZER_NAME}: its parameters were updated different numbers of "
             f"times ({sorted(steps)}); jtrainer's AdamW keeps one count."
         )
@@ -233,13 +233,13 @@ def _moment_tree(layout: ModelLayout, params_like, moments: dict[str, np.ndarray
         label = ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in tree_path)
         missing = [name for name in layout.torch_names(tree_path) if name not in moments]
         if missing:
-            raise TorchCheckpointError(
+            raise HFCheckpointError(
                 f"{folder}/{OPTIMIZER_NAME} has no {kind} for {missing[0]} (parameter {label}): the checkpoint is "
                 "not of this model."
             )
         value = layout.moment(tree_path, moments)
         if value.shape != fresh.shape:
-            raise TorchCheckpointError(
+            raise HFCheckpointError(
                 f"{folder}/{OPTIMIZER_NAME}: the {kind} of parameter {label} has shape {value.shape} here, the "
                 f"parameter {fresh.shape}."
             )
@@ -265,7 +265,7 @@ def adamw_state_from_torch(opt_state, layout: ModelLayout, params_like, saved: T
 
     opt_state = jax.tree.map(replace, opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
     if len(found) != 1:
-        raise TorchCheckpointError(
+        raise HFCheckpointError(
             f"Resuming {folder}: the optimizer's state has {len(found)} AdamW states, expected one."
         )
     return opt_state
@@ -340,12 +340,12 @@ def restore(folder: str, *, args, layout: ModelLayout, mesh, rules, decay_mask, 
     with storage.local_folder(folder) as local:
         missing = missing_files(local)
         if missing:
-            raise TorchCheckpointError(f"{folder} (a transformers.Trainer checkpoint) lacks {', '.join(missing)}.")
+            raise HFCheckpointError(f"{folder} (a transformers.Trainer checkpoint) lacks {', '.join(missing)}.")
         saved = read_adamw(local, layout)
         ours = layout.decayed(decay_mask)
         if ours != saved.decayed:
             differ = sorted(ours ^ saved.decayed)
-            raise TorchCheckpointError(
+            raise HFCheckpointError(
                 f"{folder}: the parameters jtrainer decays differ from the checkpoint's decayed group "
                 f"({', '.join(differ[:4])}{' ...' if len(differ) > 4 else ''}): the model is not the checkpoint's."
             )
@@ -371,7 +371,7 @@ def restore(folder: str, *, args, layout: ModelLayout, mesh, rules, decay_mask, 
     )
     if not np.isclose(first_rate, saved.lr, rtol=1e-9, atol=1e-15):
         schedule = getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)
-        raise TorchCheckpointError(
+        raise HFCheckpointError(
             f"{folder}: its optimizer's next rate is {saved.lr!r}, but lr_scheduler_type={schedule} "
             f"with warmup_steps={args.warmup_steps} over its max_steps={max_steps_saved} gives {first_rate!r} at "
             f"step {saved.schedule_step}: resume with the schedule arguments the checkpoint was trained with."
