@@ -156,20 +156,6 @@ class _EvaluationPass:
 class EvaluationMixin(TrainerParts):
     """The Trainer's evaluate / predict methods (they use the Trainer's mesh, model, callbacks and state)."""
 
-    def _evaluate(self, trial, ignore_keys_for_eval, skip_scheduler: bool = False) -> dict[str, float]:
-        metrics = self.evaluate(ignore_keys=ignore_keys_for_eval)
-        if self._per_evaluation_scheduler() is not None and not skip_scheduler:
-            name = self.args.metric_for_best_model  # set ("loss") for HF's plateau-like schedules
-            key = name if name.startswith("eval_") else f"eval_{name}"  # type: ignore[union-attr]  # unset: HF's crash
-            if key not in metrics:
-                raise KeyError(
-                    f"The lr scheduler {self.args.lr_scheduler_type} needs metric {key!r}, which evaluation did not "
-                    f"return; it returned {sorted(metrics)}. Set --metric_for_best_model."
-                )
-            self._step_plateau(float(metrics[key]))
-        self._report_to_hp_search(trial, self.state.global_step, metrics)
-        return metrics
-
     def _generates(self) -> bool:
         """Whether predictions are generated ids rather than logits (overridden by Seq2SeqTrainer)."""
         return False

@@ -11,6 +11,7 @@ from flax import nnx
 from transformers.trainer_utils import SchedulerType
 
 from jtrainer import kinds
+from jtrainer.core.state import TrainState
 from jtrainer.kinds import user_code
 from jtrainer.models.base import count_parameters
 from jtrainer.numerics import opt_state as opt_states
@@ -46,14 +47,26 @@ class OptimizerMixin(TrainerParts):
             return self.lr_scheduler if self._translated_optimizer.per_evaluation else None
         return None if self._learning_rate is None else self._learning_rate.per_evaluation
 
-    def _step_plateau(self, metric: float) -> None:
-        """A per-evaluation scheduler's step on the evaluated metric: the new rate goes into the train state."""
-        if self._translated_optimizer is not None:  # the torch scheduler's rate enters at the next update
+    def _plateau_metric(self, metrics: dict[str, float]) -> float:
+        """The evaluated metric a per-evaluation scheduler steps on (metric_for_best_model, HF's), named if absent."""
+        name = self.args.metric_for_best_model  # set ("loss") for HF's plateau-like schedules
+        key = name if name.startswith("eval_") else f"eval_{name}"  # type: ignore[union-attr]  # unset: HF's crash
+        if key not in metrics:
+            raise KeyError(
+                f"The lr scheduler {self.args.lr_scheduler_type} needs metric {key!r}, which evaluation did not "
+                f"return; it returned {sorted(metrics)}. Set --metric_for_best_model."
+            )
+        return float(metrics[key])
+
+    def _plateau_stepped(self, metric: float, train_state: TrainState) -> TrainState:
+        """A per-evaluation scheduler's step on the evaluated metric: the train state with the new rate in its
+        optimizer state (a user's torch scheduler's rate enters at the next update instead)."""
+        if self._translated_optimizer is not None:
             self._translated_optimizer.after_evaluation(metric)
-            return
-        learning_rate, train_state = self._learning_rate, self._train_state
-        assert learning_rate is not None and train_state is not None, "a per-evaluation scheduler steps after training"
-        self._train_state = train_state.replace(opt_state=learning_rate.after_evaluation(metric, train_state.opt_state))
+            return train_state
+        learning_rate = self._learning_rate
+        assert learning_rate is not None, "a per-evaluation scheduler steps after training"
+        return train_state.replace(opt_state=learning_rate.after_evaluation(metric, train_state.opt_state))
 
     def get_decay_parameter_names(self, model=None) -> list[str]:
         """HF's rule: every parameter but those of LayerNorm modules (torch.nn.LayerNorm's counterparts, by type)

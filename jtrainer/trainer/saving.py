@@ -390,17 +390,18 @@ class SavingMixin(TrainerParts):
         for callback in rebuilt:
             self.callback_handler.add_callback(callback)
 
-    def _load_best_model(self) -> None:
+    def _best_train_state(self, train_state: TrainState | None) -> TrainState | None:
+        """load_best_model_at_end: the best checkpoint's train state, laid out like `train_state` (None where the
+        checkpoint holds only the model's weights, which are loaded into the model here)."""
         best = self.state.best_model_checkpoint
         hf_logger.info(f"Loading best model from {best} (score: {self.state.best_metric}).")
-        if self._train_state is not None and storage.isdir(storage.join(best, checkpoint.TRAIN_STATE_DIR)):
-            self._train_state = self._restore_train_state(best, self._train_state)
-            self._sync_model()
-        else:
-            from jtrainer.models import hf_io
+        if train_state is not None and storage.isdir(storage.join(best, checkpoint.TRAIN_STATE_DIR)):
+            return self._restore_train_state(best, train_state)
+        from jtrainer.models import hf_io
 
-            with storage.local_folder(best) as local:
-                hf_io.load_weights(self.model, local)
+        with storage.local_folder(best) as local:
+            hf_io.load_weights(self.model, local)
+        return None
 
     def _hf_tensors(self) -> dict[str, np.ndarray] | None:
         """The model's weights as HF-named host arrays (gathered from every process), if the model is ours. Only

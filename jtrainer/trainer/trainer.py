@@ -1040,6 +1040,16 @@ class Trainer(
             )
         return summed
 
+    def _evaluate(self, trial, ignore_keys_for_eval, skip_scheduler: bool = False) -> dict[str, float]:
+        """HF's evaluation during training: evaluate(), a per-evaluation scheduler's step on its metric (its
+        rate goes into the train state), the hyperparameter search's report."""
+        metrics = self.evaluate(ignore_keys=ignore_keys_for_eval)
+        if self._per_evaluation_scheduler() is not None and not skip_scheduler:
+            assert self._train_state is not None, "evaluations during training follow the first step"
+            self._train_state = self._plateau_stepped(self._plateau_metric(metrics), self._train_state)
+        self._report_to_hp_search(trial, self.state.global_step, metrics)
+        return metrics
+
     def _maybe_log_save_evaluate(self, run: TrainingRun, metrics, trial, epoch, ignore_keys_for_eval) -> None:
         losses = run.losses
         if self.control.should_log and self.state.global_step > losses.last_logged_step:
@@ -1088,7 +1098,10 @@ class Trainer(
         self._commit_pending_checkpoint()
         self.log(metrics)
         if self.args.load_best_model_at_end and self.state.best_model_checkpoint is not None:
-            self._load_best_model()
+            best = self._best_train_state(self._train_state)
+            if best is not None:
+                self._train_state = best
+                self._sync_model()
         run_dir = self._get_output_dir(trial)
         if self.args.should_save and self.state.best_model_checkpoint is not None and self.args.save_total_limit == 1:
             for folder in checkpoint.checkpoint_folders(run_dir):  # HF: only the best is left

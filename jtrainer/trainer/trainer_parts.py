@@ -89,9 +89,6 @@ OWNER: dict[str, str] = {
 SHARED: dict[str, tuple[str, ...]] = {
     # Each callback event returns the control the next step obeys (HF: self.control = callback_handler.on_...).
     "control": ("trainer", "evaluation", "saving"),
-    # The loop builds the train state; loading the best model at the end restores one (HF: load_state_dict); a
-    # per-evaluation scheduler (reduce_lr_on_plateau) sets the rate in it.
-    "_train_state": ("trainer", "saving", "optimizer_setup"),
     # The constructor takes HF's optimizers=(optimizer, lr_scheduler); create_optimizer builds them otherwise.
     "optimizer": ("trainer", "optimizer_setup"),
     "lr_scheduler": ("trainer", "optimizer_setup"),
@@ -129,14 +126,14 @@ CALLS: dict[str, str] = {
     "_per_evaluation_scheduler": "optimizer_setup",
     "_resumed_optimizer_state": "optimizer_setup",
     "_start_schedule": "optimizer_setup",
-    "_step_plateau": "optimizer_setup",
+    "_plateau_metric": "optimizer_setup",
+    "_plateau_stepped": "optimizer_setup",
     "_optax_optimizer": "optimizer_setup",
     "_before_update": "optimizer_setup",
     "_after_update": "optimizer_setup",
     "create_optimizer_and_scheduler": "optimizer_setup",
     "floating_point_ops": "optimizer_setup",
     "_eval_step": "evaluation",
-    "_evaluate": "evaluation",
     "_evaluate_loss_only": "evaluation",
     "_generates": "evaluation",
     "_ignore_keys": "evaluation",
@@ -145,7 +142,7 @@ CALLS: dict[str, str] = {
     "_determine_best_metric": "saving",
     "_finish_checkpoint_after_error": "saving",
     "_get_output_dir": "saving",
-    "_load_best_model": "saving",
+    "_best_train_state": "saving",
     "_poll_pending_checkpoint": "saving",
     "_resume": "saving",
     "_save_checkpoint": "saving",
@@ -276,7 +273,10 @@ class TrainerParts:
 
         def _start_schedule(self) -> None: ...
 
-        def _step_plateau(self, metric: float) -> None: ...
+        def _plateau_metric(self, metrics: dict[str, float]) -> float: ...
+
+        def _plateau_stepped(self, metric: float, train_state: TrainState) -> TrainState: ...
+
         def _optax_optimizer(self) -> Any: ...
         def _before_update(self, train_state: TrainState) -> TrainState: ...
         def _after_update(self) -> None: ...
@@ -291,8 +291,6 @@ class TrainerParts:
         ) -> dict[str, float]: ...
 
         def _eval_step(self, spec: LossSpec, want_logits: bool, ignore_keys: tuple[str, ...]): ...
-
-        def _evaluate(self, trial, ignore_keys_for_eval, skip_scheduler: bool = False) -> dict[str, float]: ...
 
         def _evaluate_loss_only(self) -> bool | None: ...
 
@@ -311,7 +309,7 @@ class TrainerParts:
 
         def _get_output_dir(self, trial) -> str: ...
 
-        def _load_best_model(self) -> None: ...
+        def _best_train_state(self, train_state: TrainState | None) -> TrainState | None: ...
 
         def _poll_pending_checkpoint(self) -> None: ...
 
