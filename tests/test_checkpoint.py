@@ -44,6 +44,44 @@ def test_resume_mid_epoch_is_bit_identical(tmp_path):
     assert _losses(resumed, after=2) == _losses(full, after=2)
 
 
+def test_a_checkpoint_saved_before_schedule_switches_existed_resumes(tmp_path, monkeypatch):
+    """An optimizer state saved before the schedule's switch numbers existed (schedules.SCHEDULE_SWITCH, written
+    by an earlier jtrainer) resumes: read without them, completed as having no switch, and the run goes on as
+    an uninterrupted one."""
+    import optax
+
+    from jtrainer.numerics import opt_state, optim, schedules
+
+    def strip(state):
+        return opt_state.map_hyperparams(
+            state, lambda hyper: {k: v for k, v in hyper.items() if k not in schedules.SCHEDULE_SWITCH}
+        )
+
+    make_optimizer = optim.make_optimizer
+
+    def earlier_optimizer(*args, **kwargs):  # the state as jtrainer wrote it before the switch numbers
+        tx = make_optimizer(*args, **kwargs)
+
+        def update(updates, state, params=None):
+            updates, state = tx.update(updates, opt_state.map_hyperparams(state, schedules.no_schedule_switch), params)
+            return updates, strip(state)
+
+        return optax.GradientTransformation(lambda params: strip(tx.init(params)), update)
+
+    full = make_trainer(str(tmp_path / "full"), 4, 0, False)
+    full.train()
+    with monkeypatch.context() as patch:
+        patch.setattr(optim, "make_optimizer", earlier_optimizer)
+        first = make_trainer(str(tmp_path / "part"), 4, 2, False)
+        first.train()
+    assert "switch_count" not in opt_state.find_hyperparams(first._train_state.opt_state)
+    resumed = make_trainer(str(tmp_path / "part"), 4, 0, False)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "part" / "checkpoint-2"))
+    assert float(opt_state.hyperparameter(resumed._train_state.opt_state, "switch_count")) == 0
+    assert _tree_equal(full._train_state.params, resumed._train_state.params)
+    assert _losses(resumed, after=2) == _losses(full, after=2)
+
+
 def _spawn(out, *args, env=None):
     return subprocess.Popen(
         [sys.executable, os.path.join(HERE, "jobs", "ckpt_job.py"), str(out), *map(str, args)],

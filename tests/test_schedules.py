@@ -1,6 +1,6 @@
-"""jtrainer.numerics.schedules.LearningRate: the run's one schedule object. Its three forms agree with HF's
-scheduler (torch's LambdaLR from transformers.get_scheduler), a resume's changed schedule switches once, and a
-per-evaluation scheduler's step lands in the optimizer state."""
+"""jtrainer.numerics.schedules.LearningRate: the run's one schedule object, a value. Its three forms agree with
+HF's scheduler (torch's LambdaLR from transformers.get_scheduler); a resume's changed schedule and a
+per-evaluation scheduler's step live in the optimizer state."""
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +10,13 @@ import pytest
 from jtrainer import TrainingArguments
 from jtrainer.numerics import opt_state
 from jtrainer.numerics.optim import make_optimizer
-from jtrainer.numerics.schedules import LearningRate, per_evaluation_scheduler
+from jtrainer.numerics.schedules import (
+    SCHEDULE_SWITCH,
+    LearningRate,
+    no_schedule_switch,
+    per_evaluation_scheduler,
+    plateau_step,
+)
 
 
 def _args(**over):
@@ -23,8 +29,11 @@ def _optimizer(args, rate: LearningRate):
     tx = make_optimizer(
         args, mask, multiplier=rate.multiplier(), warmup_steps=rate.warmup_steps, total_steps=rate.total_steps
     )
-    rate.in_optimizer_state = rate.drives_optimizer = True
     return tx, params, tx.init(params)
+
+
+def _numbers(state) -> dict[str, float]:
+    return {k: float(v) for k, v in opt_state.find_hyperparams(state).items()}
 
 
 @pytest.mark.parametrize("kind", ["linear", "cosine"])
@@ -43,26 +52,42 @@ def test_the_three_forms_agree_with_hf(kind):
         _, state = tx.update(jax.tree.map(jnp.ones_like, params), state, params)
         device = opt_state.current_learning_rate(state)
         count = opt_state.schedule_count(state)
-        assert rate.host_rate(device, count) == pytest.approx(expected, rel=1e-12, abs=1e-18)  # HF's float64
+        assert rate.host_rate(count, _numbers(state)) == pytest.approx(expected, rel=1e-12, abs=1e-18)  # float64
+        assert rate.host_rate(count) == rate.host_rate(count, _numbers(state))
         np.testing.assert_allclose(float(device), expected, rtol=1e-6)  # the device's float32
-        np.testing.assert_allclose(float(rate.scheduler()(int(count) - 1)), expected, rtol=1e-6)
+        np.testing.assert_allclose(float(rate.schedule(int(count) - 1)), expected, rtol=1e-6)
         torch_opt.step()
         hf.step()
 
 
 def test_a_resumed_run_with_another_length_switches_after_one_update():
+    """The optimizer state holds the switch: the first resumed update applies the checkpoint's schedule (torch
+    steps its scheduler after it), the ones after it this run's; the host's float64 rates follow the state."""
     args = _args()
     saved = LearningRate.from_args(args, 10)
-    _, _, state = _optimizer(args, saved)
+    tx, params, state = _optimizer(args, saved)
     state = opt_state.set_schedule_count(state, 4)
     resumed = LearningRate.from_args(args, 20)
-    resumed.in_optimizer_state = resumed.drives_optimizer = True
-    state = resumed.resume(state, args.learning_rate)
-    assert resumed.switch_pending and resumed.resumed.first_count == 5
-    assert resumed.host_rate(0.0, 5) == pytest.approx(saved.host_rate(0.0, 5))  # the checkpoint's schedule first
-    state = resumed.after_update(state)
-    assert int(opt_state.hyperparameter(state, "total_steps")) == 20 and not resumed.switch_pending
-    assert resumed.after_update(state) is state  # once
+    state = resumed.resumed(state)
+    assert _numbers(state)["switch_count"] == 5 and _numbers(state)["total_steps"] == 10
+    grads = jax.tree.map(jnp.ones_like, params)
+    _, state = tx.update(grads, state, params)  # the update at count 4: the saved schedule
+    assert resumed.host_rate(5, _numbers(state)) == pytest.approx(saved.host_rate(5), rel=1e-12)
+    np.testing.assert_allclose(float(opt_state.current_learning_rate(state)), saved.host_rate(5), rtol=1e-6)
+    _, state = tx.update(grads, state, params)  # then this run's
+    assert resumed.host_rate(6, _numbers(state)) == pytest.approx(resumed.host_rate(6), rel=1e-12)
+    assert resumed.host_rate(6) != pytest.approx(saved.host_rate(6))
+    np.testing.assert_allclose(float(opt_state.current_learning_rate(state)), resumed.host_rate(6), rtol=1e-6)
+    assert resumed.resumed(state) is state or _numbers(resumed.resumed(state)) == _numbers(state)  # once
+
+
+def test_a_state_saved_before_switches_existed_has_none():
+    args = _args()
+    _, _, state = _optimizer(args, LearningRate.from_args(args, 10))
+    hyper = opt_state.find_hyperparams(state)
+    older = {k: v for k, v in hyper.items() if k not in SCHEDULE_SWITCH}
+    completed = no_schedule_switch(older)
+    assert {k: float(v) for k, v in completed.items()} == {k: float(v) for k, v in hyper.items()}
 
 
 def test_a_per_evaluation_scheduler_sets_the_rate_in_the_state():
@@ -72,11 +97,10 @@ def test_a_per_evaluation_scheduler_sets_the_rate_in_the_state():
         eval_strategy="steps",
         eval_steps=1,
     )
-    rate = LearningRate.from_args(args, 10)
-    rate.per_evaluation = per_evaluation_scheduler(args)
+    scheduler = per_evaluation_scheduler(args)
     tx = make_optimizer(args, {"w": True}, learning_rate=None)
     state = tx.init({"w": jnp.zeros(2)})
-    state = rate.after_evaluation(1.0, state)  # the first metric is the best so far
-    state = rate.after_evaluation(2.0, state)  # worse: halved
-    assert rate.host_rate(None, 2) == pytest.approx(1.5e-4)
+    state = plateau_step(scheduler, 1.0, state)  # the first metric is the best so far
+    state = plateau_step(scheduler, 2.0, state)  # worse: halved
+    assert scheduler.last_lr == pytest.approx(1.5e-4)
     assert float(opt_state.current_learning_rate(state)) == pytest.approx(1.5e-4)

@@ -43,6 +43,8 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from jtrainer.checkpointing import hf_checkpoint
 from jtrainer.core import storage
 from jtrainer.core.errors import BadInput
+from jtrainer.numerics import opt_state as opt_states
+from jtrainer.numerics import schedules
 from jtrainer.numerics.mixed_precision import LossScaleState
 
 logger = logging.getLogger(__name__)
@@ -622,7 +624,7 @@ def _restore_with(checkpointer, directory: str, path: str, like, fresh=None):
     wanted_wrappers, _ = _peel_wrappers(like.opt_state)
     if saved_wrappers == wanted_wrappers:
         try:
-            return checkpointer.restore(path, abstract)
+            return _restore_completing(checkpointer, path, abstract)
         except ValueError as error:  # the frozen weights or the optimizer state of another model
             if "tree" not in str(error).lower():
                 raise
@@ -644,8 +646,28 @@ def _restore_with(checkpointer, directory: str, path: str, like, fresh=None):
     _, core_abstract = _peel_wrappers(abstract.opt_state)
     replicated = jax.sharding.NamedSharding(like.step.sharding.mesh, jax.sharding.PartitionSpec())
     saved_opt = _saved_wrappers(saved_tree["opt_state"], core_abstract, replicated)
-    restored = checkpointer.restore(path, abstract.replace(opt_state=saved_opt))
+    restored = _restore_completing(checkpointer, path, abstract.replace(opt_state=saved_opt))
     return restored.replace(opt_state=_rewrap(like.opt_state, _peel_wrappers(restored.opt_state)[1]))
+
+
+def _restore_completing(checkpointer, path: str, target):
+    """`checkpointer.restore(path, target)`; an optimizer state saved before the schedule's switch numbers
+    existed (`schedules.SCHEDULE_SWITCH`) is read without them and completed as having no switch."""
+    try:
+        return checkpointer.restore(path, target)
+    except ValueError as error:
+        if "tree" not in str(error).lower():
+            raise
+        older = opt_states.map_hyperparams(
+            target.opt_state, lambda hyper: {k: v for k, v in hyper.items() if k not in schedules.SCHEDULE_SWITCH}
+        )
+        if opt_states.find_hyperparams(older) == opt_states.find_hyperparams(target.opt_state):
+            raise
+        try:
+            restored = checkpointer.restore(path, target.replace(opt_state=older))
+        except ValueError:
+            raise error from None
+    return restored.replace(opt_state=opt_states.map_hyperparams(restored.opt_state, schedules.no_schedule_switch))
 
 
 # Optimizer-state wrappers a resumed run may add or drop, by their fields (a saved state is a dict).

@@ -362,6 +362,7 @@ def restore(folder: str, *, args, layout: ModelLayout, mesh, rules, decay_mask, 
         "base_learning_rate": saved.base_lr,
         "warmup_steps": warmup,
         "total_steps": max_steps_saved,
+        **schedules.schedule_switch(warmup, max_steps_saved),  # the saved shape throughout (a resume may switch)
     }
     for name, value in values.items():
         opt_state = opt_states.set_hyperparam(opt_state, name, value)

@@ -34,6 +34,15 @@ def replace_hyperparam(opt_state, name: str, value):
     return opt_state._replace(inner_state=replace_hyperparam(opt_state.inner_state, name, value))
 
 
+def map_hyperparams(opt_state, fn):
+    """The optimizer state with inject_hyperparams' dict replaced by `fn(dict)` (through wrappers; unchanged
+    without one)."""
+    if getattr(opt_state, "hyperparams", None) is not None:
+        return opt_state._replace(hyperparams=fn(opt_state.hyperparams))
+    inner = getattr(opt_state, "inner_state", None)
+    return opt_state if inner is None else opt_state._replace(inner_state=map_hyperparams(inner, fn))
+
+
 def set_hyperparam(opt_state, name: str, value: float):
     """The optimizer state with one injected hyperparameter set to a host value, placed with the dtype and
     sharding of the one it replaces (between steps: the compiled step is reused)."""

@@ -24,7 +24,14 @@ from transformers.trainer_utils import SchedulerType
 
 from jtrainer.numerics import torch_optimizers
 from jtrainer.numerics.opt_state import hyperparameter, nested_states
-from jtrainer.numerics.schedules import PER_EVALUATION, LearningRate, Multiplier, Schedule
+from jtrainer.numerics.schedules import (
+    PER_EVALUATION,
+    LearningRate,
+    Multiplier,
+    Schedule,
+    schedule_shape,
+    schedule_switch,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -333,7 +340,8 @@ def make_optimizer(
 ) -> optax.GradientTransformation:
     """HF's `optim` name -> an optax transformation whose state carries its hyperparameters.
 
-    Every number (weight decay, betas, epsilon, the schedule's base rate, warmup and length, max_grad_norm) enters
+    Every number (weight decay, betas, epsilon, the schedule's base rate, warmup and length and the shape it
+    switches to after a resume, max_grad_norm) enters
     the optimizer state through `optax.inject_hyperparams`: it is data, so trials of a hyperparameter search that
     change only numbers reuse one compiled step. With `multiplier` (HF's schedule), each update's rate is
     `base_learning_rate * multiplier(count)` computed from that state; otherwise `learning_rate` is a user's
@@ -354,9 +362,14 @@ def make_optimizer(
         base_learning_rate,
         warmup_steps,
         total_steps,
+        next_warmup_steps,
+        next_total_steps,
+        switch_count,
         max_grad_norm,
     ):
-        del base_learning_rate, warmup_steps, total_steps, max_grad_norm  # read by `scheduled` and the step
+        # Read by `scheduled` and the step.
+        del base_learning_rate, warmup_steps, total_steps, next_warmup_steps, next_total_steps, switch_count
+        del max_grad_norm
         return handler(
             ctx,
             learning_rate=learning_rate,
@@ -379,6 +392,7 @@ def make_optimizer(
         base_learning_rate=base_lr,
         warmup_steps=float(warmup_steps),
         total_steps=float(total_steps),
+        **schedule_switch(warmup_steps, total_steps),
         max_grad_norm=float(args.max_grad_norm or 0.0),
     )
     return tx if multiplier is None else scheduled(tx, multiplier)
@@ -415,7 +429,8 @@ def scheduled(tx: optax.GradientTransformation, multiplier: Multiplier) -> optax
     def with_rate(state):
         hyper = state.hyperparams
         base = hyper["base_learning_rate"]
-        rate = base * multiplier(state.count, warmup=hyper["warmup_steps"], total=hyper["total_steps"], base_lr=base)
+        warmup, total = schedule_shape(hyper, state.count)
+        rate = base * multiplier(state.count, warmup=warmup, total=total, base_lr=base)
         return state._replace(hyperparams={**hyper, "learning_rate": rate.astype(hyper["learning_rate"].dtype)})
 
     def init(params):

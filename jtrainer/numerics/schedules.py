@@ -8,6 +8,7 @@ Per-evaluation schedulers (`reduce_lr_on_plateau`, `greedy`) step on the host, a
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -370,41 +371,60 @@ def per_evaluation_scheduler(args) -> PlateauScheduler | GreedyScheduler:
     return scheduler
 
 
+# The numbers of a schedule's shape switch (`schedule_switch`), which optimizer states saved before they existed
+# lack: a restore fills them in as "no switch" (`no_schedule_switch`).
+SCHEDULE_SWITCH = ("next_warmup_steps", "next_total_steps", "switch_count")
+
+
+def schedule_switch(warmup_steps: float, total_steps: float, switch_count: float = 0) -> dict[str, float]:
+    """The optimizer state's numbers of a schedule shape switch: updates from the `switch_count`-th on follow
+    (warmup_steps, total_steps); the ones before keep the state's own shape. A resume whose arguments change the
+    shape sets them (`schedules.LearningRate.resumed`): the first resumed update still applies the saved shape,
+    as torch's scheduler steps after it."""
+    return dict(
+        next_warmup_steps=float(warmup_steps), next_total_steps=float(total_steps), switch_count=float(switch_count)
+    )
+
+
+def no_schedule_switch(hyperparams: dict) -> dict:
+    """Hyperparameters saved before schedule switches existed, completed: the saved shape throughout."""
+    missing = {name: None for name in SCHEDULE_SWITCH if name not in hyperparams}
+    if not missing or "warmup_steps" not in hyperparams:
+        return hyperparams
+    warmup, total = hyperparams["warmup_steps"], hyperparams["total_steps"]
+    # New buffers placed as the saved numbers are (the step donates each one of the state).
+    added = dict(next_warmup_steps=warmup + 0, next_total_steps=total + 0, switch_count=warmup * 0)
+    return {**hyperparams, **{name: added[name] for name in missing}}
+
+
+def schedule_shape(hyperparams: dict, count):
+    """(warmup, total) the update at `count` follows: the state's own shape before its switch, the switched one
+    from it on (jnp or numpy values alike)."""
+    switched = count >= hyperparams["switch_count"]
+    warmup = jnp.where(switched, hyperparams["next_warmup_steps"], hyperparams["warmup_steps"])
+    total = jnp.where(switched, hyperparams["next_total_steps"], hyperparams["total_steps"])
+    return warmup, total
+
+
 @dataclass(frozen=True)
-class ResumedSchedule:
-    """A resumed run whose schedule changed (max_steps, epochs, warmup): the first update after the checkpoint
-    still applies the rate saved with the optimizer (torch steps its scheduler after the update), logged as
-    `first_rate`; after it the state takes this run's warmup and length."""
-
-    first_count: int  # the schedule count after that first update
-    first_rate: float  # its rate, HF's float64 value of the saved schedule
-    warmup_steps: int
-    total_steps: int
-
-
-@dataclass
 class LearningRate:
-    """A run's learning rate, built by the Trainer from `lr_scheduler_type` (HF's create_scheduler), in the three
-    forms that must agree:
+    """A run's learning rate, built once by the Trainer from `lr_scheduler_type` (HF's create_scheduler), in the
+    three forms that must agree:
 
-    - `scheduler()`: HF's lr_scheduler, step -> rate, traced (what `Trainer.lr_scheduler` holds);
-    - `multiplier()`: what the optimizer applies on the device when `in_optimizer_state`: the base rate, warmup and
-      length are numbers in the optimizer state (a hyperparameter search changes them without a recompile);
-    - `host_rate(count)`: HF's float64 value of the last update's rate, what the logs show.
+    - `schedule`: HF's lr_scheduler, step -> rate, traced (what `Trainer.lr_scheduler` shows);
+    - `multiplier()`: what the optimizer applies on the device from the numbers in its state (base rate, warmup
+      and length, and a resume's switch to another shape: a hyperparameter search or a resume changes them
+      without a recompile);
+    - `host_rate(...)`: HF's float64 value of an update's rate from those same numbers, what the logs show.
 
-    It also holds what moves the rate from the host: a per-evaluation scheduler (`after_evaluation`) and a resume
-    whose schedule changed (`resume`, then `after_update`)."""
+    A value: what changes the rate at run time (a resume's new shape, a per-evaluation scheduler's step) lives
+    in the optimizer state."""
 
     kind: str  # a SchedulerType value
-    base_rate: float  # HF's float64 base rate this run (a resume may keep the checkpoint's)
+    base_rate: float  # HF's float64 base rate of the arguments
     warmup_steps: int
     total_steps: int
-    kwargs: dict[str, Any] = field(default_factory=dict)
-    per_evaluation: PlateauScheduler | GreedyScheduler | None = None
-    in_optimizer_state: bool = False  # the optimizer applies `multiplier()` from numbers in its state
-    drives_optimizer: bool = False  # the optimizer's rate is this schedule (so HF's float64 value is logged)
-    resumed: ResumedSchedule | None = None
-    switch_pending: bool = False  # `resumed`'s shape takes effect after the next update
+    kwargs: dict[str, Any] = field(default_factory=dict, hash=False)
 
     @classmethod
     def from_args(cls, args, num_training_steps: int) -> LearningRate:
@@ -420,66 +440,60 @@ class LearningRate:
             dict(args.lr_scheduler_kwargs or {}),
         )
 
-    def scheduler(self) -> Schedule:
-        """HF's lr_scheduler as a traced function of the scheduler step."""
+    @functools.cached_property
+    def schedule(self) -> Schedule:
+        """HF's lr_scheduler as a traced function of the scheduler step (built once)."""
         return make_schedule(self.kind, self.base_rate, self.warmup_steps, self.total_steps, self.kwargs)
 
     def multiplier(self) -> Multiplier:
         return schedule_multiplier(self.kind, self.base_rate, self.kwargs)
 
-    def start(self, base_rate: float) -> None:
-        """A run starts at the arguments' rate (a resume may then keep the checkpoint's)."""
-        self.base_rate, self.resumed, self.switch_pending = float(base_rate), None, False
-
-    def host_rate(self, device_rate, count) -> float:
+    def host_rate(self, count, numbers: dict[str, float] | None = None) -> float:
         """The rate of the update that made the optimizer's count `count`, as HF logs it: its scheduler's Python
-        float64 value (the device stepped with its float32 rounding); a rate the schedule does not drive is read
-        from the device."""
-        if self.per_evaluation is not None:
-            return self.per_evaluation.last_lr
-        if not self.drives_optimizer:
-            return float(device_rate)
-        if self.resumed is not None and int(count) == self.resumed.first_count:
-            return self.resumed.first_rate
+        float64 value (the device stepped with its float32 rounding), from the optimizer state's schedule
+        `numbers` (host values of its hyperparameters; None: this schedule as built). The base rate is the
+        arguments' float64 one where the state holds its float32 rounding, else the state's (a resume keeps the
+        checkpoint's, as torch loads its scheduler)."""
         step = max(int(count) - 1, 0)
-        return host_learning_rate(self.kind, self.base_rate, step, self.warmup_steps, self.total_steps, self.kwargs)
+        if numbers is None:
+            return host_learning_rate(self.kind, self.base_rate, step, self.warmup_steps, self.total_steps, self.kwargs)
+        saved_base = float(numbers["base_learning_rate"])
+        base = self.base_rate if np.float32(self.base_rate) == np.float32(saved_base) else saved_base
+        warmup, total = _host_shape(numbers, step)
+        return host_learning_rate(self.kind, base, step, warmup, total, self.kwargs)
 
-    def resume(self, opt_state, learning_rate: float):
+    def resumed(self, opt_state):
         """A restored optimizer state under this run's schedule, as HF resumes: torch loads the saved scheduler
-        state, so the base rate stays the checkpoint's (this run's float64 value when it is the same number),
-        while the shape (warmup, length) is this run's, from the update after the first resumed one."""
+        state, so the base rate stays the checkpoint's, while the shape (warmup, length) is this run's from the
+        update after the first resumed one (which applies the saved shape): the state's switch says so."""
         hyper = opt_states.find_hyperparams(opt_state)
-        if hyper is None or not self.in_optimizer_state:
+        if hyper is None or "switch_count" not in hyper:
             return opt_state
-        saved_base = float(hyper["base_learning_rate"])
-        # The float64 rate HF keeps when it is this run's (the state holds its float32 rounding).
-        self.base_rate = float(learning_rate) if np.float32(learning_rate) == np.float32(saved_base) else saved_base
-        saved = (int(hyper["warmup_steps"]), int(hyper["total_steps"]))
-        if saved != (self.warmup_steps, self.total_steps):
-            count = int(opt_states.schedule_count(opt_state))  # type: ignore[arg-type]  # inject_hyperparams' state
-            first = host_learning_rate(self.kind, self.base_rate, count, *saved, self.kwargs)
-            self.resumed = ResumedSchedule(count + 1, first, self.warmup_steps, self.total_steps)
-            self.switch_pending = True
-        return opt_state
-
-    def after_update(self, opt_state):
-        """After each update: after the first resumed one, this run's warmup and length replace the
-        checkpoint's (once: no device read)."""
-        if not self.switch_pending:
+        count = int(opt_states.schedule_count(opt_state))  # type: ignore[arg-type]  # inject_hyperparams' state
+        numbers = {name: float(value) for name, value in hyper.items() if np.ndim(value) == 0}
+        saved = _host_shape(numbers, count)
+        if saved == (self.warmup_steps, self.total_steps):
             return opt_state
-        self.switch_pending = False
-        resumed = self.resumed
-        assert resumed is not None  # switch_pending is set with it
-        for name, value in (("warmup_steps", resumed.warmup_steps), ("total_steps", resumed.total_steps)):
+        # The update at `count` follows the saved shape; the ones after it this run's.
+        for name, value in (("warmup_steps", saved[0]), ("total_steps", saved[1])):
             opt_state = opt_states.set_hyperparam(opt_state, name, value)
+        for name, number in schedule_switch(self.warmup_steps, self.total_steps, count + 1).items():
+            opt_state = opt_states.set_hyperparam(opt_state, name, number)
         return opt_state
 
-    def after_evaluation(self, metric: float, opt_state):
-        """A per-evaluation scheduler's step on the evaluated metric: the new rate goes into the optimizer state."""
-        scheduler = self.per_evaluation
-        assert scheduler is not None, "a per-evaluation lr_scheduler_type"
-        rate = scheduler.last_lr  # the host's float64 rate, as torch's scheduler keeps it
-        new_rate = scheduler.last_lr = scheduler.step(metric, rate)
-        if new_rate != rate:
-            opt_state = opt_states.set_hyperparam(opt_state, "learning_rate", new_rate)
-        return opt_state
+
+def _host_shape(numbers: dict[str, float], count: int) -> tuple[int, int]:
+    """(warmup, total) the update at `count` followed, from the optimizer state's schedule numbers (a state saved
+    before shape switches existed has none: its own shape)."""
+    if "switch_count" in numbers and count >= numbers["switch_count"]:
+        return int(numbers["next_warmup_steps"]), int(numbers["next_total_steps"])
+    return int(numbers["warmup_steps"]), int(numbers["total_steps"])
+
+
+def plateau_step(scheduler: PlateauScheduler | GreedyScheduler, metric: float, opt_state):
+    """A per-evaluation scheduler's step on the evaluated metric: the new rate goes into the optimizer state."""
+    rate = scheduler.last_lr  # the host's float64 rate, as torch's scheduler keeps it
+    new_rate = scheduler.last_lr = scheduler.step(metric, rate)
+    if new_rate != rate:
+        opt_state = opt_states.set_hyperparam(opt_state, "learning_rate", new_rate)
+    return opt_state

@@ -274,7 +274,7 @@ class AbstractRun:
         rate = schedules.LearningRate.from_args(self.args, num_training_steps)
         params = nnx.to_pure_dict(nnx.state(self.held.module, nnx.Param))
         mask = kinds.decay_mask(self.held, params, kinds.decay_parameter_names(self.held.given))
-        tx, _ = optim.hf_optimizer(self.args, mask, rate, rate.scheduler())
+        tx, _ = optim.hf_optimizer(self.args, mask, rate, rate.schedule)
         return step_optimizer(tx, self.args)
 
     def trace_train(self, example: Batch, num_training_steps: int):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import numpy as np
 import optax
 from flax import nnx
@@ -22,15 +23,23 @@ from jtrainer.trainer.trainer_parts import TrainerParts
 class OptimizerMixin(TrainerParts):
     """create_optimizer / create_scheduler and friends; uses the Trainer's args, model and train state."""
 
+    @property
+    def lr_scheduler(self) -> Any:
+        """HF's `trainer.lr_scheduler`: a view of the schedule the run built from the arguments (its step -> rate
+        function), or the scheduler the user gave (optimizers=(..., scheduler)); for a user's torch optimizer,
+        HF's own torch scheduler on it."""
+        if self._given_lr_scheduler is not None or self._learning_rate is None:
+            return self._given_lr_scheduler
+        return self._learning_rate.schedule
+
+    @lr_scheduler.setter
+    def lr_scheduler(self, scheduler: Any) -> None:
+        self._given_lr_scheduler = scheduler
+
     def _forget_optimizer(self) -> None:
         """A new model (model_init): the next train() builds its optimizer and schedule afresh."""
         self.optimizer = self.lr_scheduler = self._learning_rate = self._translated_optimizer = None
-        self._optimizer_recipe = None
-
-    def _start_schedule(self) -> None:
-        """The schedule's base rate as a run starts (a resume may keep the checkpoint's base rate)."""
-        if self._learning_rate is not None:
-            self._learning_rate.start(self.args.learning_rate)
+        self._optimizer_recipe = self._plateau_scheduler = None
 
     def _optimizer_eval(self) -> None:
         """HF's optimizer.eval(): a schedule-free optimizer's x parameters are the model's until the next step."""
@@ -45,7 +54,7 @@ class OptimizerMixin(TrainerParts):
         ReduceLROnPlateau), if the run has one."""
         if self._translated_optimizer is not None:
             return self.lr_scheduler if self._translated_optimizer.per_evaluation else None
-        return None if self._learning_rate is None else self._learning_rate.per_evaluation
+        return self._plateau_scheduler
 
     def _plateau_metric(self, metrics: dict[str, float]) -> float:
         """The evaluated metric a per-evaluation scheduler steps on (metric_for_best_model, HF's), named if absent."""
@@ -64,9 +73,9 @@ class OptimizerMixin(TrainerParts):
         if self._translated_optimizer is not None:
             self._translated_optimizer.after_evaluation(metric)
             return train_state
-        learning_rate = self._learning_rate
-        assert learning_rate is not None, "a per-evaluation scheduler steps after training"
-        return train_state.replace(opt_state=learning_rate.after_evaluation(metric, train_state.opt_state))
+        scheduler = self._plateau_scheduler
+        assert scheduler is not None, "a per-evaluation lr_scheduler_type"
+        return train_state.replace(opt_state=schedules.plateau_step(scheduler, metric, train_state.opt_state))
 
     def get_decay_parameter_names(self, model=None) -> list[str]:
         """HF's rule: every parameter but those of LayerNorm modules (torch.nn.LayerNorm's counterparts, by type)
@@ -100,7 +109,6 @@ class OptimizerMixin(TrainerParts):
             return self.lr_scheduler
         if self.lr_scheduler is None:
             self._learning_rate = schedules.LearningRate.from_args(self.args, num_training_steps)
-            self.lr_scheduler = self._learning_rate.scheduler()
         return self.lr_scheduler
 
     def _create_translated_optimizer(self, params) -> Any:
@@ -144,21 +152,27 @@ class OptimizerMixin(TrainerParts):
             cls, kwargs = self.optimizer_cls_and_kwargs
             factory = lambda learning_rate: cls(learning_rate=learning_rate, **kwargs)  # noqa: E731
             self.optimizer = optax.inject_hyperparams(factory)(learning_rate=self.lr_scheduler)
-            if rate is not None:
-                rate.drives_optimizer = True
             return self.optimizer
         args = self.args
         self.optimizer, self._optimizer_recipe = optim.hf_optimizer(args, mask, rate, self.lr_scheduler)
-        if self._optimizer_recipe is not None:
-            assert rate is not None
-            rate.in_optimizer_state = rate.drives_optimizer = True
-        kind = SchedulerType(args.lr_scheduler_type).value
-        per_evaluation = kind in schedules.PER_EVALUATION
-        if per_evaluation:
-            if rate is None:  # the user's lr_scheduler, with a per-evaluation lr_scheduler_type
-                rate = self._learning_rate = schedules.LearningRate(kind, float(args.learning_rate), 0, 0)
-            rate.per_evaluation = schedules.per_evaluation_scheduler(args)
+        if SchedulerType(args.lr_scheduler_type).value in schedules.PER_EVALUATION:
+            self._plateau_scheduler = schedules.per_evaluation_scheduler(args)
         return self.optimizer
+
+    def _schedule_drives_optimizer(self) -> bool:
+        """Whether the optimizer's rate is the run's schedule (the Trainer built the optimizer from it: HF's
+        float64 value of each rate is what is logged), rather than a user's optimizer's own."""
+        if self._learning_rate is None or self._translated_optimizer is not None:
+            return False
+        return self._optimizer_recipe is not None or self.optimizer_cls_and_kwargs is not None
+
+    def _schedule_numbers(self) -> dict[str, float] | None:
+        """The schedule's numbers in the train state's optimizer state, as host floats (None where the schedule
+        is compiled into the step rather than kept there, or before training)."""
+        if self._optimizer_recipe is None or self._train_state is None:
+            return None
+        hyper = opt_states.find_hyperparams(self._train_state.opt_state) or {}
+        return {name: float(value) for name, value in jax.device_get(hyper).items() if np.ndim(value) == 0}
 
     def create_optimizer_and_scheduler(self, num_training_steps: int) -> None:
         if self._translated_optimizer_given():  # HF's order: the torch scheduler is built on the torch optimizer
@@ -178,11 +192,10 @@ class OptimizerMixin(TrainerParts):
         count = None if self._train_state is None else opt_states.schedule_count(self._train_state.opt_state)
         if count is not None:
             updates = int(count)
-        rate = self._learning_rate
-        if rate is not None and rate.per_evaluation is not None:
-            return rate.per_evaluation.last_lr
-        if rate is not None and rate.drives_optimizer:
-            return rate.host_rate(None, updates + 1)
+        if self._plateau_scheduler is not None:
+            return self._plateau_scheduler.last_lr
+        if self._learning_rate is not None and self._schedule_drives_optimizer():
+            return self._learning_rate.host_rate(updates + 1, self._schedule_numbers())
         if callable(self.lr_scheduler):  # the user's own schedule (optimizers=(..., schedule))
             return float(self.lr_scheduler(updates))
         return float(self.args.learning_rate)
@@ -215,26 +228,22 @@ class OptimizerMixin(TrainerParts):
         the device, a user's torch scheduler's as it stood for that update."""
         if self._translated_optimizer is not None:
             return self._translated_optimizer.logged_rate(int(count), device_lr)
-        if self._learning_rate is None:
+        if self._plateau_scheduler is not None:
+            return self._plateau_scheduler.last_lr
+        if self._learning_rate is None or not self._schedule_drives_optimizer():
             return float(device_lr)
-        return self._learning_rate.host_rate(device_lr, count)
+        return self._learning_rate.host_rate(count, self._schedule_numbers())
 
     def _resumed_optimizer_state(self, opt_state):
         """The restored optimizer state under this run's arguments, as HF resumes: torch loads the saved param
         groups and scheduler state, so weight decay, betas, epsilon and the schedule's base rate stay the
-        checkpoint's, while the schedule's shape (LearningRate.resume) and max_grad_norm (read each step) are
+        checkpoint's, while the schedule's shape (LearningRate.resumed) and max_grad_norm (read each step) are
         this run's."""
         if opt_states.hyperparameter(opt_state, "max_grad_norm") is not None:
             opt_state = opt_states.set_hyperparam(opt_state, "max_grad_norm", self.args.max_grad_norm or 0.0)
-        if self._learning_rate is None:
+        if self._learning_rate is None or self._optimizer_recipe is None:  # the schedule is not in the state
             return opt_state
-        return self._learning_rate.resume(opt_state, self.args.learning_rate)
-
-    def _follow_resumed_schedule(self, train_state):
-        """Called after each update (LearningRate.after_update: a resume's changed schedule takes effect)."""
-        if self._learning_rate is None or not self._learning_rate.switch_pending:
-            return train_state
-        return train_state.replace(opt_state=self._learning_rate.after_update(train_state.opt_state))
+        return self._learning_rate.resumed(opt_state)
 
     def get_optimizer_group(self, param=None):
         """HF's: the group holding `param` (a parameter of the model), else every group's parameters."""

@@ -821,7 +821,6 @@ class Trainer(
         self.callback_handler.optimizer, self.callback_handler.lr_scheduler = self.optimizer, self.lr_scheduler
         tx = self._step_optimizer()
         epochs_trained, skip, resumed_loop_state = 0, 0, None
-        self._start_schedule()
         if resume_from_checkpoint is not None:
             # Restored straight onto the state's shardings: no fresh state is built only to be overwritten (at
             # 8B that would hold two train states at once), except when the optimizer's wrappers changed.
@@ -907,7 +906,6 @@ class Trainer(
                     self._optimizer_train()  # HF's training_step: optimizer.train()
                     self._train_state = self._before_update(self._train_state)
                     self._train_state, metrics = run.train_step(self._train_state, step_batch)
-                    self._train_state = self._follow_resumed_schedule(self._train_state)
                 self._after_update()
                 run.last_step_batch = step_batch
                 run.losses.add(metrics["micro_losses"], len(batches))

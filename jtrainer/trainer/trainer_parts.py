@@ -70,6 +70,8 @@ OWNER: dict[str, str] = {
             "optimizer",
             "lr_scheduler",
             "_learning_rate",
+            "_given_lr_scheduler",
+            "_plateau_scheduler",
             "_optimizer_recipe",
             "_optimizer_eval_mode",
             "_translated_optimizer",
@@ -89,7 +91,8 @@ OWNER: dict[str, str] = {
 SHARED: dict[str, tuple[str, ...]] = {
     # Each callback event returns the control the next step obeys (HF: self.control = callback_handler.on_...).
     "control": ("trainer", "evaluation", "saving"),
-    # The constructor takes HF's optimizers=(optimizer, lr_scheduler); create_optimizer builds them otherwise.
+    # The constructor takes HF's optimizers=(optimizer, lr_scheduler); create_optimizer builds them otherwise
+    # (`lr_scheduler` is a view: what is assigned is the user's scheduler).
     "optimizer": ("trainer", "optimizer_setup"),
     "lr_scheduler": ("trainer", "optimizer_setup"),
     # The constructor builds HF's TrainerState; a resume replaces it with the checkpoint's.
@@ -118,14 +121,12 @@ CALLS: dict[str, str] = {
     "num_examples": "trainer",
     "store_flos": "trainer",
     "_decay_mask_tree": "optimizer_setup",
-    "_follow_resumed_schedule": "optimizer_setup",
     "_forget_optimizer": "optimizer_setup",
     "_host_learning_rate": "optimizer_setup",
     "_optimizer_eval": "optimizer_setup",
     "_optimizer_train": "optimizer_setup",
     "_per_evaluation_scheduler": "optimizer_setup",
     "_resumed_optimizer_state": "optimizer_setup",
-    "_start_schedule": "optimizer_setup",
     "_plateau_metric": "optimizer_setup",
     "_plateau_stepped": "optimizer_setup",
     "_optax_optimizer": "optimizer_setup",
@@ -190,8 +191,10 @@ class TrainerParts:
     _run: TrainingRun | None = None  # the last loop's state (log accumulators, last step, ...)
     # optimizer_setup
     optimizer: Any = None
-    lr_scheduler: Any = None
+    lr_scheduler: Any  # HF's: a view of `_learning_rate`'s schedule, or the scheduler the user gave
+    _given_lr_scheduler: Any = None  # optimizers=(..., scheduler), or HF's torch scheduler on a user's torch optimizer
     _learning_rate: schedules.LearningRate | None = None  # the schedule the Trainer built, in all its forms
+    _plateau_scheduler: schedules.PlateauScheduler | schedules.GreedyScheduler | None = None  # per-evaluation
     _optimizer_recipe: tuple | None = None  # what the built optimizer depends on besides numbers
     _optimizer_eval_mode: bool = False  # HF's optimizer.eval() (schedule-free optimizers) until the next step
     _translated_optimizer: user_code.TranslatedOptimizer | None = None  # a user's torch optimizer, run as optax
@@ -257,8 +260,6 @@ class TrainerParts:
         # optimizer_setup
         def _decay_mask_tree(self, params): ...
 
-        def _follow_resumed_schedule(self, train_state): ...
-
         def _forget_optimizer(self) -> None: ...
 
         def _host_learning_rate(self, device_lr, count) -> float: ...
@@ -270,8 +271,6 @@ class TrainerParts:
         def _per_evaluation_scheduler(self) -> schedules.PlateauScheduler | schedules.GreedyScheduler | None: ...
 
         def _resumed_optimizer_state(self, opt_state): ...
-
-        def _start_schedule(self) -> None: ...
 
         def _plateau_metric(self, metrics: dict[str, float]) -> float: ...
 
