@@ -422,3 +422,31 @@ def test_check_builds_no_trainer(monkeypatch):
     parsed = parse_train_args([CONFIG, *TINY, "--mesh_shape", '{"fsdp": -1}'], "check")
     result = run_check(*parsed[:3])
     assert result["fits"] and result["step_bytes_per_device"] > 0 and result["eval_bytes_per_device"] > 0
+
+
+def test_the_checks_step_is_the_trainers_step():
+    """The train step `jtrainer check` compiles from free functions (`sizing.abstract_step.AbstractRun`) is the
+    program the Trainer compiles for the same model and arguments: the same StableHLO, the same memory and FLOPs."""
+    from jtrainer import Trainer
+    from jtrainer.cli import tasks
+    from jtrainer.cli.check import sample_batch
+    from jtrainer.sizing import abstract_step
+
+    model_args, data_args, training_args = parse_train_args([CONFIG, *TINY, "--eval_strategy", "no"], "check")[:3]
+
+    def model():
+        special = {"eos_token_id": 0, "bos_token_id": 0, "pad_token_id": 1}
+        return tasks.build_model(model_args, data_args.tokenizer_vocab_size, special, 0, abstract=True)
+
+    example = sample_batch("causal_lm", training_args.per_device_train_batch_size, data_args.block_size, 0)
+    run = abstract_step.AbstractRun.of(model(), training_args)
+    traced, _ = run.trace_train(example, 100)
+    given = model()
+    given.gradient_checkpointing_enable(training_args.activation_checkpointing_kwargs)  # as train() does
+    trainer = Trainer(model=given, args=training_args)
+    trainers = trainer.trace_train_step(example, 100)
+    with run.layout.tracing():
+        assert traced.lower().as_text() == trainers.lower().as_text()  # (source locations aside)
+    checked, trained = abstract_step.compile_traced(traced, run.layout), trainer.compile_traced(trainers)
+    assert checked.memory_analysis().temp_size_in_bytes == trained.memory_analysis().temp_size_in_bytes
+    assert checked.cost_analysis()["flops"] == trained.cost_analysis()["flops"]

@@ -24,7 +24,7 @@ from flax import nnx
 
 from jtrainer.bridge import adapters, attention, chunked_loss, custom_autograd, layout, torchax_compat, untraceable
 from jtrainer.core.state import Frozen  # requires_grad=False: transformers.Trainer's optimizer never sees it
-from jtrainer.models import remat
+from jtrainer.models import hf_io, remat
 from jtrainer.models.lm_head import ChunkedLossHead
 from jtrainer.models.outputs import Outputs
 from jtrainer.parallel import sharding
@@ -80,15 +80,16 @@ def to_array(tensor: torch.Tensor) -> jax.Array | jax.ShapeDtypeStruct:
 
 def to_tensor(array) -> torch.Tensor:
     """A jax array as a torch CPU tensor of the same dtype (bfloat16 through its bits: numpy has none). An array
-    spread over several processes is gathered whole onto each of them (a collective: every process calls it)."""
-    if isinstance(array, jax.Array) and not array.is_fully_addressable:
-        from jax.experimental import multihost_utils
-
-        array = multihost_utils.process_allgather(array, tiled=True)
-    host = np.asarray(jax.device_get(array))
+    spread over several processes is gathered onto each of them as the native export gathers (`hf_io.host_value`:
+    in row blocks, so no device holds a whole replica of a large tensor; a collective: every process calls it),
+    into one host copy."""
+    host = hf_io.host_value(array)
+    assert host is not None  # kept
+    if not host.flags.writeable:  # a view of the device buffer (torch.from_numpy needs its own)
+        host = host.copy()
     if host.dtype == jax.numpy.bfloat16:
-        return torch.from_numpy(host.view(np.uint16).copy()).view(torch.bfloat16)
-    return torch.from_numpy(host.copy())
+        return torch.from_numpy(host.view(np.uint16)).view(torch.bfloat16)
+    return torch.from_numpy(host)
 
 
 @contextlib.contextmanager
