@@ -51,6 +51,26 @@ def params_finite(model) -> bool:
     return bool(_all_finite(jax.tree.leaves(nnx.state(model, nnx.Param))))
 
 
+def _state_params_finite(train_state: TrainState | None) -> bool:
+    """Whether a train state's parameters are free of NaN and Inf (no state yet: nothing to check)."""
+    return train_state is None or bool(_all_finite(jax.tree.leaves(train_state.params)))
+
+
+def _loop_state_json(process_rng: host_rng.HostRngState, loop_state: LoopState | None) -> dict[str, Any]:
+    """One process's loop state as its checkpoint file keeps it (HF's rng_state_{i}): its host generators, the
+    collator's stream (now and after the next batch) and the padded length."""
+
+    def as_json(rng_state):
+        return None if rng_state is None else rng_state.to_json()
+
+    return {
+        "process_rng": process_rng.to_json(),
+        "collator_rng": None if loop_state is None else as_json(loop_state.collator_rng),
+        "padded_length": None if loop_state is None else loop_state.padded_length,
+        "collator_rng_after_next": None if loop_state is None else as_json(loop_state.collator_rng_after_next),
+    }
+
+
 class SavingMixin(TrainerParts):
     """The Trainer's checkpoint, resume and save_model methods (they use the Trainer's state and arguments)."""
 
@@ -134,7 +154,8 @@ class SavingMixin(TrainerParts):
         run_dir = self._get_output_dir(trial)
         folder = checkpoint.checkpoint_folder(run_dir, self.state.global_step)
         self.store_flos()
-        if not self._params_finite():
+        state = self._train_state  # the loop's, as of this step (read once: what this save writes)
+        if not _state_params_finite(state):
             logger.error(
                 "Parameters are not finite at step %d: not writing %s (earlier checkpoints are kept).",
                 self.state.global_step,
@@ -143,7 +164,7 @@ class SavingMixin(TrainerParts):
             return
         # The HF export of our models is read back from the train state just written, inside the commit (off the
         # step's path, on process 0 alone); otherwise gathered now (on many hosts a collective: every process).
-        in_commit = self._export_in_commit()
+        in_commit = self._export_in_commit(state)
         if in_commit:
             self._sync_model()  # callbacks' `model` holds the saved parameters, as with the export gathered here
         tensors = None if in_commit else self._hf_tensors()
@@ -151,13 +172,7 @@ class SavingMixin(TrainerParts):
             best = checkpoint.checkpoint_folder(run_dir, self.state.best_global_step)
             if best == folder or storage.exists(best):  # saves are committed in order: an earlier one exists
                 self.state.best_model_checkpoint = best
-        for cb in [c for c in self.callback_handler.callbacks + [self.control] if isinstance(c, ExportableState)]:
-            name, cb_state = cb.__class__.__name__, cb.state()
-            if isinstance(self.state.stateful_callbacks.get(name), list):
-                self.state.stateful_callbacks[name].append(cb_state)
-            else:
-                self.state.stateful_callbacks[name] = cb_state
-
+        self._record_callback_states()
         per_evaluation = self._per_evaluation_scheduler()
         scheduler_state = None if per_evaluation is None else per_evaluation.state_dict()  # as of this step
         if self._translated_optimizer is not None:  # a user's torch objects: kept whole, below
@@ -177,20 +192,7 @@ class SavingMixin(TrainerParts):
                     f.write(optimizer_bytes)
 
         def write_process_files(tmp: str) -> None:  # on every process: its own host generators (HF's rng_state_{i})
-            checkpoint.save_loop_state(
-                tmp,
-                self.args.process_index,
-                {
-                    "process_rng": process_rng.to_json(),
-                    "collator_rng": None
-                    if loop_state is None or loop_state.collator_rng is None
-                    else loop_state.collator_rng.to_json(),
-                    "padded_length": None if loop_state is None else loop_state.padded_length,
-                    "collator_rng_after_next": None
-                    if loop_state is None or loop_state.collator_rng_after_next is None
-                    else loop_state.collator_rng_after_next.to_json(),
-                },
-            )
+            checkpoint.save_loop_state(tmp, self.args.process_index, _loop_state_json(process_rng, loop_state))
 
         def on_commit() -> None:
             if self.args.should_save:
@@ -206,7 +208,7 @@ class SavingMixin(TrainerParts):
             params = checkpoint.read_params(written)
             hf_io.write_weights(hf_io.hf_tensors_from_params(self.model, params), local)
 
-        train_state = None if self.args.save_only_model else self._saved_part(self._train_state)
+        train_state = None if self.args.save_only_model else self._saved_part(state)
         hf_logger.info(f"Saving model checkpoint to {folder}")
         self._pending_checkpoint = checkpoint.save_checkpoint(
             folder,
@@ -220,21 +222,26 @@ class SavingMixin(TrainerParts):
             write_process_files=write_process_files,
         )
 
-    def _export_in_commit(self) -> bool:
+    def _record_callback_states(self) -> None:
+        """HF's TrainerState.stateful_callbacks as of this save: each ExportableState callback's (and the
+        control's) state, a list for a class with several instances."""
+        for cb in [c for c in self.callback_handler.callbacks + [self.control] if isinstance(c, ExportableState)]:
+            name, cb_state = cb.__class__.__name__, cb.state()
+            if isinstance(self.state.stateful_callbacks.get(name), list):
+                self.state.stateful_callbacks[name].append(cb_state)
+            else:
+                self.state.stateful_callbacks[name] = cb_state
+
+    def _export_in_commit(self, train_state: TrainState | None) -> bool:
         """Whether a checkpoint's HF weights can come from its saved train state: one of our models (an HF
         config and nnx parameters), the train state saved, and the model holding the trained parameters
         (not a schedule-free optimizer's evaluation ones)."""
         return (
-            self._train_state is not None
+            train_state is not None
             and not self.args.save_only_model
             and self._held.exports_from_train_state()
             and not self._optimizer_eval_mode
         )
-
-    def _params_finite(self) -> bool:
-        if self._train_state is None:
-            return True
-        return bool(_all_finite(jax.tree.leaves(self._train_state.params)))
 
     def _resume(self, folder: str, like: TrainState, updates_per_epoch: int, fresh=None) -> Resumed:
         """Restore `folder` into the state laid out like `like` (abstract or concrete; `fresh()` builds a real
