@@ -251,6 +251,7 @@ class EvaluationMixin(TrainerParts):
             )
 
         preprocess = self.preprocess_logits_for_metrics
+        assert preprocess is not None, "placed on the host when it ran"
         return user_code.call_on_host(preprocess, predictions, labels, placement.reason, announce=warn_once)
 
     def _gathers_completing_rows(self) -> bool:
@@ -392,6 +393,7 @@ class EvaluationMixin(TrainerParts):
         batch = (values.preds, values.labels, values.losses if "loss" in include else None, whole_inputs)
         predictions, label_ids, losses, inputs = self._held.metric_arrays(batch)
         prediction = EvalPrediction(predictions=predictions, label_ids=label_ids, losses=losses, inputs=inputs)
+        assert self.compute_metrics is not None, "batch metrics are computed only with compute_metrics"
         return self.compute_metrics(prediction, compute_result=is_last)
 
     def _evaluation_output(self, run: _EvaluationPass, metric_key_prefix: str) -> EvalLoopOutput:

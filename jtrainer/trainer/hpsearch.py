@@ -83,6 +83,7 @@ class HyperparameterSearchMixin(TrainerParts):
         self._trial = trial
         if self.hp_search_backend is None or trial is None:
             return
+        assert self.hp_space is not None, "set with the backend by hyperparameter_search"
         for key, value in self.hp_space(trial).items():
             if not hasattr(self.args, key):
                 logger.warning(
@@ -98,6 +99,7 @@ class HyperparameterSearchMixin(TrainerParts):
         """After an evaluation: the trial's objective, reported to optuna (which may prune the trial)."""
         if self.hp_search_backend is None or trial is None:
             return
+        assert self.compute_objective is not None, "set with the backend by hyperparameter_search"
         self.objective = self.compute_objective(dict(metrics))
         import optuna
 
@@ -114,6 +116,7 @@ class HyperparameterSearchMixin(TrainerParts):
         self.objective = None
         self.train(trial=trial)
         if self.objective is None:  # no evaluation during training
+            assert self.compute_objective is not None, "set by hyperparameter_search"
             self.objective = self.compute_objective(self.evaluate())
         self._release_train_state()  # the trial's device memory, before the next one
         return self.objective

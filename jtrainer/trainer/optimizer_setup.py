@@ -116,6 +116,7 @@ class OptimizerMixin(TrainerParts):
         it), translated for the step."""
         self._held.check_takes_translated_optimizer()
         if self.optimizer is None:
+            assert self.optimizer_cls_and_kwargs is not None, "a torch optimizer or its class was given"
             cls, kwargs = self.optimizer_cls_and_kwargs
             self.optimizer = cls(self._decay_groups(), **kwargs)
         self._translated_optimizer = user_code.optimizer_for_step(self.optimizer, self.lr_scheduler, self.model)

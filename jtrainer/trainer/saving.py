@@ -51,6 +51,14 @@ def params_finite(model) -> bool:
     return bool(_all_finite(jax.tree.leaves(nnx.state(model, nnx.Param))))
 
 
+def _stateful_callbacks(state: TrainerState) -> dict[str, Any]:
+    """HF's TrainerState.stateful_callbacks: a dict of each class's saved state (HF annotates it as a list of
+    callbacks, which its __post_init__ turns into this dict)."""
+    if state.stateful_callbacks is None:
+        state.stateful_callbacks = {}  # type: ignore[assignment]  # HF's own post-init value
+    return state.stateful_callbacks  # type: ignore[return-value]
+
+
 def _state_params_finite(train_state: TrainState | None) -> bool:
     """Whether a train state's parameters are free of NaN and Inf (no state yet: nothing to check)."""
     return train_state is None or bool(_all_finite(jax.tree.leaves(train_state.params)))
@@ -225,12 +233,13 @@ class SavingMixin(TrainerParts):
     def _record_callback_states(self) -> None:
         """HF's TrainerState.stateful_callbacks as of this save: each ExportableState callback's (and the
         control's) state, a list for a class with several instances."""
+        saved = _stateful_callbacks(self.state)
         for cb in [c for c in self.callback_handler.callbacks + [self.control] if isinstance(c, ExportableState)]:
             name, cb_state = cb.__class__.__name__, cb.state()
-            if isinstance(self.state.stateful_callbacks.get(name), list):
-                self.state.stateful_callbacks[name].append(cb_state)
+            if isinstance(saved.get(name), list):
+                saved[name].append(cb_state)
             else:
-                self.state.stateful_callbacks[name] = cb_state
+                saved[name] = cb_state
 
     def _export_in_commit(self, train_state: TrainState | None) -> bool:
         """Whether a checkpoint's HF weights can come from its saved train state: one of our models (an HF
@@ -374,7 +383,7 @@ class SavingMixin(TrainerParts):
         hold are named in HF's warning."""
         present = self.callback_handler.callbacks + [self.control]
         rebuilt, not_found = [], []
-        for name, entries in (self.state.stateful_callbacks or {}).items():
+        for name, entries in _stateful_callbacks(self.state).items():
             instances = [cb for cb in present if type(cb).__name__ == name]
             if not instances:
                 not_found.append(name)
@@ -401,6 +410,7 @@ class SavingMixin(TrainerParts):
         """load_best_model_at_end: the best checkpoint's train state, laid out like `train_state` (None where the
         checkpoint holds only the model's weights, which are loaded into the model here)."""
         best = self.state.best_model_checkpoint
+        assert best is not None, "load_best_model_at_end found a best checkpoint"
         hf_logger.info(f"Loading best model from {best} (score: {self.state.best_metric}).")
         if train_state is not None and storage.isdir(storage.join(best, checkpoint.TRAIN_STATE_DIR)):
             return self._restore_train_state(best, train_state)

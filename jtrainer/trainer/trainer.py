@@ -313,8 +313,11 @@ class Trainer(
         abstract_step.use_chunked_loss(self.nnx_model, self.args, type(self.model).__name__)
 
     def call_model_init(self, trial=None) -> nnx.Module:
-        params = inspect.signature(self.model_init).parameters
-        model = self.model_init(trial) if len(params) == 1 else self.model_init()
+        model_init = self.model_init
+        if model_init is None:
+            raise RuntimeError("`model_init` has to be passed to the Trainer to call it.")
+        params = inspect.signature(model_init).parameters
+        model = model_init(trial) if len(params) == 1 else model_init()
         if model is None:
             raise RuntimeError("model_init should not return None.")
         return model

@@ -14,6 +14,7 @@ declarations against the definitions.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
     from jax.sharding import Mesh
     from transformers import GenerationConfig
 
+    from jtrainer.checkpointing import checkpoint
     from jtrainer.core.callbacks import CallbackHandler, TrainerControl, TrainerState
     from jtrainer.core.state import TrainState
     from jtrainer.kinds import user_code
@@ -166,15 +168,15 @@ class TrainerParts:
     model: Any  # the user's model: a flax.nnx module or a torch one (HF's `trainer.model`)
     _held: TrainedModel  # the model, held once: `model` and `nnx_model` (properties of the Trainer) read it
     nnx_model: Any  # the nnx module the steps run: `model`, or the bridge's TorchModel of a torch model
-    model_init: Any
+    model_init: Callable[..., Any] | None
     data_collator: Any
     train_dataset: Any
     eval_dataset: Any
     processing_class: Any
-    compute_loss_func: Any
-    compute_metrics: Any
-    preprocess_logits_for_metrics: Any
-    optimizer_cls_and_kwargs: Any
+    compute_loss_func: Callable[..., Any] | None
+    compute_metrics: Callable[..., dict[str, Any]] | None
+    preprocess_logits_for_metrics: Callable[..., Any] | None
+    optimizer_cls_and_kwargs: tuple[Any, dict[str, Any]] | None  # (optax factory or torch class, kwargs)
     label_names: list[str]
     model_accepts_loss_kwargs: bool
     label_smoother: LabelSmoother | None
@@ -186,7 +188,7 @@ class TrainerParts:
     control: TrainerControl
     current_flos: float
     # trainer: what outlives one train() loop, and the loop itself
-    _param_specs: Any
+    _param_specs: Any  # the parameters' PartitionSpecs: a pytree shaped like the model's parameters
     _train_state: TrainState | None = None
     _run: TrainingRun | None = None  # the last loop's state (log accumulators, last step, ...)
     # optimizer_setup
@@ -201,14 +203,14 @@ class TrainerParts:
     # evaluation
     _preprocess_placement: PreprocessPlacement | None = None
     # saving
-    state: Any  # HF's TrainerState (HF annotates stateful_callbacks as a list; it holds a dict)
-    _pending_checkpoint: Any = None  # the checkpoint being written in the background
+    state: TrainerState
+    _pending_checkpoint: checkpoint.PendingCheckpoint | None = None  # the checkpoint written in the background
     _on_save_state: TrainerState | None = None  # a save whose on_save waits for its commit
     # hpsearch
-    hp_search_backend: Any = None
-    hp_name: Any = None
-    hp_space: Any = None
-    compute_objective: Any = None
+    hp_search_backend: Any = None  # HF's HPSearchBackend (or its name), as hyperparameter_search is given it
+    hp_name: Callable[[Any], str] | None = None
+    hp_space: Callable[[Any], dict[str, Any]] | None = None
+    compute_objective: Callable[[dict[str, float]], float] | None = None
     objective: float | None = None
     _trial: Any = None
     # hub
