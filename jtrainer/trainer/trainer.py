@@ -665,8 +665,12 @@ class Trainer(
 
     def _exit_if_preempted(self, run: TrainingRun, trial) -> None:
         """After a step: if any process got SIGTERM, all save this step's checkpoint and exit with code 0 — or,
-        with HF's JITCheckpointCallback (enable_jit_checkpoint), stop training as HF does: train() returns."""
-        if not distributed.agree_max(int(run.preemption.received)):
+        with HF's JITCheckpointCallback (enable_jit_checkpoint), stop training as HF does: train() returns. If
+        any process of several got Ctrl-C, all raise KeyboardInterrupt here, at the same step."""
+        agreed = distributed.agree_max(run.preemption.agreed_code())
+        if agreed == 2:
+            raise KeyboardInterrupt
+        if not agreed:
             return
         graceful = [cb for cb in self.callback_handler.callbacks if isinstance(cb, JITCheckpointCallback)]
         if graceful and graceful[0].checkpoint_saved:

@@ -120,14 +120,22 @@ class Throughput:
 
 @dataclasses.dataclass
 class PreemptionNotice:
-    """Set by SIGTERM (the preemption notice of TPU VMs and schedulers) while a train() call runs."""
+    """Set by SIGTERM (the preemption notice of TPU VMs and schedulers) while a train() call runs; in a run of
+    several processes, `interrupted` by a first Ctrl-C (SIGINT), which the processes then obey together."""
 
     received: bool = False
+    interrupted: bool = False
+
+    def agreed_code(self) -> int:
+        """What this process asks for after a step: 2 stop (an interrupt), 1 save and exit (a preemption), 0 go
+        on; the processes follow the largest."""
+        return 2 if self.interrupted else int(self.received)
 
 
 @contextlib.contextmanager
 def sigterm_notice() -> Iterator[PreemptionNotice]:
-    """Turn SIGTERM into a notice the loop reads after each step (signals reach only the main thread)."""
+    """Turn SIGTERM (and, with several processes, a first SIGINT) into a notice the loop reads after each step
+    (signals reach only the main thread)."""
     notice = PreemptionNotice()
     if threading.current_thread() is not threading.main_thread():
         yield notice
@@ -138,10 +146,23 @@ def sigterm_notice() -> Iterator[PreemptionNotice]:
         notice.received = True
 
     previous = signal.signal(signal.SIGTERM, on_sigterm)
+    previous_interrupt = signal.getsignal(signal.SIGINT)
+
+    def on_interrupt(signum, frame):
+        # Several processes: each raising KeyboardInterrupt wherever it stands would leave one in a step's
+        # collectives while another waits at jax.distributed's shutdown barrier. They stop together after
+        # the current step instead; a second Ctrl-C acts at once.
+        logger.warning("Ctrl-C: every process stops after the current step (Ctrl-C again to stop at once).")
+        notice.interrupted = True
+        signal.signal(signal.SIGINT, previous_interrupt)
+
+    if jax.process_count() > 1:
+        signal.signal(signal.SIGINT, on_interrupt)
     try:
         yield notice
     finally:
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_interrupt)
 
 
 @dataclasses.dataclass
